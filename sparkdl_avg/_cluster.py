@@ -1,0 +1,117 @@
+"""The Spark side of a fit: cluster checks, and the barrier job run in a background thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from pyspark.sql import DataFrame, SparkSession
+
+from sparkdl_avg._device import check_gpu_scheduling
+from sparkdl_avg._errors import ClusterError, TrainingError
+
+_SLOT_WAIT_S = 10.0
+
+
+def driver_host(spark: SparkSession) -> str:
+    conf = spark.sparkContext.getConf()
+    return conf.get("spark.driver.bindAddress", None) or conf.get("spark.driver.host", "127.0.0.1")
+
+
+def check_cluster(spark: SparkSession, num_workers: int, device: str) -> int:
+    """Fail in seconds, with the numbers, where Spark would retry for minutes or hang."""
+    sc = spark.sparkContext
+    conf = sc.getConf()
+    gpu_amount = float(conf.get("spark.task.resource.gpu.amount", "0"))
+    check_gpu_scheduling(sc.master, gpu_amount, device)
+    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+        raise ClusterError("spark.dynamicAllocation.enabled=true: the training tasks run as one "
+                           "barrier stage, which Spark refuses under dynamic allocation; "
+                           "disable it for training")
+    deadline = time.monotonic() + _SLOT_WAIT_S
+    while True:
+        slots = _concurrent_slots(spark)
+        if slots >= num_workers or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)  # executors of a just-started cluster are still registering
+    if slots < num_workers:
+        cpus = conf.get("spark.task.cpus", "1")
+        raise ClusterError(
+            f"num_workers={num_workers} but the cluster runs only {slots} tasks at once "
+            f"(master {sc.master}, spark.task.cpus={cpus}, "
+            f"spark.task.resource.gpu.amount={gpu_amount:g}); all workers must run "
+            f"together, so lower num_workers to {max(slots, 1)} or add executors/cores"
+        )
+    return slots
+
+
+def _concurrent_slots(spark: SparkSession) -> int:
+    jsc = spark.sparkContext._jsc.sc()
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    return int(jsc.maxNumConcurrentTasks(profile))
+
+
+class BarrierJob:
+    """Runs `frame.mapInArrow(fn, schema, barrier=True).collect()` in a thread it owns.
+
+    `check(wait_s)` raises the job's error if it failed (waiting up to wait_s for it to end);
+    `cancel()` stops the job's tasks. Use as a context manager: leaving cancels and joins."""
+
+    def __init__(self, frame: DataFrame, fn: Callable, schema: str, description: str) -> None:
+        self._frame, self._fn, self._schema = frame, fn, schema
+        self._description = description
+        self._group = f"sparkdl-avg-{uuid.uuid4().hex[:12]}"
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.rows: list = []
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> BarrierJob:
+        self._thread = threading.Thread(target=self._run, name="sparkdl-avg-job", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._done.is_set():
+            self.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        sc = self._frame.sparkSession.sparkContext
+        try:
+            sc.setJobGroup(self._group, self._description, interruptOnCancel=True)
+            self.rows = self._frame.mapInArrow(self._fn, self._schema, barrier=True).collect()
+        except BaseException as exc:  # reported to the driver loop through check()
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def check(self, wait_s: float = 0) -> None:
+        if wait_s > 0:
+            self._done.wait(wait_s)
+        if self.error is not None:
+            raise TrainingError(f"the training tasks failed: {_spark_reason(self.error)}") \
+                from self.error
+
+    def wait(self, timeout: float) -> list:
+        if not self._done.wait(timeout):
+            raise TrainingError(f"the training job did not finish {timeout:.0f}s after the last "
+                                "round")
+        self.check()
+        return self.rows
+
+    def cancel(self) -> None:
+        self._frame.sparkSession.sparkContext.cancelJobGroup(self._group)
+
+
+def _spark_reason(exc: BaseException) -> str:
+    """The useful line of a Spark job failure: the Python error raised in the task."""
+    text = str(exc)
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line and ("Error" in line or "Exception" in line) and not line.startswith("at "):
+            return line[:2000]
+    return text[:2000]

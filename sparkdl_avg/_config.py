@@ -1,0 +1,123 @@
+"""`TrainConfig`: everything about a fit that is not the data or the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+from sparkdl_avg._errors import ConfigError
+
+OptimizerName = Literal["sgd", "adam"]
+Device = Literal["auto", "cpu", "cuda"]
+
+_OPTIMIZERS = ("sgd", "adam")
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """How to train: workers, schedule, optimizer, averaging and logging."""
+
+    num_workers: int = 2
+    """Replicas trained in parallel, one Spark task (and one data partition) each."""
+
+    epochs: int = 1
+    """Passes over each worker's partition."""
+
+    batch_size: int = 32
+    """Minibatch size *per worker*; the global batch is `num_workers * batch_size`."""
+
+    averaging_frequency: int = 8
+    """Local minibatches between two averaging rounds (1 = average after every step)."""
+
+    optimizer: OptimizerName | Callable[[Any], Any] = "sgd"
+    """"sgd", "adam", or a picklable callable `params -> torch.optim.Optimizer`."""
+
+    lr: float = 0.01
+    """Learning rate of the built-in optimizers."""
+
+    momentum: float = 0.0
+    """Momentum of "sgd"."""
+
+    weight_decay: float = 0.0
+    """L2 weight decay of the built-in optimizers."""
+
+    average_optimizer_state: bool = False
+    """Also average optimizer state (momentum buffers, Adam moments) at every round."""
+
+    shuffle: bool = True
+    """Reshuffle each worker's partition every epoch (seeded); False keeps the DataFrame's order."""
+
+    seed: int = 0
+    """Seeds model initialisation, shuffling and dropout: same seed and data, same parameters."""
+
+    device: Device = "auto"
+    """"auto": the GPU Spark assigned to the task if CUDA works there, else CPU. "cuda" requires
+    a GPU; "cpu" ignores any."""
+
+    eval_every: int = 1
+    """Evaluate the averaged model on `eval_df` every this many rounds (and after the last)."""
+
+    round_timeout: float = 600.0
+    """Seconds the driver waits for any worker within a round before failing the fit."""
+
+    experiment_name: str | None = None
+    """MLflow experiment; None uses the active one (MLflow's default, or the notebook's)."""
+
+    run_name: str | None = None
+    """MLflow run name; None lets MLflow pick one."""
+
+    log_model: bool = True
+    """Log the final model with `mlflow.pytorch.log_model` so `mlflow.pyfunc` can load it."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "epochs", "batch_size", "averaging_frequency", "eval_every"):
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("seed", self.seed, minimum=0)
+        if isinstance(self.optimizer, str):
+            if self.optimizer not in _OPTIMIZERS:
+                raise ConfigError(
+                    f"optimizer={self.optimizer!r} is not supported; use one of {_OPTIMIZERS} "
+                    "or a callable params -> torch.optim.Optimizer"
+                )
+        elif not callable(self.optimizer):
+            raise ConfigError(f"optimizer must be a name or a callable, got {self.optimizer!r}")
+        _require_float("lr", self.lr, positive=True)
+        _require_float("momentum", self.momentum)
+        _require_float("weight_decay", self.weight_decay)
+        if self.momentum >= 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        _require_float("round_timeout", self.round_timeout, positive=True)
+        if self.device not in _DEVICES:
+            raise ConfigError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
+        for name in ("average_optimizer_state", "shuffle", "log_model"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict[str, str]:
+        """Every field as a string, for MLflow params (callables by qualified name)."""
+        out = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if callable(value):
+                value = getattr(value, "__qualname__", type(value).__name__)
+            out[field.name] = str(value)
+        return out
+
+
+def _require_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {value}")
+
+
+def _require_float(name: str, value: object, *, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+    if not positive and value < 0:
+        raise ConfigError(f"{name} must not be negative, got {value}")

@@ -1,0 +1,224 @@
+"""The driver's side of synchronous averaging: a TCP server the fit's workers connect to.
+
+Each round every worker pushes its flat parameters; the coordinator averages them weighted by
+the samples each saw, measures how far the replicas drifted, and sends the average back. One
+thread per worker moves bytes (socket calls release the GIL), so transfers overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sparkdl_avg import _wire
+from sparkdl_avg._averaging import mean_distance, non_finite_replicas, weighted_average
+from sparkdl_avg._errors import ProtocolError, TrainingError
+
+log = logging.getLogger("sparkdl_avg")
+_POLL_S = 0.25
+
+
+@dataclass(slots=True)
+class RoundStats:
+    round: int
+    samples: int
+    train_loss: float
+    compute_s: float
+    round_s: float
+    averaging_s: float
+    divergence: float
+    eval: dict | None = None
+    per_worker_compute_s: list[float] = field(default_factory=list)
+
+
+class Coordinator:
+    """Owns the listening socket and the workers' connections; `close()` releases all."""
+
+    def __init__(self, *, host: str, num_workers: int, secret: bytes, timeout: float,
+                 dtype: np.dtype, model_numel: int,
+                 check_job: Callable[[float], None]) -> None:
+        self.num_workers = num_workers
+        self._secret = secret
+        self._timeout = timeout
+        self._check_job = check_job
+        self._listener: socket.socket | None = None
+        self._conns: dict[int, _wire.Connection] = {}
+        self.hellos: dict[int, dict] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._host = host
+        self._dtype = np.dtype(dtype)
+        self._buffers = [np.empty(model_numel, self._dtype) for _ in range(num_workers)]
+        self.average = np.empty(model_numel, self._dtype)
+        self._round_end = time.perf_counter()
+
+    def __enter__(self) -> Coordinator:
+        self._listener = socket.create_server((self._host, 0), backlog=self.num_workers * 2)
+        self._listener.settimeout(_POLL_S)
+        self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="sparkdl-avg-io")
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._listener is not None
+        return self._host, self._listener.getsockname()[1]
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # --- setup ----------------------------------------------------------------------------
+
+    def accept_workers(self, initial: np.ndarray, deadline_s: float) -> None:
+        """Wait for every worker to connect and authenticate, then send the initial parameters."""
+        deadline = time.monotonic() + deadline_s
+        while len(self._conns) < self.num_workers:
+            self._check_job(0)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.num_workers)) - set(self._conns))
+                raise TrainingError(
+                    f"workers for partitions {missing} did not connect within {deadline_s:.0f}s; "
+                    "is the driver reachable from the executors (spark.driver.host)?"
+                )
+            try:
+                sock, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            conn = _wire.Connection(sock, timeout=min(self._timeout, 30.0), max_payload=0)
+            try:
+                hello = conn.authenticate_client(self._secret)
+                rank = hello.get("rank")
+                if not isinstance(rank, int) or not 0 <= rank < self.num_workers \
+                        or rank in self._conns:
+                    raise ProtocolError(f"unexpected worker rank {rank!r}")
+            except (ProtocolError, OSError) as exc:
+                log.warning("refused a connection from %s: %s", peer, exc)
+                conn.close()
+                continue
+            conn.set_timeout(self._timeout)
+            self._conns[rank] = conn
+            self.hellos[rank] = hello
+        self._all(lambda rank, conn: conn.send(_wire.Kind.AVERAGE, {"round": -1}, initial))
+        self._round_end = time.perf_counter()
+
+    # --- rounds ---------------------------------------------------------------------------
+
+    def run_round(self, round_index: int, *, model_numel: int, allow_state: bool,
+                  evaluate: bool) -> RoundStats:
+        pushes = self._all(lambda rank, conn: self._recv_push(rank, conn, round_index,
+                                                              model_numel, allow_state))
+        sizes = {p["numel"] for p in pushes}
+        if len(sizes) != 1:
+            raise TrainingError(f"workers pushed buffers of different sizes {sorted(sizes)} "
+                                f"in round {round_index}")
+        if self.average.size != sizes.pop():
+            self.average = np.empty(self._buffers[0].size, self._dtype)
+        t_avg = time.perf_counter()
+        bad = non_finite_replicas(self._buffers)
+        if bad:
+            raise TrainingError(
+                f"worker(s) {bad} pushed NaN/Inf parameters in round {round_index}: training "
+                "diverged; lower the learning rate or check the loss"
+            )
+        weights = [p["samples"] for p in pushes]
+        weighted_average(self._buffers, weights, self.average)
+        divergence = mean_distance([b[:model_numel] for b in self._buffers],
+                                   self.average[:model_numel])
+        averaging_s = time.perf_counter() - t_avg
+        meta = {"round": round_index, "eval": evaluate}
+        self._all(lambda rank, conn: conn.send(_wire.Kind.AVERAGE, meta, self.average))
+        stats = RoundStats(
+            round=round_index,
+            samples=sum(weights),
+            train_loss=sum(p["loss_sum"] for p in pushes) / max(1, sum(weights)),
+            compute_s=max(p["compute_s"] for p in pushes),
+            round_s=0.0,
+            averaging_s=averaging_s,
+            divergence=divergence,
+            per_worker_compute_s=[p["compute_s"] for p in pushes],
+        )
+        if evaluate:
+            evals = self._all(lambda rank, conn: self._expect(rank, conn, _wire.Kind.EVAL).meta)
+            count = sum(e["count"] for e in evals)
+            stats.eval = {"loss": sum(e["loss_sum"] for e in evals) / max(1, count),
+                          "accuracy": sum(e["correct"] for e in evals) / max(1, count)}
+        now = time.perf_counter()
+        stats.round_s, self._round_end = now - self._round_end, now
+        return stats
+
+    def finish(self) -> None:
+        self._all(lambda rank, conn: self._expect(rank, conn, _wire.Kind.DONE))
+
+    def _recv_push(self, rank: int, conn: _wire.Connection, round_index: int,
+                   model_numel: int, allow_state: bool) -> dict:
+        def target(kind: _wire.Kind, meta: dict) -> np.ndarray:
+            numel = meta.get("numel")
+            if not isinstance(numel, int) or numel < model_numel or (
+                    numel != model_numel and not allow_state):
+                raise ProtocolError(f"worker {rank} pushed {numel} values; the model has "
+                                    f"{model_numel}")
+            if self._buffers[rank].size != numel:  # grows once when optimizer state joins
+                self._buffers[rank] = np.empty(numel, self._dtype)
+            return self._buffers[rank]
+
+        frame = self._expect(rank, conn, _wire.Kind.PUSH, into=target)
+        meta = frame.meta
+        if meta.get("round") != round_index:
+            raise ProtocolError(f"worker {rank} sent round {meta.get('round')} during round "
+                                f"{round_index}")
+        return meta
+
+    def _expect(self, rank: int, conn: _wire.Connection, kind: _wire.Kind,
+                into: _wire.Into = None) -> _wire.Frame:
+        try:
+            frame = conn.recv(into)
+        except TimeoutError:
+            raise TrainingError(
+                f"worker {rank} ({self.hellos[rank].get('host')}) sent nothing for "
+                f"{self._timeout:.0f}s (round_timeout)"
+            ) from None
+        except (ProtocolError, OSError) as exc:
+            raise TrainingError(f"lost worker {rank} ({self.hellos[rank].get('host')}): {exc}") \
+                from exc
+        if frame.kind is _wire.Kind.ERROR:
+            raise TrainingError(f"worker {rank} failed: {frame.meta.get('message', '?')}")
+        if frame.kind is not kind:
+            raise TrainingError(f"worker {rank} sent {frame.kind.name}, expected {kind.name}")
+        return frame
+
+    def _all(self, fn: Callable[[int, _wire.Connection], object]) -> list:
+        """Run fn for every worker in parallel; fail fast (checking the Spark job) on errors."""
+        assert self._pool is not None
+        futures = [self._pool.submit(fn, rank, self._conns[rank])
+                   for rank in range(self.num_workers)]
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=_POLL_S, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    self._fail(f.exception())
+            if pending:
+                self._check_job(0)
+        return [f.result() for f in futures]
+
+    def _fail(self, exc: BaseException) -> None:
+        # A lost worker usually means its task failed: give Spark a moment to say why.
+        self._check_job(0 if isinstance(exc, TrainingError) and "failed:" in str(exc) else 5.0)
+        if isinstance(exc, TrainingError):
+            raise exc
+        raise TrainingError(str(exc)) from exc

@@ -1,0 +1,185 @@
+"""`fit`: DataFrame -> balanced partitions -> replicas on executors -> averaged model -> MLflow."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from sparkdl_avg import _wire
+from sparkdl_avg._cluster import BarrierJob, check_cluster, driver_host
+from sparkdl_avg._config import TrainConfig
+from sparkdl_avg._coordinator import Coordinator, RoundStats
+from sparkdl_avg._data import prepare
+from sparkdl_avg._errors import ConfigError, DataError
+from sparkdl_avg._model import (
+    FlatBuffer,
+    LossFn,
+    averaged_tensors,
+    build_model,
+    check_model_fits_data,
+    make_loss,
+    model_dtype,
+    pickle_for_executors,
+)
+from sparkdl_avg._plan import make_schedule
+from sparkdl_avg._progress import Progress
+from sparkdl_avg._tracking import RunLogger
+from sparkdl_avg._worker import REPORT_SCHEMA, WorkerSpec, run_task
+
+log = logging.getLogger("sparkdl_avg")
+_CONNECT_DEADLINE_S = 300.0
+
+
+@dataclass(slots=True)
+class FitResult:
+    """What `fit` returns."""
+
+    model: torch.nn.Module
+    """The final averaged model, on the CPU."""
+    run_id: str
+    """The MLflow run that recorded this fit."""
+    history: list[dict] = field(default_factory=list)
+    """One dict per averaging round: the metrics logged to MLflow at that step."""
+    workers: list[dict] = field(default_factory=list)
+    """One dict per task: partition, host, device, GPU address, rows."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in each phase of the fit (validation, first step, training, logging)."""
+
+
+def fit(
+    train_df,
+    model_fn: Callable[[], torch.nn.Module],
+    config: TrainConfig | None = None,
+    *,
+    features_col: str | Sequence[str] = "features",
+    label_col: str = "label",
+    loss: str | LossFn = "cross_entropy",
+    eval_df=None,
+) -> FitResult:
+    """Train `model_fn()` on `train_df` across `config.num_workers` Spark tasks by periodic
+    parameter averaging, logging the run to MLflow. See README for the full contract."""
+    config = TrainConfig() if config is None else config
+    if not isinstance(config, TrainConfig):
+        raise ConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
+    loss_fn, classify = make_loss(loss)
+    spark = getattr(train_df, "sparkSession", None)
+    if spark is None:
+        raise DataError(f"train_df must be a pyspark DataFrame, got {type(train_df).__name__}")
+    t_start = time.perf_counter()
+    with RunLogger(experiment_name=config.experiment_name, run_name=config.run_name,
+                   tags={"sparkdl_avg.mode": "sync"}) as run:
+        run.log_params({**config.to_dict(), "features_col": features_col,
+                        "label_col": label_col, "loss": getattr(loss, "__qualname__", loss)})
+        return _fit(spark, run, train_df, eval_df, model_fn, config, features_col, label_col,
+                    loss, classify, loss_fn, t_start)
+
+
+def _fit(spark, run: RunLogger, train_df, eval_df, model_fn, config: TrainConfig, features_col,
+         label_col, loss, classify, loss_fn, t_start) -> FitResult:
+    check_cluster(spark, config.num_workers, config.device)
+    torch.manual_seed(config.seed)
+    model = build_model(model_fn)
+    dtype = model_dtype(model)
+    spec_parts = {
+        "model_fn": pickle_for_executors("model_fn", model_fn),
+        "loss": pickle_for_executors("loss", loss),
+    }
+    if callable(config.optimizer):
+        pickle_for_executors("optimizer", config.optimizer)
+    double = dtype == torch.float64
+    data = prepare(train_df, eval_df, features_col=features_col, label_col=label_col,
+                   num_workers=config.num_workers, double_precision=double)
+    check_model_fits_data(model, num_features=data.num_features, loss=loss, dtype=dtype,
+                          integral_labels=data.integral_labels, label_min=data.label_min,
+                          label_max=data.label_max)
+    smallest = min(data.train_sizes)
+    if smallest < config.batch_size:
+        raise DataError(
+            f"train_df has {sum(data.train_sizes)} rows: {smallest} per worker, fewer than "
+            f"batch_size={config.batch_size}; lower batch_size or num_workers"
+        )
+    schedule = make_schedule(smallest, config.batch_size, config.epochs,
+                             config.averaging_frequency)
+    run.log_params({"num_features": data.num_features, "train_rows": sum(data.train_sizes),
+                    "eval_rows": sum(data.eval_sizes), "steps_per_epoch": schedule.steps_per_epoch,
+                    "num_rounds": schedule.num_rounds, "model_parameters": sum(
+                        p.numel() for p in model.parameters()), "dtype": str(dtype)})
+    wire_dtype = torch.float64 if double else torch.float32
+    flat = FlatBuffer(averaged_tensors(model), wire_dtype)
+    secret = _wire.new_secret()
+    has_eval = eval_df is not None
+    timings = {"validate_s": time.perf_counter() - t_start}
+    history: list[dict] = []
+    progress = Progress(schedule.num_rounds)
+    try:
+        with Coordinator(host=driver_host(spark), num_workers=config.num_workers, secret=secret,
+                         timeout=config.round_timeout, dtype=flat.array.dtype,
+                         model_numel=flat.array.size, check_job=lambda w: job.check(w)) as coord:
+            spec = WorkerSpec(
+                address=coord.address, secret=secret, config=config, schedule=schedule,
+                num_features=data.num_features, double_precision=double,
+                long_labels=data.integral_labels or loss == "cross_entropy", classify=classify,
+                **spec_parts,
+            )
+            job = BarrierJob(data.frame, partial(run_task, spec), REPORT_SCHEMA,
+                             f"sparkdl-avg: train {config.num_workers} replicas")
+            with job:
+                coord.accept_workers(flat.gather(), _CONNECT_DEADLINE_S)
+                timings["first_step_s"] = time.perf_counter() - t_start
+                t_train = time.perf_counter()
+                for r in range(schedule.num_rounds):
+                    last = r == schedule.num_rounds - 1
+                    evaluate = has_eval and (last or (r + 1) % config.eval_every == 0)
+                    stats = coord.run_round(r, model_numel=flat.array.size,
+                                            allow_state=config.average_optimizer_state,
+                                            evaluate=evaluate)
+                    metrics = _round_metrics(stats)
+                    history.append({"round": r, **metrics})
+                    run.log_metrics(metrics, step=r)
+                    progress.update(r, stats.train_loss,
+                                    stats.eval["accuracy"] if stats.eval and classify else None)
+                coord.finish()
+                timings["train_s"] = time.perf_counter() - t_train
+                flat.array[:] = coord.average[:flat.array.size]
+                workers = [row.asDict() for row in job.wait(config.round_timeout)]
+    finally:
+        progress.close()
+    flat.scatter()
+    workers.sort(key=lambda w: w["partition"])
+    run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
+                  for w in workers})
+    for w in workers:
+        if w["warning"]:
+            log.warning("partition %d: %s", w["partition"], w["warning"])
+    if config.log_model:
+        t_log = time.perf_counter()
+        example = torch.zeros(2, data.num_features, dtype=dtype).numpy()
+        run.log_model(model, example)
+        timings["log_model_s"] = time.perf_counter() - t_log
+    timings["total_s"] = time.perf_counter() - t_start
+    run.log_metrics({f"time_{k}": v for k, v in timings.items()}, step=0)
+    run.log_dict({"workers": workers, "timings": timings}, "fit_summary.json")
+    return FitResult(model=model, run_id=run.run_id, history=history, workers=workers,
+                     timings=timings)
+
+
+def _round_metrics(stats: RoundStats) -> dict[str, float]:
+    communication = max(0.0, stats.round_s - stats.compute_s - stats.averaging_s)
+    metrics = {
+        "train_loss": stats.train_loss,
+        "samples_per_s": stats.samples / stats.round_s if stats.round_s > 0 else 0.0,
+        "time_round_s": stats.round_s,
+        "time_compute_s": stats.compute_s,
+        "time_communication_s": communication,
+        "time_averaging_s": stats.averaging_s,
+        "replica_divergence": stats.divergence,
+    }
+    if stats.eval is not None:
+        metrics["eval_loss"] = stats.eval["loss"]
+        metrics["eval_accuracy"] = stats.eval["accuracy"]
+    return metrics

@@ -1,0 +1,125 @@
+"""The fit's MLflow run: created at the start of `fit`, FINISHED or FAILED on every path.
+
+Only the driver logs. Metrics are queued and written in batches by a background thread, so
+a slow tracking server (about 60 ms per REST call) never slows a round down.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any
+
+log = logging.getLogger("sparkdl_avg")
+_FLUSH_EVERY_S = 1.0
+_MAX_BATCH = 1000
+
+
+class RunLogger:
+    """Owns one MLflow run. Use as a context manager; the run ends when the block does."""
+
+    def __init__(self, *, experiment_name: str | None, run_name: str | None,
+                 tags: dict[str, str]) -> None:
+        self._experiment_name = experiment_name
+        self._run_name = run_name
+        self._tags = tags
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.run_id: str = ""
+        self.tracking_uri: str = ""
+
+    def __enter__(self) -> RunLogger:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        # MLflow's own default store resolves to an absolute path; MLFLOW_TRACKING_URI wins.
+        self.tracking_uri = mlflow.get_tracking_uri()
+        self._client = MlflowClient(self.tracking_uri)
+        tags = dict(self._tags)
+        active = mlflow.active_run()
+        if self._experiment_name is not None:
+            experiment = mlflow.set_experiment(self._experiment_name)
+            experiment_id = experiment.experiment_id
+        elif active is not None:
+            experiment_id = active.info.experiment_id
+        else:
+            from mlflow.tracking.fluent import _get_experiment_id
+
+            experiment_id = _get_experiment_id()
+        if active is not None and active.info.experiment_id == experiment_id:
+            tags["mlflow.parentRunId"] = active.info.run_id
+        run = self._client.create_run(experiment_id, run_name=self._run_name, tags=tags)
+        self.run_id = run.info.run_id
+        self._thread = threading.Thread(target=self._flush_loop, name="sparkdl-avg-mlflow",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self._flush()
+        if exc is None:
+            self._client.set_terminated(self.run_id, "FINISHED")
+            return
+        try:
+            message = f"{exc_type.__name__}: {exc}"
+            self._client.set_tag(self.run_id, "error", message[:4900])
+            self._client.log_text(self.run_id, "".join(traceback.format_exception(exc)),
+                                  "error.txt")
+        finally:
+            self._client.set_terminated(self.run_id, "FAILED")
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for start in range(0, len(items), 100):
+            self._client.log_batch(self.run_id, params=items[start:start + 100])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for key, value in tags.items():
+            self._client.set_tag(self.run_id, key, str(value)[:4900])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        for key, value in metrics.items():
+            self._queue.put(Metric(key, float(value), now, step))
+
+    def log_dict(self, data: dict, artifact_file: str) -> None:
+        self._client.log_dict(self.run_id, data, artifact_file)
+
+    def log_model(self, model, input_example) -> None:
+        import mlflow
+        import torch
+
+        # Explicit requirements: MLflow's inference imports the model in a subprocess (~9 s).
+        requirements = [f"torch=={torch.__version__.split('+')[0]}",
+                        f"mlflow=={mlflow.__version__}"]
+        with mlflow.start_run(run_id=self.run_id, nested=True):
+            mlflow.pytorch.log_model(model, name="model", input_example=input_example,
+                                     pip_requirements=requirements)
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(_FLUSH_EVERY_S):
+            try:
+                self._flush()
+            except Exception:  # the tracking server being down must not kill training
+                log.warning("could not log metrics to MLflow; will retry", exc_info=True)
+
+    def _flush(self) -> None:
+        batch = []
+        while True:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for start in range(0, len(batch), _MAX_BATCH):
+            self._client.log_batch(self.run_id, metrics=batch[start:start + _MAX_BATCH])
