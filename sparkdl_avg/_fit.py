@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -40,7 +40,7 @@ class FitResult:
     """What `fit` returns."""
 
     model: torch.nn.Module
-    """The final averaged model, on the CPU."""
+    """The final averaged model, on the CPU, in eval mode."""
     run_id: str
     """The MLflow run that recorded this fit."""
     history: list[dict] = field(default_factory=list)
@@ -89,8 +89,8 @@ def _fit(spark, run: RunLogger, train_df, eval_df, model_fn, config: TrainConfig
         "model_fn": pickle_for_executors("model_fn", model_fn),
         "loss": pickle_for_executors("loss", loss),
     }
-    if callable(config.optimizer):
-        pickle_for_executors("optimizer", config.optimizer)
+    if callable(config.optimizer):  # travels as bytes, like model_fn
+        spec_parts["optimizer"] = pickle_for_executors("optimizer", config.optimizer)
     double = dtype == torch.float64
     data = prepare(train_df, eval_df, features_col=features_col, label_col=label_col,
                    num_workers=config.num_workers, double_precision=double)
@@ -121,7 +121,8 @@ def _fit(spark, run: RunLogger, train_df, eval_df, model_fn, config: TrainConfig
                          timeout=config.round_timeout, dtype=flat.array.dtype,
                          model_numel=flat.array.size, check_job=lambda w: job.check(w)) as coord:
             spec = WorkerSpec(
-                address=coord.address, secret=secret, config=config, schedule=schedule,
+                address=coord.address, secret=secret, schedule=schedule,
+                config=replace(config, optimizer="sgd") if callable(config.optimizer) else config,
                 num_features=data.num_features, double_precision=double,
                 long_labels=data.integral_labels or loss == "cross_entropy", classify=classify,
                 **spec_parts,
@@ -150,6 +151,7 @@ def _fit(spark, run: RunLogger, train_df, eval_df, model_fn, config: TrainConfig
     finally:
         progress.close()
     flat.scatter()
+    model.eval()  # a trained result predicts; dropout and batch statistics off
     workers.sort(key=lambda w: w["partition"])
     run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
                   for w in workers})

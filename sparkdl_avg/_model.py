@@ -3,7 +3,11 @@ of one flat host buffer (pinned when on a GPU) for the wire."""
 
 from __future__ import annotations
 
+import os
+import sys
+import sysconfig
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import cloudpickle
@@ -29,7 +33,14 @@ def build_model(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
 
 
 def pickle_for_executors(name: str, value: object) -> bytes:
-    """Cloudpickle a user callable now, so a closure that cannot travel fails before any task."""
+    """Cloudpickle a user callable now, so one that cannot travel fails before any task.
+
+    A callable from the user's own modules (a job script's helper, a test file) travels by
+    value: executors do not have those modules. Installed packages travel by reference."""
+    module = sys.modules.get(getattr(value, "__module__", None) or "")
+    by_value = module is not None and _is_user_module(module)
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
     try:
         return cloudpickle.dumps(value)
     except Exception as exc:
@@ -37,6 +48,19 @@ def pickle_for_executors(name: str, value: object) -> bytes:
             f"{name} cannot be pickled for the executors: {exc!r}. Define it at module level "
             "or make everything it captures picklable (no SparkSession, sockets or locks)."
         ) from exc
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _is_user_module(module: ModuleType) -> bool:
+    path = getattr(module, "__file__", None)
+    if module.__name__ == "__main__" or not path or module.__name__.startswith("sparkdl_avg"):
+        return False
+    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
+                                                    "platlib")}
+    path = os.path.realpath(path)
+    return not any(path.startswith(os.path.realpath(p) + os.sep) for p in installed)
 
 
 def averaged_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -112,9 +136,13 @@ def _sync(tensors: list[torch.Tensor]) -> None:
         torch.cuda.synchronize()
 
 
-def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
-    if callable(config.optimizer):
-        opt = config.optimizer(params)
+def make_optimizer(
+    config: TrainConfig, params: Any, factory: Callable[[Any], Any] | None = None
+) -> torch.optim.Optimizer:
+    """The built-in optimizer named in `config`, or `factory(params)` for a user callable."""
+    factory = factory or (config.optimizer if callable(config.optimizer) else None)
+    if factory is not None:
+        opt = factory(params)
         if not isinstance(opt, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer callable returned {type(opt).__name__}, not a torch.optim.Optimizer"

@@ -23,7 +23,7 @@ import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class Frame:
     payload: memoryview | None = None
 
 
-Into = Union[np.ndarray, Callable[[Kind, dict], np.ndarray | None], None]
+Into = np.ndarray | Callable[[Kind, dict], np.ndarray | None] | None
 
 
 def new_secret() -> bytes:

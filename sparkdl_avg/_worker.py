@@ -39,6 +39,8 @@ class WorkerSpec:
     double_precision: bool
     long_labels: bool
     classify: bool
+    optimizer: bytes | None = None
+    """A user optimizer factory, cloudpickled (config.optimizer is then a placeholder)."""
 
 
 def run_task(spec: WorkerSpec, batches: Iterator) -> Iterator:
@@ -152,7 +154,8 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
         conn.expect(_wire.Kind.AVERAGE, into=flat.array)
         flat.scatter()
         model.train()
-        optimizer = make_optimizer(cfg, model.parameters())
+        factory = cloudpickle.loads(spec.optimizer) if spec.optimizer else None
+        optimizer = make_optimizer(cfg, model.parameters(), factory)
         loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
         n_rows, order, step = x_train.shape[0], None, 0
         for round_index in range(schedule.num_rounds):

@@ -1,0 +1,187 @@
+"""End-to-end synchronous fits on a local[2] session, checked against independent computations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from sparkdl_avg import TrainConfig, fit
+
+pytestmark = pytest.mark.spark
+
+N_FEATURES, N_CLASSES = 6, 3
+
+
+def make_model_f64() -> torch.nn.Module:
+    torch.manual_seed(123)  # the reference builds the very same initial weights
+    return torch.nn.Sequential(
+        torch.nn.Linear(N_FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, N_CLASSES)
+    ).double()
+
+
+def make_model_f32() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(N_FEATURES, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(32, N_CLASSES),
+    )
+
+
+def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, N_FEATURES))
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.5).astype(np.int64)
+    return x, y
+
+
+def frame(spark, x, y):
+    return spark.createDataFrame(pd.DataFrame({"features": [row.tolist() for row in x],
+                                               "label": y}))
+
+
+def reference_large_batch_sgd(x, y, global_batch, epochs, lr, momentum) -> torch.nn.Module:
+    """Single-process SGD over the rows in DataFrame order, one global batch per step."""
+    model = make_model_f64()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for _ in range(epochs):
+        for start in range(0, len(x), global_batch):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(xt[start:start + global_batch]),
+                                                     yt[start:start + global_batch])
+            loss.backward()
+            opt.step()
+    return model
+
+
+def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters(),
+                                                                  strict=True))
+
+
+@pytest.mark.parametrize(("momentum", "rows"), [(0.0, 411), (0.9, 400)])
+def test_averaging_every_step_equals_large_batch_sgd(spark, momentum, rows):
+    # Plain SGD on 411 rows: shards of 206 and 205 rows and a partial last batch, so the
+    # sample-weighted average is exercised. Momentum on equal shards (400 rows), where the
+    # equivalence holds without averaging the momentum buffers. >= 200 steps either way.
+    x, y = make_data(rows)
+    cfg = TrainConfig(num_workers=2, epochs=4, batch_size=4, averaging_frequency=1,
+                      optimizer="sgd", lr=0.05, momentum=momentum, shuffle=False, seed=7,
+                      log_model=False)
+    result = fit(frame(spark, x, y), make_model_f64, cfg)
+    reference = reference_large_batch_sgd(x, y, global_batch=8, epochs=4, lr=0.05,
+                                          momentum=momentum)
+    assert len(result.history) == 4 * -(-rows // 8)
+    assert max_param_diff(result.model, reference) < 1e-10
+    # and it really trained: the parameters moved far from their initial values
+    assert max_param_diff(result.model, make_model_f64()) > 1e-2
+
+
+def test_averaging_optimizer_state_keeps_momentum_equivalence(spark):
+    # With the momentum buffers averaged (sample-weighted), momentum SGD matches the large
+    # batch even on unequal shards with a partial last batch.
+    x, y = make_data(411)
+    cfg = TrainConfig(num_workers=2, epochs=4, batch_size=4, averaging_frequency=1,
+                      optimizer="sgd", lr=0.05, momentum=0.9, shuffle=False,
+                      average_optimizer_state=True, log_model=False)
+    result = fit(frame(spark, x, y), make_model_f64, cfg)
+    reference = reference_large_batch_sgd(x, y, 8, 4, 0.05, 0.9)
+    assert max_param_diff(result.model, reference) < 1e-10
+
+
+def test_same_seed_gives_bit_identical_parameters(spark):
+    x, y = make_data(600, seed=1)
+    df = frame(spark, x.astype(np.float32), y)
+    cfg = TrainConfig(num_workers=2, epochs=2, batch_size=16, averaging_frequency=3,
+                      optimizer="adam", lr=1e-2, seed=3, log_model=False)
+    a = fit(df, make_model_f32, cfg)
+    b = fit(df, make_model_f32, cfg)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    c = fit(df, make_model_f32, TrainConfig(**{**_fields(cfg), "seed": 4}))
+    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.model.parameters(),
+                                                         c.model.parameters(), strict=True))
+
+
+def _fields(cfg: TrainConfig) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def test_fit_learns_and_logs_everything_to_mlflow(spark, mlflow_client):
+    import mlflow
+
+    x, y = make_data(2000, seed=2)
+    train, test = frame(spark, x[:1600].astype(np.float32), y[:1600]), \
+        frame(spark, x[1600:].astype(np.float32), y[1600:])
+    cfg = TrainConfig(num_workers=2, epochs=4, batch_size=32, averaging_frequency=5,
+                      optimizer="adam", lr=1e-2, average_optimizer_state=True,
+                      experiment_name="sparkdl-avg-tests", run_name="learns")
+    result = fit(train, make_model_f32, cfg, eval_df=test)
+
+    assert result.history[-1]["eval_accuracy"] > 0.9
+    assert result.history[-1]["train_loss"] < result.history[0]["train_loss"]
+    assert {w["partition"] for w in result.workers} == {0, 1}
+    assert [w["train_rows"] for w in result.workers] == [800, 800]
+    assert [w["eval_rows"] for w in result.workers] == [200, 200]
+
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["num_workers"] == "2"
+    assert run.data.params["averaging_frequency"] == "5"
+    assert run.data.params["optimizer"] == "adam"
+    for key in ("train_loss", "eval_loss", "eval_accuracy", "samples_per_s", "time_compute_s",
+                "time_communication_s", "time_averaging_s", "replica_divergence"):
+        series = mlflow_client.get_metric_history(result.run_id, key)
+        assert [m.step for m in sorted(series, key=lambda m: m.step)] == list(
+            range(len(result.history))), key
+    divergence = [h["replica_divergence"] for h in result.history]
+    assert all(d > 0 for d in divergence)  # replicas do drift apart within a round
+
+    # The logged model predicts like the returned one.
+    loaded = mlflow.pyfunc.load_model(f"runs:/{result.run_id}/model")
+    batch = x[1600:1632].astype(np.float32)
+    expected = result.model.eval()(torch.from_numpy(batch)).detach().numpy()
+    np.testing.assert_allclose(np.asarray(loaded.predict(batch)), expected, rtol=1e-5, atol=1e-5)
+
+    # And the final accuracy is what an independent evaluation of result.model says.
+    with torch.no_grad():
+        pred = result.model(torch.from_numpy(x[1600:].astype(np.float32))).argmax(1).numpy()
+    assert result.history[-1]["eval_accuracy"] == pytest.approx((pred == y[1600:]).mean())
+
+
+def test_feature_columns_of_every_supported_kind_give_the_same_model(spark):
+    from pyspark.ml.linalg import Vectors
+
+    x, y = make_data(300, seed=5)
+    cfg = TrainConfig(num_workers=2, epochs=1, batch_size=10, averaging_frequency=2,
+                      shuffle=False, log_model=False)
+    as_array = frame(spark, x, y)
+    as_vector = spark.createDataFrame(
+        [(Vectors.dense(row.tolist()), int(label)) for row, label in zip(x, y, strict=True)],
+        ["features", "label"],
+    )
+    columns = [f"f{i}" for i in range(N_FEATURES)]
+    as_columns = spark.createDataFrame(pd.DataFrame(x, columns=columns).assign(label=y))
+    models = [
+        fit(as_array, make_model_f64, cfg).model,
+        fit(as_vector, make_model_f64, cfg).model,
+        fit(as_columns, make_model_f64, cfg, features_col=columns).model,
+    ]
+    for other in models[1:]:
+        assert max_param_diff(models[0], other) < 1e-12
+
+
+def test_mse_regression_with_float_labels(spark):
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(400, N_FEATURES)).astype(np.float32)
+    y = (x @ np.arange(1, N_FEATURES + 1)).astype(np.float32)
+    df = spark.createDataFrame(pd.DataFrame({"features": list(x), "target": y}))
+    cfg = TrainConfig(num_workers=2, epochs=30, batch_size=20, averaging_frequency=4,
+                      optimizer="adam", lr=0.05, log_model=False)
+    result = fit(df, lambda: torch.nn.Linear(N_FEATURES, 1), cfg, label_col="target",
+                 loss="mse", eval_df=df)
+    assert result.history[-1]["eval_loss"] < 0.05 * float(np.var(y))
+    assert "eval_accuracy" not in result.history[-1] or result.history[-1]["eval_accuracy"] == 0
