@@ -37,6 +37,7 @@ class PreparedData:
     integral_labels: bool
     label_min: float
     label_max: float
+    fractional_labels: int
 
 
 def prepare(
@@ -91,6 +92,7 @@ def prepare(
         integral_labels=integral,
         label_min=stats["label_min"],
         label_max=stats["label_max"],
+        fractional_labels=stats["fractional_labels"],
     )
 
 

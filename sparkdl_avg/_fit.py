@@ -94,6 +94,11 @@ def _fit(spark, run: RunLogger, train_df, eval_df, model_fn, config: TrainConfig
     double = dtype == torch.float64
     data = prepare(train_df, eval_df, features_col=features_col, label_col=label_col,
                    num_workers=config.num_workers, double_precision=double)
+    if loss == "cross_entropy" and data.fractional_labels:
+        raise DataError(
+            f"label column {label_col!r} has {data.fractional_labels} non-integer values; "
+            "cross_entropy needs integer class labels"
+        )
     check_model_fits_data(model, num_features=data.num_features, loss=loss, dtype=dtype,
                           integral_labels=data.integral_labels, label_min=data.label_min,
                           label_max=data.label_max)

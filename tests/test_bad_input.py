@@ -1,0 +1,180 @@
+"""Bad input fails fast, before any training task starts, with a typed error naming the problem;
+the fit's MLflow run is left FAILED with that error."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from sparkdl_avg import (
+    ClusterError, ConfigError, DataError, ModelError, TrainConfig, TrainingError, fit,
+)
+
+pytestmark = pytest.mark.spark
+
+CFG = TrainConfig(num_workers=2, epochs=1, batch_size=4, log_model=False,
+                  experiment_name="bad-input")
+
+
+def model() -> torch.nn.Module:
+    return torch.nn.Linear(3, 2)
+
+
+@pytest.fixture(scope="module")
+def good(spark):
+    rng = np.random.default_rng(0)
+    pdf = pd.DataFrame({"features": list(rng.normal(size=(40, 3))),
+                        "label": rng.integers(0, 2, 40), "name": ["x"] * 40})
+    return spark.createDataFrame(pdf)
+
+
+def last_run(client):
+    exp = client.get_experiment_by_name("bad-input")
+    return client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])[0]
+
+
+def assert_failed_run(client, fragment: str):
+    run = last_run(client)
+    assert run.info.status == "FAILED"
+    assert fragment in run.data.tags["error"]
+
+
+def test_misnamed_feature_column_is_named_with_a_suggestion(good, mlflow_client):
+    with pytest.raises(DataError, match=r"no column 'feature'.*did you mean 'features'"):
+        fit(good, model, CFG, features_col="feature")
+    assert_failed_run(mlflow_client, "no column 'feature'")
+
+
+def test_missing_label_column(good):
+    with pytest.raises(DataError, match="no column 'target'"):
+        fit(good, model, CFG, label_col="target")
+
+
+def test_missing_column_in_eval_df(good):
+    with pytest.raises(DataError, match="eval_df has no column 'label'"):
+        fit(good, model, CFG, eval_df=good.drop("label"))
+
+
+def test_unsupported_feature_type(good):
+    with pytest.raises(DataError, match="column 'name' has type string"):
+        fit(good, model, CFG, features_col="name")
+
+
+def test_unsupported_label_type(good):
+    with pytest.raises(DataError, match="label column 'name' has type string"):
+        fit(good, model, CFG, label_col="name")
+
+
+@pytest.mark.parametrize(
+    ("features", "label", "message"),
+    [
+        ([1.0, None, 2.0], 0, "features.*null"),
+        ([1.0, float("nan"), 2.0], 0, "features.*NaN"),
+        (None, 0, "features.*null"),
+        ([1.0, 2.0, 3.0], None, "label.*null"),
+    ],
+)
+def test_nulls_and_nans_are_refused(spark, features, label, message, mlflow_client):
+    rows = [([0.0, 1.0, 2.0], 1)] * 20 + [(features, label)]
+    df = spark.createDataFrame(rows, "features array<double>, label int")
+    with pytest.raises(DataError, match=message):
+        fit(df, model, CFG)
+    assert_failed_run(mlflow_client, "DataError")
+
+
+def test_nan_label(spark):
+    rows = [([0.0, 1.0, 2.0], 1.0)] * 20 + [([0.0, 1.0, 2.0], float("nan"))]
+    df = spark.createDataFrame(rows, "features array<double>, label double")
+    with pytest.raises(DataError, match="label.*NaN"):
+        fit(df, model, CFG, loss="mse")
+
+
+def test_ragged_features(spark):
+    rows = [([0.0, 1.0, 2.0], 1)] * 20 + [([0.0, 1.0], 0)]
+    df = spark.createDataFrame(rows, "features array<double>, label int")
+    with pytest.raises(DataError, match="from 2 to 3"):
+        fit(df, model, CFG)
+
+
+def test_labels_out_of_range_for_the_model(spark):
+    rows = [([0.0, 1.0, 2.0], i % 5) for i in range(40)]
+    df = spark.createDataFrame(rows, "features array<double>, label int")
+    with pytest.raises(ModelError, match=r"labels range from 0 to 4.*2 classes"):
+        fit(df, model, CFG)
+
+
+def test_fractional_labels_with_cross_entropy(spark):
+    rows = [([0.0, 1.0, 2.0], 0.5)] * 40
+    df = spark.createDataFrame(rows, "features array<double>, label double")
+    with pytest.raises(DataError, match="integer class labels"):
+        fit(df, model, CFG)
+
+
+def test_empty_dataframe(good):
+    with pytest.raises(DataError, match="train_df is empty"):
+        fit(good.limit(0), model, CFG)
+
+
+def test_dataset_too_small_for_workers_and_batch(good):
+    with pytest.raises(DataError, match=r"40 rows: 20 per worker, fewer than batch_size=32"):
+        fit(good, model, TrainConfig(num_workers=2, batch_size=32, log_model=False))
+
+
+def test_more_workers_than_slots_fails_in_seconds(good, mlflow_client):
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match=r"num_workers=3 but the cluster runs only 2 tasks"):
+        fit(good, model, TrainConfig(num_workers=3, batch_size=4, log_model=False,
+                                     experiment_name="bad-input"))
+    assert time.monotonic() - started < 30
+    assert_failed_run(mlflow_client, "ClusterError")
+
+
+def test_model_fn_that_fails_to_build(good):
+    def broken() -> torch.nn.Module:
+        raise RuntimeError("no such layer")
+
+    with pytest.raises(ModelError, match="model_fn.. failed to build the model.*no such layer"):
+        fit(good, broken, CFG)
+
+
+def test_model_fn_that_cannot_be_pickled(good):
+    lock = threading.Lock()
+
+    def captures_a_lock() -> torch.nn.Module:
+        with lock:
+            return torch.nn.Linear(3, 2)
+
+    with pytest.raises(ModelError, match="model_fn cannot be pickled"):
+        fit(good, captures_a_lock, CFG)
+
+
+def test_model_that_does_not_accept_the_features(good):
+    with pytest.raises(ModelError, match=r"forward failed.*3 features"):
+        fit(good, lambda: torch.nn.Linear(7, 2), CFG)
+
+
+def test_not_a_dataframe():
+    with pytest.raises(DataError, match="pyspark DataFrame"):
+        fit(pd.DataFrame({"features": [[1.0]], "label": [0]}), model, CFG)
+
+
+def test_unknown_loss(good):
+    with pytest.raises(ConfigError, match="loss='hinge'"):
+        fit(good, model, CFG, loss="hinge")
+
+
+def test_error_on_an_executor_fails_the_fit_and_names_the_worker(good, mlflow_client):
+    class Exploding(torch.nn.Linear):
+        def forward(self, x):
+            if self.training:
+                raise ValueError("boom in forward")
+            return super().forward(x)
+
+    with pytest.raises(TrainingError, match="boom in forward"):
+        fit(good, lambda: Exploding(3, 2), CFG)
+    assert_failed_run(mlflow_client, "boom in forward")
