@@ -70,7 +70,8 @@ class Connection:
 
     def __init__(self, sock: socket.socket, *, timeout: float, max_payload: int) -> None:
         sock.settimeout(timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.max_payload = max_payload
 

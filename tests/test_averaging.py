@@ -1,0 +1,39 @@
+import numpy as np
+import pytest
+
+from sparkdl_avg._averaging import mean_distance, non_finite_replicas, weighted_average
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_weighted_average_matches_numpy(dtype):
+    rng = np.random.default_rng(0)
+    bufs = [rng.normal(size=1000).astype(dtype) for _ in range(3)]
+    weights = [10, 30, 60]
+    out = np.empty(1000, dtype)
+    weighted_average(bufs, weights, out)
+    expected = sum(w * b.astype(np.float64) for w, b in zip(weights, bufs, strict=True)) / 100
+    tol = 1e-6 if dtype == np.float32 else 1e-14
+    np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
+
+
+def test_equal_weights_give_the_plain_mean():
+    a, b = np.array([1.0, 2.0]), np.array([3.0, 6.0])
+    out = np.empty(2)
+    weighted_average([a, b], [5, 5], out)
+    assert out.tolist() == [2.0, 4.0]
+
+
+def test_bad_weights_are_refused():
+    with pytest.raises(ValueError):
+        weighted_average([np.zeros(2)], [0], np.empty(2))
+    with pytest.raises(ValueError):
+        weighted_average([np.zeros(2)], [1, 2], np.empty(2))
+
+
+def test_mean_distance_is_the_mean_l2_norm_from_the_center():
+    center = np.zeros(2)
+    assert mean_distance([np.array([3.0, 4.0]), np.array([0.0, 1.0])], center) == 3.0
+
+
+def test_non_finite_replicas_are_found():
+    assert non_finite_replicas([np.ones(3), np.array([1.0, np.nan]), np.array([np.inf])]) == [1, 2]

@@ -1,0 +1,16 @@
+import sparkdl_avg
+
+
+def test_public_names_are_exactly_the_documented_surface():
+    assert sorted(sparkdl_avg.__all__) == sorted([
+        "ClusterError", "ConfigError", "DataError", "FitResult", "ModelError", "ProtocolError",
+        "SparkdlAvgError", "TrainConfig", "TrainingError", "__version__", "fit",
+    ])
+    for name in sparkdl_avg.__all__:
+        assert hasattr(sparkdl_avg, name)
+
+
+def test_every_error_derives_from_the_base():
+    for name in ("ClusterError", "ConfigError", "DataError", "ModelError", "ProtocolError",
+                 "TrainingError"):
+        assert issubclass(getattr(sparkdl_avg, name), sparkdl_avg.SparkdlAvgError)

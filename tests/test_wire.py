@@ -1,0 +1,150 @@
+"""The wire refuses what it must (wrong secret, malformed or oversized frames) and never hangs."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sparkdl_avg import ProtocolError
+from sparkdl_avg import _wire
+from sparkdl_avg._coordinator import Coordinator
+from sparkdl_avg._wire import Connection, Kind
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    ca = Connection(a, timeout=5, max_payload=1024)
+    cb = Connection(b, timeout=5, max_payload=1024)
+    yield ca, cb
+    ca.close()
+    cb.close()
+
+
+def test_frames_round_trip_with_raw_tensor_payload(pair):
+    a, b = pair
+    data = np.arange(100, dtype=np.float32)
+    a.send(Kind.PUSH, {"round": 3}, data)
+    into = np.zeros(100, np.float32)
+    frame = b.recv(into)
+    assert frame.kind is Kind.PUSH and frame.meta == {"round": 3}
+    assert np.array_equal(into, data)
+
+
+def test_payload_of_the_wrong_size_is_refused(pair):
+    a, b = pair
+    a.send(Kind.PUSH, {}, np.zeros(10, np.float32))
+    with pytest.raises(ProtocolError, match="40 bytes where 80 were expected"):
+        b.recv(np.zeros(10, np.float64))
+
+
+def test_oversized_payload_is_refused_before_reading_it(pair):
+    a, b = pair
+    a.sock.sendall(struct.pack("!4sBBHIQ", b"SDLA", 1, Kind.PUSH, 0, 0, 1 << 40))
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        b.recv()
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (struct.pack("!4sBBHIQ", b"HTTP", 1, 4, 0, 0, 0), "bad magic"),
+        (struct.pack("!4sBBHIQ", b"SDLA", 9, 4, 0, 0, 0), "version 9"),
+        (struct.pack("!4sBBHIQ", b"SDLA", 1, 99, 0, 0, 0), "unknown frame kind"),
+        (struct.pack("!4sBBHIQ", b"SDLA", 1, 4, 0, 1 << 30, 0), "metadata of"),
+        (struct.pack("!4sBBHIQ", b"SDLA", 1, 4, 0, 3, 0) + b"{x}", "not JSON"),
+        (struct.pack("!4sBBHIQ", b"SDLA", 1, 4, 0, 2, 0) + b"[]", "JSON object"),
+    ],
+)
+def test_malformed_frames_are_refused(pair, header, message):
+    a, b = pair
+    a.sock.sendall(header)
+    with pytest.raises(ProtocolError, match=message):
+        b.recv()
+
+
+def test_truncated_frame_is_a_protocol_error(pair):
+    a, b = pair
+    a.sock.sendall(struct.pack("!4sBBHIQ", b"SDLA", 1, Kind.PUSH, 0, 0, 8) + b"1234")
+    a.sock.shutdown(socket.SHUT_WR)
+    with pytest.raises(ProtocolError, match="closed by the peer"):
+        b.recv(np.zeros(2, np.float32))
+
+
+def test_a_silent_peer_times_out():
+    a, b = socket.socketpair()
+    conn = Connection(b, timeout=0.2, max_payload=0)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        conn.recv()
+    assert time.monotonic() - started < 2
+    a.close()
+    conn.close()
+
+
+def _handshake(server_secret: bytes, client_secret: bytes):
+    a, b = socket.socketpair()
+    server = Connection(a, timeout=5, max_payload=0)
+    client = Connection(b, timeout=5, max_payload=0)
+    result: dict = {}
+
+    def serve():
+        try:
+            result["hello"] = server.authenticate_client(server_secret)
+        except ProtocolError as exc:
+            result["server_error"] = exc
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        client.authenticate_to_server(client_secret, {"rank": 1})
+    except ProtocolError as exc:
+        result["client_error"] = exc
+    t.join(5)
+    server.close()
+    client.close()
+    return result
+
+
+def test_mutual_authentication_with_the_shared_secret():
+    secret = _wire.new_secret()
+    assert _handshake(secret, secret) == {"hello": {"rank": 1}}
+
+
+def test_wrong_secret_is_refused_on_both_sides():
+    result = _handshake(_wire.new_secret(), _wire.new_secret())
+    assert "wrong secret" in str(result["server_error"])
+    assert "authentication failed" in str(result["client_error"])
+
+
+def test_coordinator_refuses_intruders_and_keeps_serving_its_workers():
+    secret = _wire.new_secret()
+    with Coordinator(host="127.0.0.1", num_workers=1, secret=secret, timeout=5,
+                     dtype=np.float32, model_numel=4, check_job=lambda wait: None) as coord:
+        received = {}
+
+        def intruders_then_worker():
+            # 1: garbage bytes; 2: the wrong secret; 3: the real worker.
+            with socket.create_connection(coord.address, timeout=5) as s:
+                s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            bad = _wire.connect(coord.address, timeout=5, max_payload=64)
+            with pytest.raises(ProtocolError):
+                bad.authenticate_to_server(_wire.new_secret(), {"rank": 0})
+            bad.close()
+            worker = _wire.connect(coord.address, timeout=5, max_payload=64)
+            worker.authenticate_to_server(secret, {"rank": 0})
+            into = np.zeros(4, np.float32)
+            received["frame"] = worker.expect(Kind.AVERAGE, into)
+            received["params"] = into
+            worker.close()
+
+        t = threading.Thread(target=intruders_then_worker)
+        t.start()
+        coord.accept_workers(np.arange(4, dtype=np.float32), deadline_s=20)
+        t.join(10)
+    assert received["params"].tolist() == [0.0, 1.0, 2.0, 3.0]
