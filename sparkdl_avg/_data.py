@@ -76,7 +76,7 @@ def prepare(
     local_pos = F.col("_mid") - F.shiftleft(F.col("_pid").cast("long"), 33)
     slot = F.col(SPLIT).cast("int") * stride + F.col("_pid") + 1
     row = F.element_at(F.array(*[F.lit(o) for o in offsets]), slot) + local_pos
-    keys = _partition_keys(numbered.sparkSession, num_workers)
+    keys = _partition_keys(num_workers)
     key = F.element_at(F.array(*[F.lit(k) for k in keys]), (row % num_workers).cast("int") + 1)
     frame = (
         numbered.withColumn(INDEX, row)
@@ -234,16 +234,31 @@ def _row_offsets(per_partition: list[tuple[int, int, int]]) -> tuple[list[int], 
     return offsets, stride
 
 
-def _partition_keys(spark, num_workers: int) -> list[int]:
-    """keys[w]: an int whose Spark hash lands in partition w of `repartition(num_workers, key)`."""
-    probe = spark.range(0, 64 * num_workers + 64).select(
-        F.col("id").cast("int").alias("k"),
-        F.expr(f"pmod(hash(cast(id as int)), {num_workers})").alias("p"),
-    )
+def _partition_keys(num_workers: int) -> list[int]:
+    """keys[w]: an int key that `repartition(num_workers, key)` sends to partition w."""
     keys: dict[int, int] = {}
-    for r in probe.collect():
-        keys.setdefault(r["p"], r["k"])
-    missing = [w for w in range(num_workers) if w not in keys]
-    if missing:  # never seen in practice: 64 candidates per partition
-        raise DataError(f"could not find partition keys for workers {missing}")
+    candidate = 0
+    while len(keys) < num_workers:
+        keys.setdefault(spark_hash_int(candidate) % num_workers, candidate)
+        candidate += 1
     return [keys[w] for w in range(num_workers)]
+
+
+def spark_hash_int(value: int, seed: int = 42) -> int:
+    """Spark's `hash()` of an int column (Murmur3 x86 32-bit, seed 42), as a signed int."""
+    mask = 0xFFFFFFFF
+
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & mask
+
+    k1 = (value & mask) * 0xCC9E2D51 & mask
+    k1 = rotl(k1, 15) * 0x1B873593 & mask
+    h1 = rotl(seed ^ k1, 13)
+    h1 = (h1 * 5 + 0xE6546B64) & mask
+    h1 ^= 4
+    h1 ^= h1 >> 16
+    h1 = h1 * 0x85EBCA6B & mask
+    h1 ^= h1 >> 13
+    h1 = h1 * 0xC2B2AE35 & mask
+    h1 ^= h1 >> 16
+    return h1 - (1 << 32) if h1 & 0x80000000 else h1

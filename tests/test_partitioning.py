@@ -1,0 +1,37 @@
+"""Row g lands on worker g % n, in one shuffle, whatever the input partitioning."""
+
+from __future__ import annotations
+
+import pytest
+from pyspark.sql import functions as F
+
+from sparkdl_avg._data import INDEX, prepare, spark_hash_int
+
+pytestmark = pytest.mark.spark
+
+
+def test_python_hash_matches_sparks(spark):
+    values = list(range(-50, 200)) + [2**31 - 1, -(2**31)]
+    df = spark.createDataFrame([(v,) for v in values], "v int")
+    expected = [r["h"] for r in df.select(F.hash("v").alias("h")).collect()]
+    assert [spark_hash_int(v) for v in values] == expected
+
+
+@pytest.mark.parametrize(("workers", "input_partitions"), [(2, 3), (3, 1), (5, 4)])
+def test_rows_are_numbered_in_order_and_dealt_round_robin(spark, workers, input_partitions):
+    rows = [([float(i)], i % 2) for i in range(103)]
+    df = spark.createDataFrame(rows, "features array<double>, label int").coalesce(1)
+    if input_partitions > 1:
+        df = df.repartition(input_partitions)
+    data = prepare(df, None, features_col="features", label_col="label",
+                   num_workers=workers, double_precision=True)
+    parts = data.frame.rdd.glom().collect()
+    assert len(parts) == workers
+    for w, part in enumerate(parts):
+        assert part and all(r[INDEX] % workers == w for r in part)
+    numbered = sorted((r[INDEX], r["features"][0]) for part in parts for r in part)
+    assert [i for i, _ in numbered] == list(range(103))
+    assert sorted(f for _, f in numbered) == [float(i) for i in range(103)]
+    if input_partitions == 1:  # numbering follows the DataFrame's own order
+        assert all(i == f for i, f in numbered)
+    assert data.train_sizes == [len(p) for p in parts]
