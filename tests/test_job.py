@@ -1,0 +1,45 @@
+"""The main job, run the two ways a user runs it: plain python and spark-submit."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "train_mnist1d.py"
+SMALL = ["--samples", "3000", "--epochs", "3", "--hidden", "64", "--lr", "3e-3",
+         "--no-log-model"]
+
+
+def run_job(cmd: list[str], tmp_path: Path, tracking_uri: str) -> str:
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
+           "MLFLOW_TRACKING_URI": tracking_uri}
+    proc = subprocess.run(cmd + SMALL + ["--data-dir", str(tmp_path.parent / "data")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def check_output(stdout: str, client) -> None:
+    match = re.search(r"test accuracy (\S+) .* MLflow run (\w+)", stdout)
+    assert match, stdout
+    assert float(match.group(1)) > 0.3  # 10 classes: well above chance after 3 epochs
+    run = client.get_run(match.group(2))
+    assert run.info.status == "FINISHED"
+    assert run.data.params["epochs"] == "3"
+
+
+@pytest.mark.cluster
+def test_job_runs_with_plain_python(tmp_path, mlflow_store, mlflow_client):
+    check_output(run_job([sys.executable, str(JOB)], tmp_path, mlflow_store), mlflow_client)
+
+
+@pytest.mark.cluster
+def test_job_runs_with_spark_submit(tmp_path, mlflow_store, mlflow_client):
+    submit = Path(sys.executable).with_name("spark-submit")
+    cmd = [str(submit), "--master", "local[2]", "--conf", "spark.ui.enabled=false", str(JOB)]
+    check_output(run_job(cmd, tmp_path, mlflow_store), mlflow_client)
