@@ -1,0 +1,84 @@
+"""One averaging round (send, average, return) of a 25M-parameter float32 model, 2 workers,
+local[2]: sparkdl-avg's TCP channel vs Spark broadcast + treeAggregate of the same tensors.
+
+    python bench/averaging_round.py [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import local_session, median, report  # noqa: E402
+
+PARAMS = 25_000_000
+
+
+def model_fn():
+    import torch
+
+    return torch.nn.Linear(5000, 5000)  # 25,005,000 float32 parameters (100 MB)
+
+
+def sparkdl_avg_rounds(spark, rounds: int) -> list[float]:
+    """Exchange time per round from a real fit: round wall time minus local compute."""
+    import numpy as np
+    import pandas as pd
+
+    from sparkdl_avg import TrainConfig, fit
+
+    df = spark.createDataFrame(pd.DataFrame({
+        "features": list(np.zeros((2 * rounds, 5000), np.float32)), "label": [0] * (2 * rounds)
+    }))
+    cfg = TrainConfig(num_workers=2, epochs=1, batch_size=1, averaging_frequency=1, lr=1e-3,
+                      shuffle=False, log_model=False)
+    result = fit(df, model_fn, cfg)
+    return [h["time_communication_s"] + h["time_averaging_s"] for h in result.history[1:]]
+
+
+def broadcast_tree_aggregate_rounds(spark, rounds: int) -> list[float]:
+    import numpy as np
+
+    sc = spark.sparkContext
+    params = np.random.default_rng(0).normal(size=PARAMS).astype(np.float32)
+    rdd = sc.parallelize([0, 1], 2).cache()
+    rdd.count()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        bc = sc.broadcast(params)
+        total = rdd.map(lambda _: bc.value * 1.0).treeAggregate(
+            np.zeros(PARAMS, np.float32), lambda a, b: a + b, lambda a, b: a + b, depth=2)
+        params = total / 2
+        bc.unpersist(blocking=True)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{tempfile.mkdtemp()}/mlflow.db")
+    spark = local_session(2, **{"spark.driver.maxResultSize": "2g",
+                                "spark.driver.memory": "6g"})
+    try:
+        ours = sparkdl_avg_rounds(spark, args.rounds)
+        spark_way = broadcast_tree_aggregate_rounds(spark, args.rounds)
+    finally:
+        spark.stop()
+    report("averaging_round", {
+        "parameters": PARAMS, "workers": 2, "rounds": args.rounds,
+        "sparkdl_avg_median_s": median(ours),
+        "broadcast_treeAggregate_median_s": median(spark_way),
+        "speedup": median(spark_way) / median(ours),
+        "sparkdl_avg_s": ours, "broadcast_treeAggregate_s": spark_way,
+    })
+
+
+if __name__ == "__main__":
+    main()
