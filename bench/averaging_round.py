@@ -51,7 +51,7 @@ def broadcast_tree_aggregate_rounds(spark, rounds: int) -> list[float]:
     for _ in range(rounds):
         t0 = time.perf_counter()
         bc = sc.broadcast(params)
-        total = rdd.map(lambda _: bc.value * 1.0).treeAggregate(
+        total = rdd.map(lambda _, bc=bc: bc.value * 1.0).treeAggregate(
             np.zeros(PARAMS, np.float32), lambda a, b: a + b, lambda a, b: a + b, depth=2)
         params = total / 2
         bc.unpersist(blocking=True)

@@ -29,6 +29,10 @@ def mean_distance(buffers: Sequence[np.ndarray], center: np.ndarray) -> float:
     return float(np.mean([torch.dist(torch.from_numpy(b), c).item() for b in buffers]))
 
 
+def is_finite(buffer: np.ndarray) -> bool:
+    return bool(torch.isfinite(torch.from_numpy(buffer)).all())
+
+
 def non_finite_replicas(buffers: Sequence[np.ndarray]) -> list[int]:
     """Indices of the buffers that hold a NaN or an infinity."""
-    return [i for i, b in enumerate(buffers) if not bool(torch.isfinite(torch.from_numpy(b)).all())]
+    return [i for i, b in enumerate(buffers) if not is_finite(b)]

@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sparkdl_avg import _wire
-from sparkdl_avg._averaging import mean_distance, non_finite_replicas, weighted_average
+from sparkdl_avg._averaging import (
+    is_finite,
+    mean_distance,
+    non_finite_replicas,
+    weighted_average,
+)
 from sparkdl_avg._errors import ProtocolError, TrainingError
 
 log = logging.getLogger("sparkdl_avg")
@@ -129,14 +134,14 @@ class Coordinator:
         if self.average.size != sizes.pop():
             self.average = np.empty(self._buffers[0].size, self._dtype)
         t_avg = time.perf_counter()
-        bad = non_finite_replicas(self._buffers)
-        if bad:
-            raise TrainingError(
-                f"worker(s) {bad} pushed NaN/Inf parameters in round {round_index}: training "
-                "diverged; lower the learning rate or check the loss"
-            )
         weights = [p["samples"] for p in pushes]
         weighted_average(self._buffers, weights, self.average)
+        if not is_finite(self.average):  # one scan; find the culprits only when needed
+            raise TrainingError(
+                f"worker(s) {non_finite_replicas(self._buffers)} pushed NaN/Inf parameters in "
+                f"round {round_index}: training diverged; lower the learning rate or check "
+                "the loss"
+            )
         divergence = mean_distance([b[:model_numel] for b in self._buffers],
                                    self.average[:model_numel])
         averaging_s = time.perf_counter() - t_avg

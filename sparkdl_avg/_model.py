@@ -102,38 +102,49 @@ def optimizer_state_tensors(
 
 
 class FlatBuffer:
-    """A host copy of a list of tensors as one contiguous numpy array (the wire's payload)."""
+    """The tensors re-homed into one contiguous tensor, and its host copy for the wire.
 
-    def __init__(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> None:
-        self.tensors = tensors
+    Each tensor's storage becomes a view of `flat` (`t.data = view`), so the module and the
+    optimizer keep working on the same objects while the whole set moves as one block. On the
+    CPU with the wire's dtype, `flat` *is* the wire buffer: no copies at all. On a GPU, one
+    pinned host buffer takes one non-blocking copy each way."""
+
+    def __init__(self, tensors: list[torch.Tensor], wire_dtype: torch.dtype) -> None:
+        first = tensors[0]
         numel = sum(t.numel() for t in tensors)
-        pin = any(t.is_cuda for t in tensors)
-        self.host = torch.empty(numel, dtype=dtype, pin_memory=pin)
+        self.flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel()
+                view = self.flat[offset:offset + n]
+                view.copy_(t.reshape(-1))
+                t.data = view.view_as(t)
+                offset += n
+        if first.device.type == "cpu" and first.dtype == wire_dtype:
+            self.host = self.flat
+        else:
+            self.host = torch.empty(numel, dtype=wire_dtype,
+                                    pin_memory=first.device.type == "cuda")
         self.array = self.host.numpy()
 
     def gather(self) -> np.ndarray:
-        offset = 0
-        with torch.no_grad():
-            for t in self.tensors:
-                n = t.numel()
-                self.host[offset:offset + n].copy_(t.reshape(-1), non_blocking=True)
-                offset += n
-        _sync(self.tensors)
+        """The tensors' current values in `array`."""
+        if self.host is not self.flat:
+            self.host.copy_(self.flat, non_blocking=True)
+            _sync(self.flat)
         return self.array
 
     def scatter(self) -> None:
-        offset = 0
-        with torch.no_grad():
-            for t in self.tensors:
-                n = t.numel()
-                t.copy_(self.host[offset:offset + n].view_as(t), non_blocking=True)
-                offset += n
-        _sync(self.tensors)
+        """`array`'s values (e.g. a received average) into the tensors."""
+        if self.host is not self.flat:
+            self.flat.copy_(self.host, non_blocking=True)
+            _sync(self.flat)
 
 
-def _sync(tensors: list[torch.Tensor]) -> None:
-    if any(t.is_cuda for t in tensors):
-        torch.cuda.synchronize()
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
 
 
 def make_optimizer(

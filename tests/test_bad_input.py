@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from sparkdl_avg import (
-    ClusterError, ConfigError, DataError, ModelError, TrainConfig, TrainingError, fit,
+    ClusterError,
+    ConfigError,
+    DataError,
+    ModelError,
+    TrainConfig,
+    TrainingError,
+    fit,
 )
 
 pytestmark = pytest.mark.spark

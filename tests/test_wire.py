@@ -10,8 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from sparkdl_avg import ProtocolError
-from sparkdl_avg import _wire
+from sparkdl_avg import ProtocolError, _wire
 from sparkdl_avg._coordinator import Coordinator
 from sparkdl_avg._wire import Connection, Kind
 
