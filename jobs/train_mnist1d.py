@@ -23,6 +23,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--average-optimizer-state", action="store_true")
+    p.add_argument("--eval-every", type=int, default=5, help="rounds between evaluations")
     p.add_argument("--hidden", default="1024,1024", help="hidden layer widths")
     p.add_argument("--samples", type=int, default=20_000, help="MNIST-1D samples (80%% train)")
     p.add_argument("--data-dir", help="where the generated Parquet is cached")
@@ -46,13 +47,15 @@ def main(argv: list[str]) -> int:
         num_workers=args.num_workers, epochs=args.epochs, batch_size=args.batch_size,
         averaging_frequency=args.averaging_frequency, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum, average_optimizer_state=args.average_optimizer_state,
-        seed=args.seed, experiment_name=args.experiment, log_model=not args.no_log_model,
+        eval_every=args.eval_every, seed=args.seed, experiment_name=args.experiment,
+        log_model=not args.no_log_model,
     )
     builder = SparkSession.builder.appName("sparkdl-avg-mnist1d")
     if args.master:
         builder = builder.master(args.master)
     elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # plain `python`, not spark-submit
         builder = builder.master(f"local[{args.num_workers}]").config("spark.ui.enabled", "false")
+    builder = builder.config("spark.ui.showConsoleProgress", "false")  # our own progress bar
     spark = builder.getOrCreate()
     try:
         train_df, test_df = mnist1d.load(spark, args.samples, cache_dir=args.data_dir)

@@ -161,7 +161,8 @@ class Coordinator:
             evals = self._all(lambda rank, conn: self._expect(rank, conn, _wire.Kind.EVAL).meta)
             count = sum(e["count"] for e in evals)
             stats.eval = {"loss": sum(e["loss_sum"] for e in evals) / max(1, count),
-                          "accuracy": sum(e["correct"] for e in evals) / max(1, count)}
+                          "accuracy": sum(e["correct"] for e in evals) / max(1, count),
+                          "time_s": max(e["eval_s"] for e in evals)}
         now = time.perf_counter()
         stats.round_s, self._round_end = now - self._round_end, now
         return stats

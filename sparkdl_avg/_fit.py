@@ -176,7 +176,8 @@ def _fit(spark, run: RunLogger, train_df, eval_df, model_fn, config: TrainConfig
 
 
 def _round_metrics(stats: RoundStats) -> dict[str, float]:
-    communication = max(0.0, stats.round_s - stats.compute_s - stats.averaging_s)
+    eval_s = stats.eval["time_s"] if stats.eval is not None else 0.0
+    communication = max(0.0, stats.round_s - stats.compute_s - stats.averaging_s - eval_s)
     metrics = {
         "train_loss": stats.train_loss,
         "samples_per_s": stats.samples / stats.round_s if stats.round_s > 0 else 0.0,
@@ -189,4 +190,5 @@ def _round_metrics(stats: RoundStats) -> dict[str, float]:
     if stats.eval is not None:
         metrics["eval_loss"] = stats.eval["loss"]
         metrics["eval_accuracy"] = stats.eval["accuracy"]
+        metrics["time_eval_s"] = eval_s
     return metrics

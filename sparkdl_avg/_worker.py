@@ -186,7 +186,9 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
             reply = conn.expect(_wire.Kind.AVERAGE, into=flat.array)
             flat.scatter()
             if reply.meta.get("eval"):
-                conn.send(_wire.Kind.EVAL, _evaluate(model, x_eval, y_eval, loss_fn, spec.classify))
+                t_eval = time.perf_counter()
+                stats = _evaluate(model, x_eval, y_eval, loss_fn, spec.classify)
+                conn.send(_wire.Kind.EVAL, {**stats, "eval_s": time.perf_counter() - t_eval})
         conn.send(_wire.Kind.DONE, {"steps": step})
     except BaseException as exc:
         try:
