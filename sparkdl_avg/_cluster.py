@@ -15,9 +15,12 @@ from sparkdl_avg._errors import ClusterError, TrainingError
 _SLOT_WAIT_S = 10.0
 
 
-def driver_host(spark: SparkSession) -> str:
+def driver_addresses(spark: SparkSession) -> tuple[str, str]:
+    """(bind, advertise): the coordinator listens where the driver binds and tells the executors
+    the host they already reach the driver at (they differ in containers: 0.0.0.0 vs a name)."""
     conf = spark.sparkContext.getConf()
-    return conf.get("spark.driver.bindAddress", None) or conf.get("spark.driver.host", "127.0.0.1")
+    advertise = conf.get("spark.driver.host", "127.0.0.1")
+    return conf.get("spark.driver.bindAddress", None) or advertise, advertise
 
 
 def check_cluster(spark: SparkSession, num_workers: int, device: str) -> int:

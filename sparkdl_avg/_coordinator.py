@@ -45,7 +45,8 @@ class RoundStats:
 class Coordinator:
     """Owns the listening socket and the workers' connections; `close()` releases all."""
 
-    def __init__(self, *, host: str, num_workers: int, secret: bytes, timeout: float,
+    def __init__(self, *, host: str, advertise: str, num_workers: int, secret: bytes,
+                 timeout: float,
                  dtype: np.dtype, model_numel: int,
                  check_job: Callable[[float], None]) -> None:
         self.num_workers = num_workers
@@ -57,6 +58,7 @@ class Coordinator:
         self.hellos: dict[int, dict] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._host = host
+        self._advertise = advertise
         self._dtype = np.dtype(dtype)
         self._buffers = [np.empty(model_numel, self._dtype) for _ in range(num_workers)]
         self.average = np.empty(model_numel, self._dtype)
@@ -73,8 +75,9 @@ class Coordinator:
 
     @property
     def address(self) -> tuple[str, int]:
+        """Where the executors connect: the driver's advertised host and our port."""
         assert self._listener is not None
-        return self._host, self._listener.getsockname()[1]
+        return self._advertise, self._listener.getsockname()[1]
 
     def close(self) -> None:
         for conn in self._conns.values():
@@ -161,8 +164,9 @@ class Coordinator:
             evals = self._all(lambda rank, conn: self._expect(rank, conn, _wire.Kind.EVAL).meta)
             count = sum(e["count"] for e in evals)
             stats.eval = {"loss": sum(e["loss_sum"] for e in evals) / max(1, count),
-                          "accuracy": sum(e["correct"] for e in evals) / max(1, count),
                           "time_s": max(e["eval_s"] for e in evals)}
+            if all(e.get("correct") is not None for e in evals):  # classifiers only
+                stats.eval["accuracy"] = sum(e["correct"] for e in evals) / max(1, count)
         now = time.perf_counter()
         stats.round_s, self._round_end = now - self._round_end, now
         return stats

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -11,10 +12,10 @@ from functools import partial
 import torch
 
 from sparkdl_avg import _wire
-from sparkdl_avg._cluster import BarrierJob, check_cluster, driver_host
+from sparkdl_avg._cluster import BarrierJob, check_cluster, driver_addresses
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._coordinator import Coordinator, RoundStats
-from sparkdl_avg._data import prepare
+from sparkdl_avg._data import PreparedData, prepare
 from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._model import (
     FlatBuffer,
@@ -26,7 +27,7 @@ from sparkdl_avg._model import (
     model_dtype,
     pickle_for_executors,
 )
-from sparkdl_avg._plan import make_schedule
+from sparkdl_avg._plan import Schedule, make_schedule
 from sparkdl_avg._progress import Progress
 from sparkdl_avg._tracking import RunLogger
 from sparkdl_avg._worker import REPORT_SCHEMA, WorkerSpec, run_task
@@ -66,7 +67,7 @@ def fit(
     config = TrainConfig() if config is None else config
     if not isinstance(config, TrainConfig):
         raise ConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
-    loss_fn, classify = make_loss(loss)
+    _, classify = make_loss(loss)
     spark = getattr(train_df, "sparkSession", None)
     if spark is None:
         raise DataError(f"train_df must be a pyspark DataFrame, got {type(train_df).__name__}")
@@ -75,25 +76,52 @@ def fit(
                    tags={"sparkdl_avg.mode": "sync"}) as run:
         run.log_params({**config.to_dict(), "features_col": features_col,
                         "label_col": label_col, "loss": getattr(loss, "__qualname__", loss)})
-        return _fit(spark, run, train_df, eval_df, model_fn, config, features_col, label_col,
-                    loss, classify, loss_fn, t_start)
+        plan = _plan(spark, train_df, eval_df, model_fn, config, features_col, label_col, loss)
+        run.log_params(plan.params)
+        timings = {"validate_s": time.perf_counter() - t_start}
+        history, workers = _train(spark, plan, config, classify, run, timings, t_start)
+        for w in workers:
+            if w["warning"]:
+                log.warning("partition %d: %s", w["partition"], w["warning"])
+        run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
+                      for w in workers})
+        model = plan.model.eval()  # a trained result predicts: dropout and batch stats off
+        if config.log_model:
+            t_log = time.perf_counter()
+            run.log_model(model, torch.zeros(2, plan.data.num_features, dtype=plan.dtype).numpy())
+            timings["log_model_s"] = time.perf_counter() - t_log
+        timings["total_s"] = time.perf_counter() - t_start
+        run.log_metrics({f"time_{k}": v for k, v in timings.items()}, step=0)
+        run.log_dict({"workers": workers, "timings": timings}, "fit_summary.json")
+        return FitResult(model=model, run_id=run.run_id, history=history, workers=workers,
+                         timings=timings)
 
 
-def _fit(spark, run: RunLogger, train_df, eval_df, model_fn, config: TrainConfig, features_col,
-         label_col, loss, classify, loss_fn, t_start) -> FitResult:
+@dataclass(slots=True)
+class _Plan:
+    """Everything decided and checked on the driver before a task starts."""
+
+    model: torch.nn.Module
+    dtype: torch.dtype
+    data: PreparedData
+    schedule: Schedule
+    pickled: dict[str, bytes]
+    long_labels: bool
+    params: dict[str, object]
+
+
+def _plan(spark, train_df, eval_df, model_fn, config: TrainConfig, features_col, label_col,
+          loss) -> _Plan:
     check_cluster(spark, config.num_workers, config.device)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     model = build_model(model_fn)
     dtype = model_dtype(model)
-    spec_parts = {
-        "model_fn": pickle_for_executors("model_fn", model_fn),
-        "loss": pickle_for_executors("loss", loss),
-    }
+    pickled = {"model_fn": pickle_for_executors("model_fn", model_fn),
+               "loss": pickle_for_executors("loss", loss)}
     if callable(config.optimizer):  # travels as bytes, like model_fn
-        spec_parts["optimizer"] = pickle_for_executors("optimizer", config.optimizer)
-    double = dtype == torch.float64
+        pickled["optimizer"] = pickle_for_executors("optimizer", config.optimizer)
     data = prepare(train_df, eval_df, features_col=features_col, label_col=label_col,
-                   num_workers=config.num_workers, double_precision=double)
+                   num_workers=config.num_workers, double_precision=dtype == torch.float64)
     if loss == "cross_entropy" and data.fractional_labels:
         raise DataError(
             f"label column {label_col!r} has {data.fractional_labels} non-integer values; "
@@ -110,69 +138,58 @@ def _fit(spark, run: RunLogger, train_df, eval_df, model_fn, config: TrainConfig
         )
     schedule = make_schedule(smallest, config.batch_size, config.epochs,
                              config.averaging_frequency)
-    run.log_params({"num_features": data.num_features, "train_rows": sum(data.train_sizes),
-                    "eval_rows": sum(data.eval_sizes), "steps_per_epoch": schedule.steps_per_epoch,
-                    "num_rounds": schedule.num_rounds, "model_parameters": sum(
-                        p.numel() for p in model.parameters()), "dtype": str(dtype)})
-    wire_dtype = torch.float64 if double else torch.float32
-    flat = FlatBuffer(averaged_tensors(model), wire_dtype)
+    params = {"num_features": data.num_features, "train_rows": sum(data.train_sizes),
+              "eval_rows": sum(data.eval_sizes), "steps_per_epoch": schedule.steps_per_epoch,
+              "num_rounds": schedule.num_rounds, "dtype": str(dtype),
+              "model_parameters": sum(p.numel() for p in model.parameters())}
+    return _Plan(model, dtype, data, schedule, pickled,
+                 long_labels=data.integral_labels or loss == "cross_entropy", params=params)
+
+
+def _train(spark, plan: _Plan, config: TrainConfig, classify: bool, run: RunLogger,
+           timings: dict, t_start: float) -> tuple[list[dict], list[dict]]:
+    """Start the coordinator and the barrier job, run every round, load the final average."""
+    double = plan.dtype == torch.float64
+    flat = FlatBuffer(averaged_tensors(plan.model), torch.float64 if double else torch.float32)
     secret = _wire.new_secret()
-    has_eval = eval_df is not None
-    timings = {"validate_s": time.perf_counter() - t_start}
+    schedule, has_eval = plan.schedule, plan.data.eval_sizes[0] > 0
     history: list[dict] = []
+    bind, advertise = driver_addresses(spark)
     progress = Progress(schedule.num_rounds)
-    try:
-        with Coordinator(host=driver_host(spark), num_workers=config.num_workers, secret=secret,
-                         timeout=config.round_timeout, dtype=flat.array.dtype,
-                         model_numel=flat.array.size, check_job=lambda w: job.check(w)) as coord:
-            spec = WorkerSpec(
-                address=coord.address, secret=secret, schedule=schedule,
-                config=replace(config, optimizer="sgd") if callable(config.optimizer) else config,
-                num_features=data.num_features, double_precision=double,
-                long_labels=data.integral_labels or loss == "cross_entropy", classify=classify,
-                **spec_parts,
-            )
-            job = BarrierJob(data.frame, partial(run_task, spec), REPORT_SCHEMA,
-                             f"sparkdl-avg: train {config.num_workers} replicas")
-            with job:
-                coord.accept_workers(flat.gather(), _CONNECT_DEADLINE_S)
-                timings["first_step_s"] = time.perf_counter() - t_start
-                t_train = time.perf_counter()
-                for r in range(schedule.num_rounds):
-                    last = r == schedule.num_rounds - 1
-                    evaluate = has_eval and (last or (r + 1) % config.eval_every == 0)
-                    stats = coord.run_round(r, model_numel=flat.array.size,
-                                            allow_state=config.average_optimizer_state,
-                                            evaluate=evaluate)
-                    metrics = _round_metrics(stats)
-                    history.append({"round": r, **metrics})
-                    run.log_metrics(metrics, step=r)
-                    progress.update(r, stats.train_loss,
-                                    stats.eval["accuracy"] if stats.eval and classify else None)
-                coord.finish()
-                timings["train_s"] = time.perf_counter() - t_train
-                flat.array[:] = coord.average[:flat.array.size]
-                workers = [row.asDict() for row in job.wait(config.round_timeout)]
-    finally:
-        progress.close()
-    flat.scatter()
-    model.eval()  # a trained result predicts; dropout and batch statistics off
-    workers.sort(key=lambda w: w["partition"])
-    run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
-                  for w in workers})
-    for w in workers:
-        if w["warning"]:
-            log.warning("partition %d: %s", w["partition"], w["warning"])
-    if config.log_model:
-        t_log = time.perf_counter()
-        example = torch.zeros(2, data.num_features, dtype=dtype).numpy()
-        run.log_model(model, example)
-        timings["log_model_s"] = time.perf_counter() - t_log
-    timings["total_s"] = time.perf_counter() - t_start
-    run.log_metrics({f"time_{k}": v for k, v in timings.items()}, step=0)
-    run.log_dict({"workers": workers, "timings": timings}, "fit_summary.json")
-    return FitResult(model=model, run_id=run.run_id, history=history, workers=workers,
-                     timings=timings)
+    with contextlib.closing(progress), Coordinator(
+        host=bind, advertise=advertise, num_workers=config.num_workers, secret=secret,
+        timeout=config.round_timeout, dtype=flat.array.dtype, model_numel=flat.array.size,
+        check_job=lambda wait_s: job.check(wait_s),
+    ) as coord:
+        spec = WorkerSpec(
+            address=coord.address, secret=secret, schedule=schedule,
+            config=replace(config, optimizer="sgd") if callable(config.optimizer) else config,
+            num_features=plan.data.num_features, double_precision=double,
+            long_labels=plan.long_labels, classify=classify, **plan.pickled,
+        )
+        job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
+                         f"sparkdl-avg: train {config.num_workers} replicas")
+        with job:
+            coord.accept_workers(flat.gather(), _CONNECT_DEADLINE_S)
+            timings["first_step_s"] = time.perf_counter() - t_start
+            t_train = time.perf_counter()
+            for r in range(schedule.num_rounds):
+                last = r == schedule.num_rounds - 1
+                stats = coord.run_round(
+                    r, model_numel=flat.array.size, allow_state=config.average_optimizer_state,
+                    evaluate=has_eval and (last or (r + 1) % config.eval_every == 0),
+                )
+                metrics = _round_metrics(stats)
+                history.append({"round": r, **metrics})
+                run.log_metrics(metrics, step=r)
+                progress.update(r, stats.train_loss, metrics.get("eval_accuracy"))
+            coord.finish()
+            timings["train_s"] = time.perf_counter() - t_train
+            flat.array[:] = coord.average[:flat.array.size]
+            flat.scatter()
+            workers = sorted((row.asDict() for row in job.wait(config.round_timeout)),
+                             key=lambda w: w["partition"])
+    return history, workers
 
 
 def _round_metrics(stats: RoundStats) -> dict[str, float]:
@@ -189,6 +206,7 @@ def _round_metrics(stats: RoundStats) -> dict[str, float]:
     }
     if stats.eval is not None:
         metrics["eval_loss"] = stats.eval["loss"]
-        metrics["eval_accuracy"] = stats.eval["accuracy"]
         metrics["time_eval_s"] = eval_s
+        if "accuracy" in stats.eval:
+            metrics["eval_accuracy"] = stats.eval["accuracy"]
     return metrics

@@ -122,4 +122,9 @@ class RunLogger:
             except queue.Empty:
                 break
         for start in range(0, len(batch), _MAX_BATCH):
-            self._client.log_batch(self.run_id, metrics=batch[start:start + _MAX_BATCH])
+            try:
+                self._client.log_batch(self.run_id, metrics=batch[start:start + _MAX_BATCH])
+            except Exception:
+                for metric in batch[start:]:  # keep them for the next flush
+                    self._queue.put(metric)
+                raise

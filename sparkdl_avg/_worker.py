@@ -215,4 +215,5 @@ def _evaluate(model, x, y, loss_fn, classify: bool) -> dict:
             if classify:
                 correct += int((out.argmax(dim=1) == yb).sum())
     model.train(was_training)
-    return {"loss_sum": loss_sum, "correct": correct, "count": int(x.shape[0])}
+    return {"loss_sum": loss_sum, "correct": correct if classify else None,
+            "count": int(x.shape[0])}

@@ -184,3 +184,11 @@ def test_error_on_an_executor_fails_the_fit_and_names_the_worker(good, mlflow_cl
     with pytest.raises(TrainingError, match="boom in forward"):
         fit(good, lambda: Exploding(3, 2), CFG)
     assert_failed_run(mlflow_client, "boom in forward")
+
+
+def test_diverging_training_stops_with_a_clear_error(good, mlflow_client):
+    cfg = TrainConfig(num_workers=2, batch_size=4, epochs=3, averaging_frequency=1,
+                      optimizer="sgd", lr=1e30, log_model=False, experiment_name="bad-input")
+    with pytest.raises(TrainingError, match=r"NaN/Inf parameters in round \d+.*diverged"):
+        fit(good, lambda: torch.nn.Linear(3, 1), cfg, loss="mse")  # squares explode
+    assert_failed_run(mlflow_client, "diverged")

@@ -184,4 +184,4 @@ def test_mse_regression_with_float_labels(spark):
     result = fit(df, lambda: torch.nn.Linear(N_FEATURES, 1), cfg, label_col="target",
                  loss="mse", eval_df=df)
     assert result.history[-1]["eval_loss"] < 0.05 * float(np.var(y))
-    assert "eval_accuracy" not in result.history[-1] or result.history[-1]["eval_accuracy"] == 0
+    assert "eval_accuracy" not in result.history[-1]  # no accuracy for a regressor

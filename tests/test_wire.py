@@ -123,8 +123,9 @@ def test_wrong_secret_is_refused_on_both_sides():
 
 def test_coordinator_refuses_intruders_and_keeps_serving_its_workers():
     secret = _wire.new_secret()
-    with Coordinator(host="127.0.0.1", num_workers=1, secret=secret, timeout=5,
-                     dtype=np.float32, model_numel=4, check_job=lambda wait: None) as coord:
+    with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1, secret=secret,
+                     timeout=5, dtype=np.float32, model_numel=4,
+                     check_job=lambda wait: None) as coord:
         received = {}
 
         def intruders_then_worker():
