@@ -185,3 +185,24 @@ def test_mse_regression_with_float_labels(spark):
                  loss="mse", eval_df=df)
     assert result.history[-1]["eval_loss"] < 0.05 * float(np.var(y))
     assert "eval_accuracy" not in result.history[-1]  # no accuracy for a regressor
+
+
+def sgd_factory(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def my_cross_entropy(outputs, labels):
+    return torch.nn.functional.cross_entropy(outputs, labels)
+
+
+def test_user_optimizer_and_loss_callables_match_the_built_ins(spark):
+    x, y = make_data(200, seed=4)
+    df = frame(spark, x, y)
+    common = {"num_workers": 2, "epochs": 2, "batch_size": 8, "averaging_frequency": 2,
+              "seed": 1, "log_model": False}
+    builtin = fit(df, make_model_f64, TrainConfig(optimizer="sgd", lr=0.05, momentum=0.9,
+                                                  **common))
+    custom = fit(df, make_model_f64, TrainConfig(optimizer=sgd_factory, **common),
+                 loss=my_cross_entropy)
+    for a, b in zip(builtin.model.parameters(), custom.model.parameters(), strict=True):
+        assert torch.equal(a, b)
