@@ -1,0 +1,65 @@
+"""The asynchronous update rules against values computed by hand."""
+
+import numpy as np
+import pytest
+
+from sparkdl_avg._async_rules import ServerState, may_proceed
+
+
+def test_downpour_subtracts_the_pushed_update():
+    s = ServerState(params=np.array([1.0, 2.0]), algorithm="downpour")
+    s.pull(0)
+    s.apply(0, np.array([0.5, -1.0]))
+    assert s.params.tolist() == [0.5, 3.0]
+
+
+def test_dcasgd_constant_lambda_by_hand():
+    # lr 0.1, lambda 0.04. Worker 0 pulls w=[1, 2]; meanwhile the server moved to [1.5, 1.0].
+    s = ServerState(params=np.array([1.0, 2.0]), algorithm="dcasgd", lr=0.1, dc_lambda=0.04)
+    s.pull(0)
+    s.params[:] = [1.5, 1.0]
+    s.apply(0, np.array([0.2, -0.1]))  # g = update / lr = [2, -1]
+    # w - lr*(g + lam*g*g*(w - backup)) = [1.5 - 0.1*(2 + 0.04*4*0.5), 1 - 0.1*(-1 + 0.04*1*-1)]
+    np.testing.assert_allclose(s.params, [1.5 - 0.1 * 2.08, 1.0 - 0.1 * -1.04], rtol=1e-15)
+
+
+def test_dcasgd_keeps_one_backup_per_worker():
+    s = ServerState(params=np.array([0.0]), algorithm="dcasgd", lr=1.0, dc_lambda=1.0)
+    s.pull(0)                 # worker 0's backup: 0
+    s.params[:] = [1.0]
+    s.pull(1)                 # worker 1's backup: 1 (worker 0's stays 0)
+    s.apply(0, np.array([1.0]))  # g=1: w = 1 - (1 + 1*1*(1 - 0)) = -1
+    assert s.params.tolist() == [-1.0]
+    s.apply(1, np.array([1.0]))  # g=1: w = -1 - (1 + 1*1*(-1 - 1)) = 0
+    assert s.params.tolist() == [0.0]
+
+
+def test_dcasgd_adaptive_scales_lambda_by_the_mean_square():
+    s = ServerState(params=np.array([1.0]), algorithm="dcasgd-adaptive", lr=0.5, dc_lambda=2.0,
+                    momentum=0.95, eps=1e-7)
+    s.pull(0)
+    s.params[:] = [2.0]
+    s.apply(0, np.array([1.0]))  # g = 2; ms = 0.05*4 = 0.2; lam = 2/sqrt(0.2 + 1e-7)
+    lam = 2.0 / np.sqrt(0.2 + 1e-7)
+    assert s.params[0] == pytest.approx(2.0 - 0.5 * (2 + lam * 4 * (2.0 - 1.0)), rel=1e-12)
+    assert s.meansquare[0] == pytest.approx(0.2)
+
+
+def test_push_before_pull_is_refused_for_dcasgd():
+    s = ServerState(params=np.zeros(1), algorithm="dcasgd")
+    with pytest.raises(ValueError, match="pushed before it pulled"):
+        s.apply(3, np.ones(1))
+
+
+def test_unknown_algorithm():
+    with pytest.raises(ValueError, match="algorithm='hogwild'"):
+        ServerState(params=np.zeros(1), algorithm="hogwild")
+
+
+def test_ssp_bound():
+    clocks = {0: 5, 1: 3}
+    assert may_proceed(clocks, 0, bound=2)
+    assert not may_proceed(clocks, 0, bound=1)
+    assert may_proceed(clocks, 1, bound=0)
+    assert may_proceed(clocks, 0, bound=None)
+    assert not may_proceed({0: 1, 1: 0}, 0, bound=0)  # s=0 is bulk synchronous
