@@ -27,6 +27,9 @@ from sparkdl_avg._errors import ProtocolError, TrainingError
 
 log = logging.getLogger("sparkdl_avg")
 _POLL_S = 0.25
+_HANDSHAKE_S = 10.0
+_MAX_STATE_FACTOR = 4
+"""A push may carry the parameters plus optimizer state of up to 3x their size (Adam)."""
 
 
 @dataclass(slots=True)
@@ -67,6 +70,7 @@ class Coordinator:
     def __enter__(self) -> Coordinator:
         self._listener = socket.create_server((self._host, 0), backlog=self.num_workers * 2)
         self._listener.settimeout(_POLL_S)
+        self._port = self._listener.getsockname()[1]
         self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="sparkdl-avg-io")
         return self
 
@@ -76,11 +80,10 @@ class Coordinator:
     @property
     def address(self) -> tuple[str, int]:
         """Where the executors connect: the driver's advertised host and our port."""
-        assert self._listener is not None
-        return self._advertise, self._listener.getsockname()[1]
+        return self._advertise, self._port
 
     def close(self) -> None:
-        for conn in self._conns.values():
+        for conn in self._conns.values():  # wakes any I/O thread blocked on a socket
             conn.close()
         self._conns.clear()
         if self._listener is not None:
@@ -107,20 +110,28 @@ class Coordinator:
                 sock, peer = self._listener.accept()
             except TimeoutError:
                 continue
-            conn = _wire.Connection(sock, timeout=min(self._timeout, 30.0), max_payload=0)
+            conn = None
             try:
+                conn = _wire.Connection(sock, timeout=_HANDSHAKE_S, max_payload=0,
+                                        max_meta=_wire.HANDSHAKE_META_BYTES)
+                conn.deadline = time.monotonic() + _HANDSHAKE_S
                 hello = conn.authenticate_client(self._secret)
                 rank = hello.get("rank")
                 if not isinstance(rank, int) or not 0 <= rank < self.num_workers \
                         or rank in self._conns:
+                    conn.send(_wire.Kind.ERROR, {"message": f"unexpected worker rank {rank!r}"})
                     raise ProtocolError(f"unexpected worker rank {rank!r}")
-            except (ProtocolError, OSError) as exc:
+            except Exception as exc:  # a stranger or a broken peer must not end the fit
                 log.warning("refused a connection from %s: %s", peer, exc)
-                conn.close()
+                (conn or sock).close()
                 continue
+            conn.deadline = None
+            conn.max_meta = _wire.MAX_META_BYTES
             conn.set_timeout(self._timeout)
             self._conns[rank] = conn
             self.hellos[rank] = hello
+        self._listener.close()  # everyone is here: nobody else may connect
+        self._listener = None
         self._all(lambda rank, conn: conn.send(_wire.Kind.AVERAGE, {"round": -1}, initial))
         self._round_end = time.perf_counter()
 
@@ -161,7 +172,8 @@ class Coordinator:
             per_worker_compute_s=[p["compute_s"] for p in pushes],
         )
         if evaluate:
-            evals = self._all(lambda rank, conn: self._expect(rank, conn, _wire.Kind.EVAL).meta)
+            evals = self._all(lambda rank, conn: _checked_eval(
+                rank, self._expect(rank, conn, _wire.Kind.EVAL).meta))
             count = sum(e["count"] for e in evals)
             stats.eval = {"loss": sum(e["loss_sum"] for e in evals) / max(1, count),
                           "time_s": max(e["eval_s"] for e in evals)}
@@ -179,7 +191,8 @@ class Coordinator:
         def target(kind: _wire.Kind, meta: dict) -> np.ndarray:
             numel = meta.get("numel")
             if not isinstance(numel, int) or numel < model_numel or (
-                    numel != model_numel and not allow_state):
+                    numel != model_numel and not allow_state) \
+                    or numel > _MAX_STATE_FACTOR * model_numel:
                 raise ProtocolError(f"worker {rank} pushed {numel} values; the model has "
                                     f"{model_numel}")
             if self._buffers[rank].size != numel:  # grows once when optimizer state joins
@@ -188,9 +201,15 @@ class Coordinator:
 
         frame = self._expect(rank, conn, _wire.Kind.PUSH, into=target)
         meta = frame.meta
+        if frame.payload is None:
+            raise ProtocolError(f"worker {rank} pushed no parameters")
         if meta.get("round") != round_index:
             raise ProtocolError(f"worker {rank} sent round {meta.get('round')} during round "
                                 f"{round_index}")
+        samples, loss_sum = meta.get("samples"), meta.get("loss_sum")
+        if not isinstance(samples, int) or samples < 1 or not _is_number(loss_sum) \
+                or not _is_number(meta.get("compute_s")):
+            raise ProtocolError(f"worker {rank} sent a malformed PUSH: {meta}")
         return meta
 
     def _expect(self, rank: int, conn: _wire.Connection, kind: _wire.Kind,
@@ -232,3 +251,16 @@ class Coordinator:
         if isinstance(exc, TrainingError):
             raise exc
         raise TrainingError(str(exc)) from exc
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _checked_eval(rank: int, meta: dict) -> dict:
+    count, correct = meta.get("count"), meta.get("correct")
+    if not isinstance(count, int) or count < 0 or not _is_number(meta.get("loss_sum")) \
+            or not _is_number(meta.get("eval_s")) \
+            or not (correct is None or isinstance(correct, int)):
+        raise ProtocolError(f"worker {rank} sent a malformed EVAL: {meta}")
+    return meta

@@ -88,7 +88,9 @@ def fit(
         model = plan.model.eval()  # a trained result predicts: dropout and batch stats off
         if config.log_model:
             t_log = time.perf_counter()
-            run.log_model(model, torch.zeros(2, plan.data.num_features, dtype=plan.dtype).numpy())
+            example = torch.zeros(2, plan.data.num_features, dtype=plan.dtype)
+            run.log_model(model, example.float().numpy() if plan.dtype in (
+                torch.float16, torch.bfloat16) else example.numpy())
             timings["log_model_s"] = time.perf_counter() - t_log
         timings["total_s"] = time.perf_counter() - t_start
         run.log_metrics({f"time_{k}": v for k, v in timings.items()}, step=0)
@@ -161,8 +163,11 @@ def _train(spark, plan: _Plan, config: TrainConfig, classify: bool, run: RunLogg
         timeout=config.round_timeout, dtype=flat.array.dtype, model_numel=flat.array.size,
         check_job=lambda wait_s: job.check(wait_s),
     ) as coord:
+        # Workers connect once their partition is loaded; large data loads slowly.
+        connect_s = max(_CONNECT_DEADLINE_S, config.round_timeout)
         spec = WorkerSpec(
-            address=coord.address, secret=secret, schedule=schedule,
+            address=coord.address, secret=secret, schedule=schedule, connect_s=connect_s,
+            train_rows=plan.data.train_sizes, eval_rows=plan.data.eval_sizes,
             config=replace(config, optimizer="sgd") if callable(config.optimizer) else config,
             num_features=plan.data.num_features, double_precision=double,
             long_labels=plan.long_labels, classify=classify, **plan.pickled,
@@ -170,7 +175,7 @@ def _train(spark, plan: _Plan, config: TrainConfig, classify: bool, run: RunLogg
         job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
                          f"sparkdl-avg: train {config.num_workers} replicas")
         with job:
-            coord.accept_workers(flat.gather(), _CONNECT_DEADLINE_S)
+            coord.accept_workers(flat.gather(), connect_s)
             timings["first_step_s"] = time.perf_counter() - t_start
             t_train = time.perf_counter()
             for r in range(schedule.num_rounds):

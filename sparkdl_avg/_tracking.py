@@ -6,12 +6,15 @@ a slow tracking server (about 60 ms per REST call) never slows a round down.
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
 import time
 import traceback
 from typing import Any
+
+import numpy as np
 
 log = logging.getLogger("sparkdl_avg")
 _FLUSH_EVERY_S = 1.0
@@ -63,17 +66,19 @@ class RunLogger:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        self._flush()
-        if exc is None:
-            self._client.set_terminated(self.run_id, "FINISHED")
-            return
+        status = "FINISHED" if exc is None else "FAILED"
         try:
-            message = f"{exc_type.__name__}: {exc}"
-            self._client.set_tag(self.run_id, "error", message[:4900])
-            self._client.log_text(self.run_id, "".join(traceback.format_exception(exc)),
-                                  "error.txt")
+            self._flush()
+            if exc is not None:
+                self._client.set_tag(self.run_id, "error", f"{exc_type.__name__}: {exc}"[:4900])
+                self._client.log_text(self.run_id, "".join(traceback.format_exception(exc)),
+                                      "error.txt")
+        except Exception:  # never hide the fit's own error behind a logging error
+            if exc is None:
+                raise
+            log.warning("could not record the failure in MLflow", exc_info=True)
         finally:
-            self._client.set_terminated(self.run_id, "FAILED")
+            self._client.set_terminated(self.run_id, status)
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -100,6 +105,9 @@ class RunLogger:
         import mlflow
         import torch
 
+        if input_example.dtype not in (np.float32, np.float64):  # numpy has no bfloat16
+            model = copy.deepcopy(model).float()
+            input_example = input_example.astype(np.float32)
         # Explicit requirements: MLflow's inference imports the model in a subprocess (~9 s).
         requirements = [f"torch=={torch.__version__.split('+')[0]}",
                         f"mlflow=={mlflow.__version__}"]

@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ MAGIC = b"SDLA"
 VERSION = 1
 _HEADER = struct.Struct("!4sBBHIQ")
 MAX_META_BYTES = 1 << 20
+HANDSHAKE_META_BYTES = 4096
+"""Metadata limit before a peer has authenticated: strangers get little to parse."""
 _NONCE_BYTES = 32
 
 
@@ -68,7 +71,11 @@ def _mac(secret: bytes, *parts: bytes) -> str:
 class Connection:
     """One peer: framed messages over a socket, every call bounded by `timeout` seconds."""
 
-    def __init__(self, sock: socket.socket, *, timeout: float, max_payload: int) -> None:
+    def __init__(self, sock: socket.socket, *, timeout: float, max_payload: int,
+                 max_meta: int = MAX_META_BYTES) -> None:
+        self.max_meta = max_meta
+        self.deadline: float | None = None
+        """If set (time.monotonic()), reads past it fail: a slow drip cannot hold us."""
         sock.settimeout(timeout)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -106,11 +113,11 @@ class Connection:
             kind = Kind(kind)
         except ValueError:
             raise ProtocolError(f"unknown frame kind {kind}") from None
-        if meta_len > MAX_META_BYTES:
-            raise ProtocolError(f"metadata of {meta_len} bytes exceeds {MAX_META_BYTES}")
+        if meta_len > self.max_meta:
+            raise ProtocolError(f"metadata of {meta_len} bytes exceeds {self.max_meta}")
         try:
             meta = json.loads(self._read_exact(meta_len)) if meta_len else {}
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ProtocolError(f"metadata is not JSON: {exc}") from None
         if not isinstance(meta, dict):
             raise ProtocolError("metadata must be a JSON object")
@@ -152,6 +159,8 @@ class Connection:
     def _read_into(self, view: memoryview) -> None:
         pos = 0
         while pos < len(view):
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise TimeoutError("the peer is too slow")
             got = self.sock.recv_into(view[pos:], len(view) - pos)
             if got == 0:
                 raise ProtocolError("connection closed by the peer")
@@ -169,7 +178,8 @@ class Connection:
         if not (isinstance(client_nonce, str) and isinstance(mac, str) and isinstance(hello, dict)):
             raise ProtocolError("malformed AUTH frame")
         hello_bytes = json.dumps(hello, sort_keys=True).encode()
-        if not hmac.compare_digest(mac, _mac(secret, b"client", nonce, hello_bytes)):
+        if not hmac.compare_digest(mac.encode(), _mac(secret, b"client", nonce,
+                                                      hello_bytes).encode()):
             self.send(Kind.ERROR, {"message": "authentication failed"})
             raise ProtocolError("a peer failed authentication (wrong secret)")
         try:
@@ -191,7 +201,8 @@ class Connection:
         mac = _mac(secret, b"client", nonce, hello_bytes)
         self.send(Kind.AUTH, {"nonce": mine.hex(), "mac": mac, "hello": hello})
         welcome = self.expect(Kind.WELCOME)
-        if not hmac.compare_digest(str(welcome.meta.get("mac")), _mac(secret, b"server", mine)):
+        expected = _mac(secret, b"server", mine).encode()
+        if not hmac.compare_digest(str(welcome.meta.get("mac")).encode(), expected):
             raise ProtocolError("the server failed authentication (wrong secret)")
 
 

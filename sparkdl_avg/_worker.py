@@ -39,6 +39,11 @@ class WorkerSpec:
     double_precision: bool
     long_labels: bool
     classify: bool
+    connect_s: float
+    """How long a worker waits for the others to load their partitions and connect."""
+    train_rows: list[int]
+    eval_rows: list[int]
+    """Rows per partition as validation counted them; a task that gets others stops."""
     optimizer: bytes | None = None
     """A user optimizer factory, cloudpickled (config.optimizer is then a placeholder)."""
 
@@ -67,6 +72,14 @@ def run_task(spec: WorkerSpec, batches: Iterator) -> Iterator:
     torch.set_num_threads(max(1, ctx.cpus()))
     data = _load_partition(batches, spec, device)
     load_s = time.perf_counter() - started
+    got = (int(data[0].shape[0]), int(data[2].shape[0]))
+    if got != (spec.train_rows[rank], spec.eval_rows[rank]):
+        raise RuntimeError(
+            f"partition {rank} received {got[0]} training and {got[1]} evaluation rows, but "
+            f"validation counted {spec.train_rows[rank]} and {spec.eval_rows[rank]}: the "
+            "DataFrame changed between validation and training (a nondeterministic source or "
+            "a table being written?). Cache it or write it to storage before fit()."
+        )
     hello = {"rank": rank, "train_rows": int(data[0].shape[0]), "eval_rows": int(data[2].shape[0]),
              "device": choice.device, "gpu": choice.gpu_address, "host": socket.gethostname()}
     _train(spec, rank, data, device, hello)
@@ -151,13 +164,15 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
             y_train, y_eval = y_train.to(dtype), y_eval.to(dtype)
         wire_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         flat = FlatBuffer(averaged_tensors(model), wire_dtype)
+        conn.set_timeout(spec.connect_s)  # the first parameters come once every worker is here
         conn.expect(_wire.Kind.AVERAGE, into=flat.array)
+        conn.set_timeout(cfg.round_timeout)
         flat.scatter()
         model.train()
         factory = cloudpickle.loads(spec.optimizer) if spec.optimizer else None
         optimizer = make_optimizer(cfg, model.parameters(), factory)
         loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
-        n_rows, order, step = x_train.shape[0], None, 0
+        n_rows, order, step, state = x_train.shape[0], None, 0, []
         for round_index in range(schedule.num_rounds):
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -177,9 +192,13 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
                 samples += idx.numel()
                 step += 1
             compute_s = time.perf_counter() - t0
-            if round_index == 0 and cfg.average_optimizer_state:
-                flat = FlatBuffer(averaged_tensors(model)
-                                  + optimizer_state_tensors(optimizer, dtype), wire_dtype)
+            if cfg.average_optimizer_state:
+                # Optimizer state appears lazily (after a parameter's first step): re-home it
+                # into the wire buffer whenever the set of state tensors changes.
+                current = optimizer_state_tensors(optimizer, dtype)
+                if [id(t) for t in current] != [id(t) for t in state]:
+                    state = current
+                    flat = FlatBuffer(averaged_tensors(model) + state, wire_dtype)
             meta = {"round": round_index, "samples": samples, "loss_sum": float(loss_sum),
                     "compute_s": compute_s, "numel": int(flat.array.size)}
             conn.send(_wire.Kind.PUSH, meta, flat.gather())

@@ -129,9 +129,19 @@ def test_coordinator_refuses_intruders_and_keeps_serving_its_workers():
         received = {}
 
         def intruders_then_worker():
-            # 1: garbage bytes; 2: the wrong secret; 3: the real worker.
+            # garbage bytes; deeply nested JSON; a non-ASCII MAC; the wrong secret; then the
+            # real worker, which must still be served.
             with socket.create_connection(coord.address, timeout=5) as s:
                 s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            nested = b"[" * 4000
+            with socket.create_connection(coord.address, timeout=5) as s:
+                s.recv(4096)  # the challenge
+                s.sendall(struct.pack("!4sBBHIQ", b"SDLA", 1, Kind.AUTH, 0, len(nested), 0)
+                          + nested)
+            odd = _wire.connect(coord.address, timeout=5, max_payload=64)
+            odd.expect(Kind.CHALLENGE)
+            odd.send(Kind.AUTH, {"nonce": "00", "mac": "\u00e9t\u00e9", "hello": {"rank": 0}})
+            odd.close()
             bad = _wire.connect(coord.address, timeout=5, max_payload=64)
             with pytest.raises(ProtocolError):
                 bad.authenticate_to_server(_wire.new_secret(), {"rank": 0})
