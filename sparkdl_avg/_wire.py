@@ -48,6 +48,12 @@ class Kind(enum.IntEnum):
     EVAL = 6
     DONE = 7
     ERROR = 8
+    # the asynchronous parameter server
+    PULL = 9
+    PARAMS = 10
+    UPDATE = 11
+    ACK = 12
+    STATS = 13
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,42 @@
+"""A worker's connection to the parameter server: pull parameters, push updates."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparkdl_avg import _wire
+
+
+class PSClient:
+    def __init__(self, address: tuple[str, int], *, secret: bytes, worker: int, numel: int,
+                 dtype: np.dtype, timeout: float) -> None:
+        self._conn = _wire.connect(address, timeout=timeout, max_payload=0)
+        try:
+            self._conn.authenticate_to_server(secret, {"worker": worker})
+        except BaseException:
+            self._conn.close()
+            raise
+        self.params = np.empty(numel, dtype)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def pull(self) -> int:
+        """Fetch the server's parameters into `self.params`; returns the server's version."""
+        self._conn.send(_wire.Kind.PULL)
+        return int(self._conn.expect(_wire.Kind.PARAMS, into=self.params).meta["version"])
+
+    def push(self, update: np.ndarray) -> dict:
+        """Send an update (the server applies w <- w - update by its rule); returns the ACK."""
+        self._conn.send(_wire.Kind.UPDATE, {}, update)
+        return self._conn.expect(_wire.Kind.ACK).meta
+
+    def stats(self) -> dict:
+        self._conn.send(_wire.Kind.STATS)
+        return self._conn.expect(_wire.Kind.STATS).meta

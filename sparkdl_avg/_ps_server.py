@@ -1,0 +1,198 @@
+"""The asynchronous parameter server: pull parameters, push updates, over the same wire.
+
+One thread per connected worker; the update rules live in `_async_rules` and run under one
+lock. What a worker sends is checked before it touches the parameters: a wrong secret, a
+malformed frame, an update of the wrong size or with NaN/Inf is refused with an ERROR reply
+and counted by reason, and the server stays up. `staleness_bound` holds a worker's ACK until
+it is at most that many pushes ahead of the slowest connected worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import socket
+import threading
+import time
+
+import numpy as np
+
+from sparkdl_avg import _wire
+from sparkdl_avg._async_rules import ServerState, may_proceed
+from sparkdl_avg._errors import ProtocolError
+
+log = logging.getLogger("sparkdl_avg")
+_HANDSHAKE_S = 10.0
+
+
+class ParameterServer:
+    """Owns the listening socket, the worker threads and the parameters. `close()` stops all."""
+
+    def __init__(self, state: ServerState, *, secret: bytes, host: str = "127.0.0.1",
+                 port: int = 0, staleness_bound: int | None = None, timeout: float = 600.0
+                 ) -> None:
+        self.state = state
+        self._secret = secret
+        self._host, self._port = host, port
+        self._bound = staleness_bound
+        self._timeout = timeout
+        self._lock = threading.Condition()
+        self._clocks: dict[int, int] = {}
+        self._pulled_version: dict[int, int] = {}
+        self.applied = 0
+        self.refused: collections.Counter[str] = collections.Counter()
+        self.staleness: dict[int, list[int]] = collections.defaultdict(list)
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._conns: set[_wire.Connection] = set()
+        self._closed = threading.Event()
+
+    def __enter__(self) -> ParameterServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._host, self._port
+
+    def start(self) -> None:
+        self._listener = socket.create_server((self._host, self._port), backlog=64)
+        self._listener.settimeout(0.25)
+        self._port = self._listener.getsockname()[1]
+        self._spawn(self._accept_loop, "sparkdl-avg-ps-accept")
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            for conn in list(self._conns):
+                conn.close()
+            self._lock.notify_all()
+        for t in self._threads:
+            t.join(timeout=5)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"applied": self.applied, "refused": dict(self.refused),
+                    "clocks": dict(self._clocks)}
+
+    def _spawn(self, target, name: str, *args) -> None:
+        t = threading.Thread(target=target, name=name, args=args, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._spawn(self._serve, f"sparkdl-avg-ps-{peer[1]}", sock, peer)
+
+    def _serve(self, sock: socket.socket, peer) -> None:
+        conn = None
+        try:
+            conn = _wire.Connection(sock, timeout=_HANDSHAKE_S, max_payload=0,
+                                    max_meta=_wire.HANDSHAKE_META_BYTES)
+            conn.deadline = time.monotonic() + _HANDSHAKE_S
+            hello = conn.authenticate_client(self._secret)
+            worker = hello.get("worker")
+            if not isinstance(worker, int) or worker < 0:
+                raise ProtocolError(f"bad worker id {worker!r}")
+        except Exception as exc:
+            self._refuse("auth", exc, peer)
+            (conn or sock).close()
+            return
+        conn.deadline, conn.max_meta = None, _wire.MAX_META_BYTES
+        conn.set_timeout(self._timeout)
+        with self._lock:
+            self._conns.add(conn)
+            self._clocks.setdefault(worker, min(self._clocks.values(), default=0))
+        try:
+            self._serve_worker(conn, worker)
+        finally:
+            with self._lock:  # a gone worker no longer holds the others back
+                self._conns.discard(conn)
+                self._clocks.pop(worker, None)
+                self._lock.notify_all()
+            conn.close()
+
+    def _serve_worker(self, conn: _wire.Connection, worker: int) -> None:
+        update = np.empty_like(self.state.params)
+        while not self._closed.is_set():
+            try:
+                frame = conn.recv(lambda kind, meta: update if kind is _wire.Kind.UPDATE else None)
+            except ProtocolError as exc:
+                if "closed by the peer" not in str(exc):
+                    # Refused; the stream may be out of step, so this connection ends here.
+                    self._refuse(_reason(exc), exc, worker)
+                    _try_send_error(conn, str(exc))
+                return
+            except (TimeoutError, OSError):
+                return
+            if frame.kind is _wire.Kind.PULL:
+                with self._lock:
+                    params = self.state.pull(worker).copy()
+                    self._pulled_version[worker] = self.applied
+                conn.send(_wire.Kind.PARAMS, {"version": self.applied}, params)
+            elif frame.kind is _wire.Kind.UPDATE:
+                self._apply(conn, worker, update, frame)
+            elif frame.kind is _wire.Kind.STATS:
+                conn.send(_wire.Kind.STATS, self.stats())
+            else:
+                self.refused["unexpected"] += 1
+                _try_send_error(conn, f"unexpected {frame.kind.name} frame")
+
+    def _apply(self, conn: _wire.Connection, worker: int, update: np.ndarray,
+               frame: _wire.Frame) -> None:
+        if frame.payload is None:
+            self.refused["malformed"] += 1
+            _try_send_error(conn, "UPDATE without a payload")
+            return
+        if not np.isfinite(update).all():
+            self.refused["non_finite"] += 1
+            _try_send_error(conn, "update holds NaN or Inf: refused")
+            return
+        with self._lock:
+            try:
+                self.state.apply(worker, update)
+            except ValueError as exc:
+                self.refused["malformed"] += 1
+                _try_send_error(conn, str(exc))
+                return
+            staleness = self.applied - self._pulled_version.get(worker, 0)
+            self.applied += 1
+            self.staleness[worker].append(staleness)
+            self._clocks[worker] = self._clocks.get(worker, 0) + 1
+            self._lock.notify_all()
+            deadline = time.monotonic() + self._timeout
+            while not may_proceed(self._clocks, worker, self._bound) \
+                    and not self._closed.is_set() and time.monotonic() < deadline:
+                self._lock.wait(timeout=0.5)
+            applied = self.applied
+        conn.send(_wire.Kind.ACK, {"applied": applied, "staleness": staleness})
+
+    def _refuse(self, reason: str, exc: BaseException, who) -> None:
+        with self._lock:
+            self.refused[reason] += 1
+        log.warning("parameter server refused %s (%s): %s", who, reason, exc)
+
+
+def _reason(exc: ProtocolError) -> str:
+    text = str(exc)
+    if "exceeds" in text:
+        return "oversized"
+    if "where" in text and "expected" in text:
+        return "shape"
+    return "malformed"
+
+
+def _try_send_error(conn: _wire.Connection, message: str) -> None:
+    with contextlib.suppress(OSError):
+        conn.send(_wire.Kind.ERROR, {"message": message})

@@ -1,0 +1,131 @@
+"""The parameter server over loopback: rules applied, bad input refused and counted, the server
+up throughout, no update lost under concurrency, the staleness bound enforced."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sparkdl_avg import ProtocolError
+from sparkdl_avg._async_rules import ServerState
+from sparkdl_avg._ps_client import PSClient
+from sparkdl_avg._ps_server import ParameterServer
+
+SECRET = b"s" * 32
+
+
+def server(n: int = 4, **kw) -> ParameterServer:
+    state = ServerState(params=np.zeros(n, np.float32), algorithm=kw.pop("algorithm", "downpour"),
+                        lr=0.1)
+    return ParameterServer(state, secret=SECRET, timeout=10, **kw)
+
+
+def client(ps: ParameterServer, worker: int, n: int = 4) -> PSClient:
+    return PSClient(ps.address, secret=SECRET, worker=worker, numel=n, dtype=np.float32,
+                    timeout=10)
+
+
+def test_pull_push_pull_applies_the_update():
+    with server() as ps, client(ps, 0) as c:
+        assert c.pull() == 0
+        ack = c.push(np.array([1, 2, 3, 4], np.float32))
+        assert ack["applied"] == 1 and ack["staleness"] == 0
+        assert c.pull() == 1
+        assert c.params.tolist() == [-1, -2, -3, -4]
+
+
+def test_bad_input_is_refused_counted_and_the_server_stays_up():
+    with server() as ps:
+        with pytest.raises(ProtocolError):  # wrong secret
+            PSClient(ps.address, secret=b"x" * 32, worker=0, numel=4, dtype=np.float32,
+                     timeout=5)
+        with client(ps, 1) as c, pytest.raises(ProtocolError, match="NaN or Inf"):
+            c.pull()
+            c.push(np.array([np.nan, 0, 0, 0], np.float32))
+        with client(ps, 2) as c, pytest.raises(ProtocolError, match="expected"):
+            c.pull()
+            c.push(np.zeros(7, np.float32))  # wrong shape
+        with client(ps, 3) as c:  # still serving, nothing was applied
+            c.pull()
+            assert c.params.tolist() == [0, 0, 0, 0]
+            stats = c.stats()
+        assert stats["applied"] == 0
+        assert stats["refused"] == {"auth": 1, "non_finite": 1, "shape": 1}
+
+
+def test_concurrent_clients_lose_no_update():
+    workers, pushes = 8, 40
+    with server(n=1000) as ps:
+        acks = []
+
+        def run(w: int) -> None:
+            with client(ps, w, n=1000) as c:
+                for _ in range(pushes):
+                    c.pull()
+                    acks.append(c.push(np.full(1000, 0.5, np.float32)))
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(acks) == workers * pushes == ps.applied
+        np.testing.assert_allclose(ps.state.params, -0.5 * workers * pushes)
+
+
+def test_staleness_bound_holds_a_fast_worker_back():
+    with server(staleness_bound=1) as ps, client(ps, 0) as fast, client(ps, 1) as slow:
+        fast.pull()
+        slow.pull()
+        fast.push(np.ones(4, np.float32))  # clocks 1:0 -> within the bound
+        done = threading.Event()
+
+        def second_push() -> None:
+            fast.push(np.ones(4, np.float32))  # 2:0 -> must wait for the slow worker
+            done.set()
+
+        t = threading.Thread(target=second_push)
+        t.start()
+        assert not done.wait(0.5)
+        slow.push(np.ones(4, np.float32))  # 2:1 -> released
+        assert done.wait(5)
+        t.join()
+
+
+def test_a_disconnected_worker_no_longer_holds_the_others():
+    with server(staleness_bound=0) as ps, client(ps, 0) as a:
+        b = client(ps, 1)
+        a.pull()
+        b.pull()
+        released = threading.Event()
+        t = threading.Thread(target=lambda: (a.push(np.ones(4, np.float32)), released.set()))
+        t.start()
+        assert not released.wait(0.5)
+        b.close()  # b goes away: a must not wait for it forever
+        assert released.wait(5)
+        t.join()
+
+
+def test_dcasgd_server_uses_each_workers_backup():
+    with server(algorithm="dcasgd") as ps, client(ps, 0) as a, client(ps, 1) as b:
+        a.pull()
+        with pytest.raises(ProtocolError, match="pushed before it pulled"):  # b never pulled
+            b.push(np.ones(4, np.float32))
+        a.push(np.full(4, 0.1, np.float32))
+        assert ps.applied == 1
+
+
+def test_oversized_or_garbage_frames_do_not_stop_the_server():
+    with server() as ps:
+        import socket
+        import struct
+
+        with socket.create_connection(ps.address, timeout=5) as s:
+            s.sendall(struct.pack("!4sBBHIQ", b"SDLA", 1, 2, 0, 1 << 30, 0))
+        time.sleep(0.2)
+        with client(ps, 0) as c:
+            assert c.pull() == 0
+        assert ps.stats()["refused"]["auth"] >= 1
