@@ -9,7 +9,8 @@ A worker pushes `update` = the sum of its local optimizer steps since its last p
   worker m last pulled. One backup *per worker*: MXNet's single shared copy is a known error.
 - DC-ASGD adaptive: lambda_t = lambda0 / sqrt(meansquare + eps) elementwise, with
   meansquare <- m * meansquare + (1 - m) * g*g updated before it is used.
-- SSP (Ho et al. 2013): a worker at clock c may go on only while c - slowest <= bound.
+- SSP (Ho et al. 2013): a worker at clock c (its pushes so far) reads only once the slowest
+  worker is at c - bound; and its push waits until the others have read at c - bound.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class ServerState:
     """lambda of constant DC-ASGD; lambda0 of the adaptive variant (paper default 2)."""
     momentum: float = 0.95
     eps: float = 1e-7
+    update_scale: float = 1.0
+    """Each push counts this much; 1/num_workers makes staleness bound 0 equal sync averaging."""
     backups: dict[int, np.ndarray] = field(default_factory=dict)
     meansquare: np.ndarray | None = None
 
@@ -50,6 +53,8 @@ class ServerState:
         return self.params
 
     def apply(self, worker: int, update: np.ndarray) -> None:
+        if self.update_scale != 1.0:
+            update = update * self.update_scale
         if self.algorithm == "downpour":
             self.params -= update
             return
@@ -68,8 +73,13 @@ class ServerState:
         self.params -= self.lr * (g + lam * g * g * (self.params - backup))
 
 
-def may_proceed(clocks: dict[int, int], worker: int, bound: int | None) -> bool:
-    """SSP: may `worker` (at clocks[worker]) start its next step? None means unbounded."""
-    if bound is None or not clocks:
-        return True
-    return clocks[worker] - min(clocks.values()) <= bound
+def may_read(clocks: dict[int, int], worker: int, bound: int | None) -> bool:
+    """SSP read rule: a worker at clock c reads once every worker has reached c - bound."""
+    return bound is None or min(clocks.values()) >= clocks[worker] - bound
+
+
+def may_apply(read_clocks: dict[int, int], worker: int, clock: int, bound: int | None) -> bool:
+    """A push from a worker at `clock` waits until every *other* worker has read at clock
+    - bound, so no read sees updates from beyond its round (bound 0: exactly synchronous)."""
+    return bound is None or all(read >= clock - bound for w, read in read_clocks.items()
+                                if w != worker)

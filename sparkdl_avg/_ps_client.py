@@ -32,10 +32,15 @@ class PSClient:
         self._conn.send(_wire.Kind.PULL)
         return int(self._conn.expect(_wire.Kind.PARAMS, into=self.params).meta["version"])
 
-    def push(self, update: np.ndarray) -> dict:
+    def push(self, update: np.ndarray, *, samples: int = 0, loss_sum: float = 0.0) -> dict:
         """Send an update (the server applies w <- w - update by its rule); returns the ACK."""
-        self._conn.send(_wire.Kind.UPDATE, {}, update)
+        self._conn.send(_wire.Kind.UPDATE, {"samples": samples, "loss_sum": loss_sum}, update)
         return self._conn.expect(_wire.Kind.ACK).meta
+
+    def init(self, params: np.ndarray) -> None:
+        """Driver only: (re)start the server from these parameters."""
+        self._conn.send(_wire.Kind.INIT, {"dtype": str(params.dtype)}, params)
+        self._conn.expect(_wire.Kind.ACK)
 
     def stats(self) -> dict:
         self._conn.send(_wire.Kind.STATS)

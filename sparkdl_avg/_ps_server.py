@@ -4,7 +4,9 @@ One thread per connected worker; the update rules live in `_async_rules` and run
 lock. What a worker sends is checked before it touches the parameters: a wrong secret, a
 malformed frame, an update of the wrong size or with NaN/Inf is refused with an ERROR reply
 and counted by reason, and the server stays up. `staleness_bound` holds a worker's ACK until
-it is at most that many pushes ahead of the slowest connected worker.
+its pulls until it is at most that many pushes ahead of the slowest connected worker, and holds a
+push until every other worker has read the parameters of that many clocks back; with a bound
+of 0 the rounds are exactly synchronous.
 """
 
 from __future__ import annotations
@@ -19,28 +21,37 @@ import time
 import numpy as np
 
 from sparkdl_avg import _wire
-from sparkdl_avg._async_rules import ServerState, may_proceed
+from sparkdl_avg._async_rules import ServerState, may_apply, may_read
 from sparkdl_avg._errors import ProtocolError
 
 log = logging.getLogger("sparkdl_avg")
 _HANDSHAKE_S = 10.0
+DRIVER = -1
+"""The worker id the driver uses: it sends INIT, pulls for evaluation, and is no SSP member."""
 
 
 class ParameterServer:
     """Owns the listening socket, the worker threads and the parameters. `close()` stops all."""
 
-    def __init__(self, state: ServerState, *, secret: bytes, host: str = "127.0.0.1",
-                 port: int = 0, staleness_bound: int | None = None, timeout: float = 600.0
-                 ) -> None:
+    def __init__(self, state: ServerState | None = None, *, secret: bytes,
+                 host: str = "127.0.0.1", port: int = 0, staleness_bound: int | None = None,
+                 timeout: float = 600.0, settings: dict | None = None,
+                 max_message_bytes: int = 1 << 32) -> None:
         self.state = state
+        """None until a driver sends INIT with the initial parameters and `settings`."""
+        self._settings = settings or {}
+        self._max_message = max_message_bytes
         self._secret = secret
         self._host, self._port = host, port
         self._bound = staleness_bound
         self._timeout = timeout
         self._lock = threading.Condition()
         self._clocks: dict[int, int] = {}
+        self._read_clocks: dict[int, int] = {}
         self._pulled_version: dict[int, int] = {}
         self.applied = 0
+        self.samples = 0
+        self.loss_sum = 0.0
         self.refused: collections.Counter[str] = collections.Counter()
         self.staleness: dict[int, list[int]] = collections.defaultdict(list)
         self._listener: socket.socket | None = None
@@ -79,8 +90,13 @@ class ParameterServer:
 
     def stats(self) -> dict:
         with self._lock:
+            staleness = {str(w): {"count": len(v), "mean": float(np.mean(v)) if v else 0.0,
+                                  "max": max(v, default=0)}
+                         for w, v in self.staleness.items()}
             return {"applied": self.applied, "refused": dict(self.refused),
-                    "clocks": dict(self._clocks)}
+                    "clocks": {str(w): c for w, c in self._clocks.items()},
+                    "samples": self.samples, "loss_sum": self.loss_sum,
+                    "staleness": staleness}
 
     def _spawn(self, target, name: str, *args) -> None:
         t = threading.Thread(target=target, name=name, args=args, daemon=True)
@@ -103,31 +119,47 @@ class ParameterServer:
             conn.deadline = time.monotonic() + _HANDSHAKE_S
             hello = conn.authenticate_client(self._secret)
             worker = hello.get("worker")
-            if not isinstance(worker, int) or worker < 0:
+            if not isinstance(worker, int) or worker < DRIVER:
                 raise ProtocolError(f"bad worker id {worker!r}")
         except Exception as exc:
             self._refuse("auth", exc, peer)
             (conn or sock).close()
             return
         conn.deadline, conn.max_meta = None, _wire.MAX_META_BYTES
+        conn.max_payload = self._max_message if worker == DRIVER else 0
         conn.set_timeout(self._timeout)
         with self._lock:
             self._conns.add(conn)
-            self._clocks.setdefault(worker, min(self._clocks.values(), default=0))
+            if worker != DRIVER:  # the driver pulls and inits but never holds others back
+                start = min(self._clocks.values(), default=0)
+                self._clocks.setdefault(worker, start)
+                self._read_clocks.setdefault(worker, start)
         try:
             self._serve_worker(conn, worker)
         finally:
             with self._lock:  # a gone worker no longer holds the others back
                 self._conns.discard(conn)
                 self._clocks.pop(worker, None)
+                self._read_clocks.pop(worker, None)
                 self._lock.notify_all()
             conn.close()
 
     def _serve_worker(self, conn: _wire.Connection, worker: int) -> None:
-        update = np.empty_like(self.state.params)
+        buffers: dict[str, np.ndarray] = {}
+
+        def into(kind: _wire.Kind, meta: dict) -> np.ndarray | None:
+            if kind is not _wire.Kind.UPDATE:
+                return None  # INIT (driver only) goes to a fresh buffer within max_payload
+            if self.state is None:
+                raise ProtocolError("the server has no parameters yet (no INIT)")
+            buf = buffers.get("update")
+            if buf is None or buf.shape != self.state.params.shape:
+                buf = buffers["update"] = np.empty_like(self.state.params)
+            return buf
+
         while not self._closed.is_set():
             try:
-                frame = conn.recv(lambda kind, meta: update if kind is _wire.Kind.UPDATE else None)
+                frame = conn.recv(into)
             except ProtocolError as exc:
                 if "closed by the peer" not in str(exc):
                     # Refused; the stream may be out of step, so this connection ends here.
@@ -137,12 +169,24 @@ class ParameterServer:
             except (TimeoutError, OSError):
                 return
             if frame.kind is _wire.Kind.PULL:
+                if self.state is None:
+                    _try_send_error(conn, "the server has no parameters yet (no INIT)")
+                    continue
                 with self._lock:
+                    if worker != DRIVER and not self._wait_for(
+                            lambda: may_read(self._clocks, worker, self._bound)):
+                        _try_send_error(conn, "timed out waiting for slower workers")
+                        return
                     params = self.state.pull(worker).copy()
-                    self._pulled_version[worker] = self.applied
-                conn.send(_wire.Kind.PARAMS, {"version": self.applied}, params)
+                    version = self._pulled_version[worker] = self.applied
+                    if worker != DRIVER:
+                        self._read_clocks[worker] = self._clocks[worker]
+                        self._lock.notify_all()
+                conn.send(_wire.Kind.PARAMS, {"version": version}, params)
             elif frame.kind is _wire.Kind.UPDATE:
-                self._apply(conn, worker, update, frame)
+                self._apply(conn, worker, buffers["update"], frame)
+            elif frame.kind is _wire.Kind.INIT and worker == DRIVER:
+                self._init(conn, frame)
             elif frame.kind is _wire.Kind.STATS:
                 conn.send(_wire.Kind.STATS, self.stats())
             else:
@@ -160,6 +204,11 @@ class ParameterServer:
             _try_send_error(conn, "update holds NaN or Inf: refused")
             return
         with self._lock:
+            clock = self._clocks.get(worker, 0)
+            if not self._wait_for(
+                    lambda: may_apply(self._read_clocks, worker, clock, self._bound)):
+                _try_send_error(conn, "timed out waiting for slower workers")
+                return
             try:
                 self.state.apply(worker, update)
             except ValueError as exc:
@@ -169,14 +218,40 @@ class ParameterServer:
             staleness = self.applied - self._pulled_version.get(worker, 0)
             self.applied += 1
             self.staleness[worker].append(staleness)
-            self._clocks[worker] = self._clocks.get(worker, 0) + 1
+            self._clocks[worker] = clock + 1
             self._lock.notify_all()
-            deadline = time.monotonic() + self._timeout
-            while not may_proceed(self._clocks, worker, self._bound) \
-                    and not self._closed.is_set() and time.monotonic() < deadline:
-                self._lock.wait(timeout=0.5)
             applied = self.applied
+            meta = frame.meta
+            if _is_count(meta.get("samples")) and isinstance(meta.get("loss_sum"), (int, float)):
+                self.samples += meta["samples"]
+                self.loss_sum += meta["loss_sum"]
         conn.send(_wire.Kind.ACK, {"applied": applied, "staleness": staleness})
+
+    def _wait_for(self, condition) -> bool:
+        """With the lock held: wait (bounded) until `condition()` or no bound is set."""
+        if self._bound is None:
+            return True
+        deadline = time.monotonic() + self._timeout
+        while not condition():
+            if self._closed.is_set() or time.monotonic() > deadline:
+                return False
+            self._lock.wait(timeout=0.5)
+        return True
+
+    def _init(self, conn: _wire.Connection, frame: _wire.Frame) -> None:
+        dtype = frame.meta.get("dtype")
+        if dtype not in ("float32", "float64") or frame.payload is None \
+                or frame.payload.nbytes % np.dtype(dtype).itemsize:
+            self.refused["malformed"] += 1
+            _try_send_error(conn, f"malformed INIT: {frame.meta}")
+            return
+        params = np.frombuffer(frame.payload, dtype=dtype).copy()
+        with self._lock:
+            self.state = ServerState(params=params, **self._settings)
+            self.applied = 0
+            self._pulled_version.clear()
+            self.staleness.clear()
+        conn.send(_wire.Kind.ACK, {"applied": 0})
 
     def _refuse(self, reason: str, exc: BaseException, who) -> None:
         with self._lock:
@@ -196,3 +271,7 @@ def _reason(exc: ProtocolError) -> str:
 def _try_send_error(conn: _wire.Connection, message: str) -> None:
     with contextlib.suppress(OSError):
         conn.send(_wire.Kind.ERROR, {"message": message})
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

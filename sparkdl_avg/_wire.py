@@ -54,6 +54,7 @@ class Kind(enum.IntEnum):
     UPDATE = 11
     ACK = 12
     STATS = 13
+    INIT = 14
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sparkdl_avg._async_rules import ServerState, may_proceed
+from sparkdl_avg._async_rules import ServerState, may_apply, may_read
 
 
 def test_downpour_subtracts_the_pushed_update():
@@ -56,10 +56,18 @@ def test_unknown_algorithm():
         ServerState(params=np.zeros(1), algorithm="hogwild")
 
 
-def test_ssp_bound():
+def test_ssp_read_rule():
     clocks = {0: 5, 1: 3}
-    assert may_proceed(clocks, 0, bound=2)
-    assert not may_proceed(clocks, 0, bound=1)
-    assert may_proceed(clocks, 1, bound=0)
-    assert may_proceed(clocks, 0, bound=None)
-    assert not may_proceed({0: 1, 1: 0}, 0, bound=0)  # s=0 is bulk synchronous
+    assert may_read(clocks, 0, bound=2)
+    assert not may_read(clocks, 0, bound=1)
+    assert may_read(clocks, 1, bound=0)
+    assert may_read(clocks, 0, bound=None)
+    assert not may_read({0: 1, 1: 0}, 0, bound=0)  # s=0 is bulk synchronous
+
+
+def test_ssp_apply_rule_ignores_the_pusher_itself():
+    reads = {0: 0, 1: 2}
+    assert may_apply(reads, 1, clock=2, bound=0) is False  # worker 0 has not read round 2
+    assert may_apply(reads, 0, clock=2, bound=0)  # worker 1 has; worker 0's own read is moot
+    assert may_apply(reads, 1, clock=2, bound=2)
+    assert may_apply(reads, 1, clock=9, bound=None)

@@ -80,19 +80,36 @@ def test_staleness_bound_holds_a_fast_worker_back():
     with server(staleness_bound=1) as ps, client(ps, 0) as fast, client(ps, 1) as slow:
         fast.pull()
         slow.pull()
-        fast.push(np.ones(4, np.float32))  # clocks 1:0 -> within the bound
+        fast.push(np.ones(4, np.float32))  # clocks 1:0
+        fast.push(np.ones(4, np.float32))  # 2:0 -> its next read must wait
         done = threading.Event()
-
-        def second_push() -> None:
-            fast.push(np.ones(4, np.float32))  # 2:0 -> must wait for the slow worker
-            done.set()
-
-        t = threading.Thread(target=second_push)
+        t = threading.Thread(target=lambda: (fast.pull(), done.set()))
         t.start()
         assert not done.wait(0.5)
-        slow.push(np.ones(4, np.float32))  # 2:1 -> released
+        slow.push(np.ones(4, np.float32))  # 2:1 -> within the bound again
         assert done.wait(5)
         t.join()
+
+
+def test_bound_zero_is_lockstep_each_read_sees_exactly_one_round():
+    with server(staleness_bound=0) as ps, client(ps, 0) as a, client(ps, 1) as b:
+        a.pull()
+        b.pull()
+        seen = {}
+
+        def worker(c, name):
+            for _ in range(5):
+                c.push(np.ones(4, np.float32))
+                c.pull()
+                seen.setdefault(name, []).append(float(c.params[0]))
+
+        threads = [threading.Thread(target=worker, args=(c, n)) for c, n in ((a, "a"), (b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        # after round r both workers read exactly 2*(r+1) updates of 1: never more, never less
+        assert seen["a"] == seen["b"] == [-2.0 * (r + 1) for r in range(5)]
 
 
 def test_a_disconnected_worker_no_longer_holds_the_others():
@@ -100,8 +117,9 @@ def test_a_disconnected_worker_no_longer_holds_the_others():
         b = client(ps, 1)
         a.pull()
         b.pull()
+        a.push(np.ones(4, np.float32))
         released = threading.Event()
-        t = threading.Thread(target=lambda: (a.push(np.ones(4, np.float32)), released.set()))
+        t = threading.Thread(target=lambda: (a.pull(), released.set()))
         t.start()
         assert not released.wait(0.5)
         b.close()  # b goes away: a must not wait for it forever
