@@ -46,6 +46,8 @@ class WorkerSpec:
     """Rows per partition as validation counted them; a task that gets others stops."""
     optimizer: bytes | None = None
     """A user optimizer factory, cloudpickled (config.optimizer is then a placeholder)."""
+    ps_address: tuple[str, int] | None = None
+    """Async mode: the parameter server (then `address` is unused)."""
 
 
 def run_task(spec: WorkerSpec, batches: Iterator) -> Iterator:
@@ -82,7 +84,10 @@ def run_task(spec: WorkerSpec, batches: Iterator) -> Iterator:
         )
     hello = {"rank": rank, "train_rows": int(data[0].shape[0]), "eval_rows": int(data[2].shape[0]),
              "device": choice.device, "gpu": choice.gpu_address, "host": socket.gethostname()}
-    _train(spec, rank, data, device, hello)
+    if spec.ps_address is None:
+        _train(spec, rank, data, device, hello)
+    else:
+        _train_async(spec, rank, data, device)
     report = {"partition": [rank], "host": [hello["host"]], "pid": [os.getpid()],
               "device": [choice.device], "gpu": [choice.gpu_address],
               "warning": [choice.warning], "train_rows": [hello["train_rows"]],
@@ -137,78 +142,105 @@ def _load_partition(batches: Iterator, spec: WorkerSpec, device):
     return out
 
 
-def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
-    import cloudpickle
-    import torch
+class _Replica:
+    """The task's model, optimizer and data, and the local steps of the shared schedule."""
 
+    def __init__(self, spec: WorkerSpec, rank: int, data, device) -> None:
+        import cloudpickle
+        import torch
+
+        from sparkdl_avg._model import make_loss, model_dtype
+
+        cfg = spec.config
+        torch.manual_seed(cfg.seed * 100_003 + rank)  # dropout & co. differ per replica
+        self.model = cloudpickle.loads(spec.model_fn)().to(device)
+        self.dtype = model_dtype(self.model)
+        x_train, y_train, x_eval, y_eval = data
+        x_train, x_eval = x_train.to(self.dtype), x_eval.to(self.dtype)
+        if not spec.long_labels:
+            y_train, y_eval = y_train.to(self.dtype), y_eval.to(self.dtype)
+        self.train_data, self.eval_data = (x_train, y_train), (x_eval, y_eval)
+        self.wire_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
+        self._factory = cloudpickle.loads(spec.optimizer) if spec.optimizer else None
+        self.optimizer = None
+        self.spec, self.rank, self.device = spec, rank, device
+        self.step, self._order = 0, None
+
+    def start(self) -> None:
+        """After the initial parameters are in: build the optimizer, enter training mode."""
+        from sparkdl_avg._model import make_optimizer
+
+        self.model.train()
+        self.optimizer = make_optimizer(self.spec.config, self.model.parameters(), self._factory)
+
+    def run_steps(self, count: int) -> tuple[float, int]:
+        """`count` local minibatch steps; returns (summed loss x batch size, samples)."""
+        import torch
+
+        cfg, schedule = self.spec.config, self.spec.schedule
+        x, y = self.train_data
+        n_rows = x.shape[0]
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        samples = 0
+        for _ in range(count):
+            epoch, in_epoch = divmod(self.step, schedule.steps_per_epoch)
+            if in_epoch == 0 or self._order is None:
+                self._order = torch.from_numpy(epoch_order(
+                    n_rows, epoch=epoch, worker=self.rank, seed=cfg.seed, shuffle=cfg.shuffle,
+                )).to(self.device)
+            idx = self._order[batch_slice(in_epoch, cfg.batch_size, n_rows)]
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.loss_fn(self.model(x[idx]), y[idx])
+            loss.backward()
+            self.optimizer.step()
+            loss_sum += loss.detach().double() * idx.numel()
+            samples += idx.numel()
+            self.step += 1
+        return float(loss_sum), samples
+
+    def evaluate(self) -> dict:
+        return _evaluate(self.model, *self.eval_data, self.loss_fn, self.spec.classify)
+
+
+def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
     from sparkdl_avg import _wire
-    from sparkdl_avg._model import (
-        FlatBuffer,
-        averaged_tensors,
-        make_loss,
-        make_optimizer,
-        model_dtype,
-        optimizer_state_tensors,
-    )
+    from sparkdl_avg._model import FlatBuffer, averaged_tensors, optimizer_state_tensors
 
     cfg, schedule = spec.config, spec.schedule
-    x_train, y_train, x_eval, y_eval = data
     conn = _wire.connect(spec.address, timeout=cfg.round_timeout, max_payload=1 << 20)
     try:
         conn.authenticate_to_server(spec.secret, hello)
-        torch.manual_seed(cfg.seed * 100_003 + rank)  # dropout & co. differ per replica
-        model = cloudpickle.loads(spec.model_fn)().to(device)
-        dtype = model_dtype(model)
-        x_train, x_eval = x_train.to(dtype), x_eval.to(dtype)
-        if not spec.long_labels:
-            y_train, y_eval = y_train.to(dtype), y_eval.to(dtype)
-        wire_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        replica = _Replica(spec, rank, data, device)
+        model, wire_dtype = replica.model, replica.wire_dtype
         flat = FlatBuffer(averaged_tensors(model), wire_dtype)
         conn.set_timeout(spec.connect_s)  # the first parameters come once every worker is here
         conn.expect(_wire.Kind.AVERAGE, into=flat.array)
         conn.set_timeout(cfg.round_timeout)
         flat.scatter()
-        model.train()
-        factory = cloudpickle.loads(spec.optimizer) if spec.optimizer else None
-        optimizer = make_optimizer(cfg, model.parameters(), factory)
-        loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
-        n_rows, order, step, state = x_train.shape[0], None, 0, []
+        replica.start()
+        state: list = []
         for round_index in range(schedule.num_rounds):
             t0 = time.perf_counter()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            samples = 0
-            for _ in range(schedule.steps_in_round(round_index)):
-                epoch, in_epoch = divmod(step, schedule.steps_per_epoch)
-                if in_epoch == 0:
-                    order = torch.from_numpy(epoch_order(
-                        n_rows, epoch=epoch, worker=rank, seed=cfg.seed, shuffle=cfg.shuffle,
-                    )).to(device)
-                idx = order[batch_slice(in_epoch, cfg.batch_size, n_rows)]
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x_train[idx]), y_train[idx])
-                loss.backward()
-                optimizer.step()
-                loss_sum += loss.detach().double() * idx.numel()
-                samples += idx.numel()
-                step += 1
+            loss_sum, samples = replica.run_steps(schedule.steps_in_round(round_index))
             compute_s = time.perf_counter() - t0
             if cfg.average_optimizer_state:
                 # Optimizer state appears lazily (after a parameter's first step): re-home it
                 # into the wire buffer whenever the set of state tensors changes.
-                current = optimizer_state_tensors(optimizer, dtype)
+                current = optimizer_state_tensors(replica.optimizer, replica.dtype)
                 if [id(t) for t in current] != [id(t) for t in state]:
                     state = current
                     flat = FlatBuffer(averaged_tensors(model) + state, wire_dtype)
-            meta = {"round": round_index, "samples": samples, "loss_sum": float(loss_sum),
+            meta = {"round": round_index, "samples": samples, "loss_sum": loss_sum,
                     "compute_s": compute_s, "numel": int(flat.array.size)}
             conn.send(_wire.Kind.PUSH, meta, flat.gather())
             reply = conn.expect(_wire.Kind.AVERAGE, into=flat.array)
             flat.scatter()
             if reply.meta.get("eval"):
                 t_eval = time.perf_counter()
-                stats = _evaluate(model, x_eval, y_eval, loss_fn, spec.classify)
+                stats = replica.evaluate()
                 conn.send(_wire.Kind.EVAL, {**stats, "eval_s": time.perf_counter() - t_eval})
-        conn.send(_wire.Kind.DONE, {"steps": step})
+        conn.send(_wire.Kind.DONE, {"steps": replica.step})
     except BaseException as exc:
         try:
             message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -218,6 +250,37 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
         raise
     finally:
         conn.close()
+
+
+def _train_async(spec: WorkerSpec, rank: int, data, device) -> None:
+    """Downpour: push the accumulated update every `push_every` steps, fetch the server's
+    parameters every `fetch_every` steps (a multiple of push_every)."""
+    from sparkdl_avg._model import FlatBuffer, averaged_tensors
+    from sparkdl_avg._ps_client import PSClient
+
+    cfg, total = spec.config, spec.schedule.total_steps
+    replica = _Replica(spec, rank, data, device)
+    flat = FlatBuffer(averaged_tensors(replica.model), replica.wire_dtype)
+    with PSClient(spec.ps_address, secret=spec.secret, worker=rank, numel=flat.array.size,
+                  dtype=flat.array.dtype, timeout=max(cfg.round_timeout, spec.connect_s)) as ps:
+        ps.pull()
+        np.copyto(flat.array, ps.params)
+        flat.scatter()
+        anchor = flat.array.copy()  # the parameters the next update is measured from
+        replica.start()
+        fetch_every = (cfg.fetch_every or cfg.push_every) // cfg.push_every
+        pushes = 0
+        while replica.step < total:
+            loss_sum, samples = replica.run_steps(min(cfg.push_every, total - replica.step))
+            current = flat.gather()
+            ps.push(anchor - current, samples=samples, loss_sum=loss_sum)
+            np.copyto(anchor, current)
+            pushes += 1
+            if pushes % fetch_every == 0 or replica.step >= total:
+                ps.pull()
+                np.copyto(flat.array, ps.params)
+                flat.scatter()
+                np.copyto(anchor, flat.array)
 
 
 def _evaluate(model, x, y, loss_fn, classify: bool) -> dict:
