@@ -99,6 +99,12 @@ class BarrierJob:
             raise TrainingError(f"the training tasks failed: {_spark_reason(self.error)}") \
                 from self.error
 
+    def done(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the job to end; raise if it failed."""
+        finished = self._done.wait(timeout)
+        self.check()
+        return finished
+
     def wait(self, timeout: float) -> list:
         if not self._done.wait(timeout):
             raise TrainingError(f"the training job did not finish {timeout:.0f}s after the last "

@@ -10,15 +10,23 @@ from typing import Any, Literal
 from sparkdl_avg._errors import ConfigError
 
 OptimizerName = Literal["sgd", "adam"]
+Mode = Literal["sync", "async"]
+Algorithm = Literal["downpour", "dcasgd", "dcasgd-adaptive"]
 Device = Literal["auto", "cpu", "cuda"]
 
 _OPTIMIZERS = ("sgd", "adam")
 _DEVICES = ("auto", "cpu", "cuda")
+_MODES = ("sync", "async")
+_ALGORITHMS = ("downpour", "dcasgd", "dcasgd-adaptive")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """How to train: workers, schedule, optimizer, averaging and logging."""
+
+    mode: Mode = "sync"
+    """"sync": average every `averaging_frequency` steps. "async": push to and pull from a
+    parameter server on each worker's own schedule (Downpour SGD)."""
 
     num_workers: int = 2
     """Replicas trained in parallel, one Spark task (and one data partition) each."""
@@ -72,6 +80,34 @@ class TrainConfig:
     log_model: bool = True
     """Log the final model with `mlflow.pytorch.log_model` so `mlflow.pyfunc` can load it."""
 
+    algorithm: Algorithm = "downpour"
+    """Async: the server's rule: "downpour", "dcasgd" (delay compensation, constant lambda) or
+    "dcasgd-adaptive"."""
+
+    push_every: int = 8
+    """Async: local steps between two pushes of a worker's accumulated update."""
+
+    fetch_every: int | None = None
+    """Async: local steps between two fetches of the server's parameters (a multiple of
+    push_every; None: push_every)."""
+
+    staleness_bound: int | None = None
+    """Async: no worker runs more than this many pushes ahead of the slowest (0 = lockstep,
+    which reproduces sync averaging); None: unbounded."""
+
+    dc_lambda: float | None = None
+    """Async DC-ASGD: lambda (default 0.04) or, adaptive, lambda0 (default 2)."""
+
+    ps_address: str | None = None
+    """Async: "host:port" of a running `sparkdl-avg ps serve`; None starts one beside the
+    driver for this fit."""
+
+    ps_secret_file: str | None = None
+    """Async with ps_address: file holding the server's hex secret."""
+
+    eval_interval_s: float = 5.0
+    """Async: evaluate the server's parameters on `eval_df` every this many seconds."""
+
     def __post_init__(self) -> None:
         for name in ("num_workers", "epochs", "batch_size", "averaging_frequency", "eval_every"):
             _require_int(name, getattr(self, name), minimum=1)
@@ -92,6 +128,29 @@ class TrainConfig:
         _require_float("round_timeout", self.round_timeout, positive=True)
         if self.device not in _DEVICES:
             raise ConfigError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
+        if self.mode not in _MODES:
+            raise ConfigError(f"mode={self.mode!r} is not supported; use one of {_MODES}")
+        if self.algorithm not in _ALGORITHMS:
+            raise ConfigError(f"algorithm={self.algorithm!r} is not supported; use one of "
+                              f"{_ALGORITHMS}")
+        _require_int("push_every", self.push_every, minimum=1)
+        if self.fetch_every is not None:
+            _require_int("fetch_every", self.fetch_every, minimum=1)
+            if self.fetch_every % self.push_every:
+                raise ConfigError(f"fetch_every={self.fetch_every} must be a multiple of "
+                                  f"push_every={self.push_every} (a fetch would drop steps "
+                                  "not yet pushed)")
+        if self.staleness_bound is not None:
+            _require_int("staleness_bound", self.staleness_bound, minimum=0)
+        if self.dc_lambda is not None:
+            _require_float("dc_lambda", self.dc_lambda)
+        _require_float("eval_interval_s", self.eval_interval_s, positive=True)
+        if self.ps_address is not None:
+            host, _, port = self.ps_address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"ps_address={self.ps_address!r} must be 'host:port'")
+            if self.ps_secret_file is None:
+                raise ConfigError("ps_address needs ps_secret_file: the server's secret")
         for name in ("average_optimizer_state", "shuffle", "log_model"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -12,6 +12,7 @@ from functools import partial
 import torch
 
 from sparkdl_avg import _wire
+from sparkdl_avg._async_driver import train_async
 from sparkdl_avg._cluster import BarrierJob, check_cluster, driver_addresses
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._coordinator import Coordinator, RoundStats
@@ -67,19 +68,23 @@ def fit(
     config = TrainConfig() if config is None else config
     if not isinstance(config, TrainConfig):
         raise ConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
-    _, classify = make_loss(loss)
+    loss_fn, classify = make_loss(loss)
     spark = getattr(train_df, "sparkSession", None)
     if spark is None:
         raise DataError(f"train_df must be a pyspark DataFrame, got {type(train_df).__name__}")
     t_start = time.perf_counter()
     with RunLogger(experiment_name=config.experiment_name, run_name=config.run_name,
-                   tags={"sparkdl_avg.mode": "sync"}) as run:
+                   tags={"sparkdl_avg.mode": config.mode}) as run:
         run.log_params({**config.to_dict(), "features_col": features_col,
                         "label_col": label_col, "loss": getattr(loss, "__qualname__", loss)})
         plan = _plan(spark, train_df, eval_df, model_fn, config, features_col, label_col, loss)
         run.log_params(plan.params)
         timings = {"validate_s": time.perf_counter() - t_start}
-        history, workers = _train(spark, plan, config, classify, run, timings, t_start)
+        if config.mode == "async":
+            history, workers = train_async(spark, plan, config, classify, loss_fn, run,
+                                           timings, t_start)
+        else:
+            history, workers = _train(spark, plan, config, classify, run, timings, t_start)
         for w in workers:
             if w["warning"]:
                 log.warning("partition %d: %s", w["partition"], w["warning"])

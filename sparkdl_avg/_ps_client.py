@@ -37,9 +37,11 @@ class PSClient:
         self._conn.send(_wire.Kind.UPDATE, {"samples": samples, "loss_sum": loss_sum}, update)
         return self._conn.expect(_wire.Kind.ACK).meta
 
-    def init(self, params: np.ndarray) -> None:
-        """Driver only: (re)start the server from these parameters."""
-        self._conn.send(_wire.Kind.INIT, {"dtype": str(params.dtype)}, params)
+    def init(self, params: np.ndarray, workers: int = 0) -> None:
+        """Driver only: (re)start the server from these parameters, expecting workers
+        0..workers-1 (they count for the staleness bound from now on)."""
+        self._conn.send(_wire.Kind.INIT, {"dtype": str(params.dtype), "workers": workers},
+                        params)
         self._conn.expect(_wire.Kind.ACK)
 
     def stats(self) -> dict:

@@ -133,7 +133,7 @@ class ParameterServer:
             if worker != DRIVER:  # the driver pulls and inits but never holds others back
                 start = min(self._clocks.values(), default=0)
                 self._clocks.setdefault(worker, start)
-                self._read_clocks.setdefault(worker, start)
+                self._read_clocks.setdefault(worker, start - 1)  # has read nothing yet
         try:
             self._serve_worker(conn, worker)
         finally:
@@ -245,8 +245,18 @@ class ParameterServer:
             self.refused["malformed"] += 1
             _try_send_error(conn, f"malformed INIT: {frame.meta}")
             return
+        workers = frame.meta.get("workers", 0)
+        if not _is_count(workers):
+            self.refused["malformed"] += 1
+            _try_send_error(conn, f"malformed INIT: {frame.meta}")
+            return
         params = np.frombuffer(frame.payload, dtype=dtype).copy()
         with self._lock:
+            # Workers announced by the driver count for the staleness bound before they
+            # connect: an early worker must not run ahead of one still loading its data.
+            for w in range(workers):
+                self._clocks.setdefault(w, 0)
+                self._read_clocks.setdefault(w, -1)  # no push applies before its first read
             self.state = ServerState(params=params, **self._settings)
             self.applied = 0
             self._pulled_version.clear()

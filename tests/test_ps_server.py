@@ -147,3 +147,26 @@ def test_oversized_or_garbage_frames_do_not_stop_the_server():
         with client(ps, 0) as c:
             assert c.pull() == 0
         assert ps.stats()["refused"]["auth"] >= 1
+
+
+def test_announced_workers_hold_pushes_until_their_first_read():
+    # Lockstep with a late joiner: worker 0's first push must not land before worker 1 has
+    # read the initial parameters, or worker 1 would start from the wrong point.
+    ps = ParameterServer(secret=SECRET, timeout=10, staleness_bound=0,
+                         settings={"algorithm": "downpour"})
+    with ps:
+        with PSClient(ps.address, secret=SECRET, worker=-1, numel=4, dtype=np.float32,
+                      timeout=10) as driver:
+            driver.init(np.zeros(4, np.float32), workers=2)
+        with client(ps, 0) as early:
+            early.pull()
+            pushed = threading.Event()
+            t = threading.Thread(target=lambda: (early.push(np.ones(4, np.float32)),
+                                                 pushed.set()))
+            t.start()
+            assert not pushed.wait(0.5)
+            with client(ps, 1) as late:
+                late.pull()
+                assert late.params.tolist() == [0, 0, 0, 0]
+                assert pushed.wait(5)
+                t.join()

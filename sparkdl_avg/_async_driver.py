@@ -1,0 +1,126 @@
+"""The driver's side of async mode: a parameter server beside it (or the user's), the workers'
+barrier job, and every `eval_interval_s` the server's parameters evaluated and logged."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from pyspark.sql import functions as F
+
+from sparkdl_avg import _wire
+from sparkdl_avg._cluster import BarrierJob, driver_addresses
+from sparkdl_avg._data import EVAL, FEATURES, LABEL, SPLIT
+from sparkdl_avg._model import FlatBuffer, averaged_tensors
+from sparkdl_avg._ps_client import PSClient
+from sparkdl_avg._ps_server import DRIVER
+from sparkdl_avg._sidecar import Sidecar
+from sparkdl_avg._worker import REPORT_SCHEMA, WorkerSpec, _evaluate, run_task
+
+_CONNECT_DEADLINE_S = 300.0
+
+
+def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict,
+                t_start: float) -> tuple[list[dict], list[dict]]:
+    double = plan.dtype == torch.float64
+    flat = FlatBuffer(averaged_tensors(plan.model), torch.float64 if double else torch.float32)
+    bind, advertise = driver_addresses(spark)
+    if config.ps_address is not None:
+        host, _, port = config.ps_address.rpartition(":")
+        secret = bytes.fromhex(Path(config.ps_secret_file).read_text().strip())
+        server = contextlib.nullcontext(None)
+        address = (host, int(port))
+    else:
+        secret = _wire.new_secret()
+        server = Sidecar(host=bind, secret=secret, settings={
+            "algorithm": config.algorithm, "lr": config.lr, "dc_lambda": config.dc_lambda,
+            # each push counts 1/n: with staleness_bound=0 this is exactly sync averaging
+            "update_scale": 1.0 / config.num_workers,
+        }, staleness_bound=config.staleness_bound, timeout=config.round_timeout)
+    eval_data = _collect_eval(plan, classify)
+    history: list[dict] = []
+    with server as sidecar, PSClient(
+        address if sidecar is None else (advertise, sidecar.port), secret=secret,
+        worker=DRIVER, numel=flat.array.size, dtype=flat.array.dtype,
+        timeout=config.round_timeout,
+    ) as ps:
+        ps.init(flat.gather(), workers=config.num_workers)
+        spec = WorkerSpec(
+            address=("", 0), secret=secret, schedule=plan.schedule,
+            connect_s=max(_CONNECT_DEADLINE_S, config.round_timeout),
+            train_rows=plan.data.train_sizes, eval_rows=plan.data.eval_sizes,
+            config=config, num_features=plan.data.num_features, double_precision=double,
+            long_labels=plan.long_labels, classify=classify, **plan.pickled,
+            ps_address=address if sidecar is None else (advertise, sidecar.port),
+        )
+        job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
+                         f"sparkdl-avg: async training, {config.num_workers} workers")
+        t_train = time.perf_counter()
+        timings["first_step_s"] = t_train - t_start  # tasks start training as they load
+        previous = {"t": t_train, "applied": 0, "samples": 0, "loss_sum": 0.0}
+        with job:
+            finished = False
+            while not finished:
+                finished = job.done(config.eval_interval_s)
+                metrics = _interval_metrics(ps, plan.model, flat, eval_data, loss_fn, classify,
+                                            previous)
+                step = len(history)
+                history.append({"interval": step, **metrics})
+                run.log_metrics(metrics, step=step)
+            workers = sorted((row.asDict() for row in job.wait(config.round_timeout)),
+                             key=lambda w: w["partition"])
+        timings["train_s"] = time.perf_counter() - t_train
+        stats = ps.stats()
+        run.log_dict(stats, "server_stats.json")
+    return history, workers
+
+
+def _collect_eval(plan, classify: bool):
+    if plan.data.eval_sizes[0] == 0:
+        return None
+    table = plan.data.frame.filter(F.col(SPLIT) == EVAL).select(FEATURES, LABEL).toArrow()
+    x = table.column(FEATURES).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    x = torch.from_numpy(x.reshape(len(table), plan.data.num_features).copy()).to(plan.dtype)
+    y = table.column(LABEL).to_numpy(zero_copy_only=False)
+    y = torch.from_numpy(y.copy())
+    return x, (y.long() if plan.long_labels else y.to(plan.dtype))
+
+
+def _interval_metrics(ps: PSClient, model, flat: FlatBuffer, eval_data, loss_fn,
+                      classify: bool, previous: dict) -> dict[str, float]:
+    """Pull the server's parameters into the driver's model, evaluate, diff the counters."""
+    ps.pull()
+    np.copyto(flat.array, ps.params)
+    flat.scatter()
+    stats = ps.stats()
+    now = time.perf_counter()
+    elapsed = max(now - previous["t"], 1e-9)
+    metrics = {
+        "updates_applied": stats["applied"],
+        "updates_per_s": (stats["applied"] - previous["applied"]) / elapsed,
+    }
+    samples = stats["samples"] - previous["samples"]
+    if samples > 0:
+        metrics["train_loss"] = (stats["loss_sum"] - previous["loss_sum"]) / samples
+        metrics["samples_per_s"] = samples / elapsed
+    all_staleness = [s for s in stats["staleness"].values() if s["count"]]
+    if all_staleness:
+        metrics["staleness_mean"] = float(np.average(
+            [s["mean"] for s in all_staleness], weights=[s["count"] for s in all_staleness]))
+        metrics["staleness_max"] = max(s["max"] for s in all_staleness)
+    for worker, s in stats["staleness"].items():
+        metrics[f"staleness_mean_worker_{worker}"] = s["mean"]
+    for reason, count in stats["refused"].items():
+        metrics[f"refused_{reason}"] = count
+    if eval_data is not None:
+        result = _evaluate(model, *eval_data, loss_fn, classify)
+        metrics["eval_loss"] = result["loss_sum"] / max(1, result["count"])
+        if result["correct"] is not None:
+            metrics["eval_accuracy"] = result["correct"] / max(1, result["count"])
+    previous.update(t=now, applied=stats["applied"], samples=stats["samples"],
+                    loss_sum=stats["loss_sum"])
+    return metrics

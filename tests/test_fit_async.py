@@ -1,0 +1,47 @@
+"""Async mode end to end on Spark: a sidecar parameter server per fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_fit_sync import frame, make_data, make_model_f32, make_model_f64, max_param_diff
+
+from sparkdl_avg import TrainConfig, fit
+
+pytestmark = pytest.mark.spark
+
+
+def test_staleness_bound_zero_reproduces_synchronous_averaging(spark):
+    x, y = make_data(400)
+    df = frame(spark, x, y)
+    common = {"num_workers": 2, "epochs": 3, "batch_size": 4, "optimizer": "sgd", "lr": 0.05,
+              "momentum": 0.9, "shuffle": False, "seed": 2, "log_model": False}
+    sync = fit(df, make_model_f64, TrainConfig(averaging_frequency=5, **common))
+    lockstep = fit(df, make_model_f64, TrainConfig(
+        mode="async", push_every=5, staleness_bound=0, **common))
+    assert max_param_diff(sync.model, lockstep.model) < 1e-10
+    assert max_param_diff(sync.model, make_model_f64()) > 1e-2
+
+
+@pytest.mark.parametrize("algorithm", ["downpour", "dcasgd-adaptive"])
+def test_async_learns_and_logs_the_servers_view(spark, mlflow_client, algorithm):
+    x, y = make_data(2000, seed=2)
+    train = frame(spark, x[:1600].astype(np.float32), y[:1600])
+    test = frame(spark, x[1600:].astype(np.float32), y[1600:])
+    cfg = TrainConfig(mode="async", algorithm=algorithm, num_workers=2, epochs=4,
+                      batch_size=32, push_every=4, optimizer="adam", lr=1e-2,
+                      eval_interval_s=0.5, log_model=False, experiment_name="async-tests")
+    result = fit(train, make_model_f32, cfg, eval_df=test)
+    final = result.history[-1]
+    assert final["eval_accuracy"] > 0.85
+    with torch.no_grad():  # the returned model is the server's final parameters
+        pred = result.model(torch.from_numpy(x[1600:].astype(np.float32))).argmax(1).numpy()
+    assert final["eval_accuracy"] == pytest.approx((pred == y[1600:]).mean())
+    # every push was applied: 2 workers x (4 epochs x 25 steps) / 4 steps per push = 50
+    assert final["updates_applied"] == 50
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["mode"] == "async" and run.data.params["algorithm"] == algorithm
+    for key in ("updates_per_s", "staleness_mean", "staleness_mean_worker_0", "eval_accuracy"):
+        assert mlflow_client.get_metric_history(result.run_id, key), key
