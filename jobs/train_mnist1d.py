@@ -16,6 +16,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[N])")
     p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--mode", choices=["sync", "async"], default="sync")
+    p.add_argument("--algorithm", choices=["downpour", "dcasgd", "dcasgd-adaptive"],
+                   default="downpour", help="async: the parameter server's update rule")
+    p.add_argument("--push-every", type=int, default=8, help="async: steps between pushes")
+    p.add_argument("--staleness-bound", type=int, help="async: max pushes ahead of the slowest")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=50, help="per worker")
     p.add_argument("--averaging-frequency", type=int, default=8)
@@ -44,7 +49,8 @@ def main(argv: list[str]) -> int:
     from sparkdl_avg.examples import mnist1d
 
     config = TrainConfig(
-        num_workers=args.num_workers, epochs=args.epochs, batch_size=args.batch_size,
+        mode=args.mode, algorithm=args.algorithm, push_every=args.push_every,
+        staleness_bound=args.staleness_bound, num_workers=args.num_workers, epochs=args.epochs, batch_size=args.batch_size,
         averaging_frequency=args.averaging_frequency, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum, average_optimizer_state=args.average_optimizer_state,
         eval_every=args.eval_every, seed=args.seed, experiment_name=args.experiment,
