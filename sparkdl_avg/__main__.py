@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-SECRET_ENV = "SPARKDL_AVG_PS_SECRET"
+from sparkdl_avg._ps_server import SECRET_ENV
 
 
 def main(argv: list[str] | None = None) -> int:

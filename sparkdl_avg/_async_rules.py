@@ -53,8 +53,9 @@ class ServerState:
         return self.params
 
     def apply(self, worker: int, update: np.ndarray) -> None:
+        """Apply a worker's update. `update` is scratch: it may be scaled in place."""
         if self.update_scale != 1.0:
-            update = update * self.update_scale
+            update *= self.update_scale
         if self.algorithm == "downpour":
             self.params -= update
             return

@@ -26,6 +26,8 @@ from sparkdl_avg._errors import ProtocolError
 
 log = logging.getLogger("sparkdl_avg")
 _HANDSHAKE_S = 10.0
+SECRET_ENV = "SPARKDL_AVG_PS_SECRET"
+"""How a started server gets its secret (not the command line, which others can read)."""
 DRIVER = -1
 """The worker id the driver uses: it sends INIT, pulls for evaluation, and is no SSP member."""
 

@@ -9,8 +9,8 @@ import sys
 import tempfile
 import time
 
-from sparkdl_avg.__main__ import SECRET_ENV
 from sparkdl_avg._errors import TrainingError
+from sparkdl_avg._ps_server import SECRET_ENV
 
 _START_TIMEOUT_S = 60.0
 

@@ -1,0 +1,81 @@
+"""Parameter server on loopback: (1) push + pull throughput of a 25M-parameter float32 model
+with 4 concurrent clients; (2) a soak: 16 clients hammering it, checking that the server's
+applied count equals the pushes the clients saw acknowledged. Clients are processes.
+
+    python bench/ps_throughput.py [--seconds 20] [--soak-seconds 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import report  # noqa: E402
+
+from sparkdl_avg._ps_client import PSClient  # noqa: E402
+from sparkdl_avg._ps_server import DRIVER  # noqa: E402
+from sparkdl_avg._sidecar import Sidecar  # noqa: E402
+
+SECRET = os.urandom(32)
+
+
+def client_loop(port: int, secret: bytes, worker: int, numel: int, seconds: float,
+                out) -> None:
+    update = np.full(numel, 1e-9, np.float32)
+    acks = 0
+    with PSClient(("127.0.0.1", port), secret=secret, worker=worker, numel=numel,
+                  dtype=np.float32, timeout=60) as c:
+        c.pull()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            c.push(update)
+            acks += 1
+            c.pull()
+    out.put((worker, acks))
+
+
+def run(clients: int, numel: int, seconds: float) -> dict:
+    settings = {"algorithm": "downpour", "lr": 0.01, "update_scale": 1.0}
+    with Sidecar(host="127.0.0.1", secret=SECRET, settings=settings, staleness_bound=None,
+                 timeout=120) as ps, PSClient(("127.0.0.1", ps.port), secret=SECRET,
+                                              worker=DRIVER, numel=numel, dtype=np.float32,
+                                              timeout=60) as driver:
+        driver.init(np.zeros(numel, np.float32))
+        out = mp.get_context("spawn").Queue()
+        procs = [mp.get_context("spawn").Process(
+            target=client_loop, args=(ps.port, SECRET, w, numel, seconds, out))
+            for w in range(clients)]
+        t0 = time.perf_counter()
+        for p in procs:
+            p.start()
+        acks = dict(out.get(timeout=seconds + 300) for _ in procs)
+        wall = time.perf_counter() - t0
+        for p in procs:
+            p.join(30)
+        applied = driver.stats()["applied"]
+    pushes = sum(acks.values())
+    moved = pushes * numel * 4 * 2  # each acknowledged push was followed by a pull
+    return {"clients": clients, "parameters": numel, "seconds": wall, "pushes_acked": pushes,
+            "server_applied": applied, "lost_updates": applied - pushes if applied != pushes
+            else 0, "GB_per_s": moved / wall / 1e9, "per_client_acks": acks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--soak-seconds", type=float, default=60)
+    args = parser.parse_args()
+    report("ps_throughput", {
+        "throughput_25M_4_clients": run(4, 25_000_000, args.seconds),
+        "soak_16_clients": run(16, 1_000_000, args.soak_seconds),
+    })
+
+
+if __name__ == "__main__":
+    main()
