@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
 
     config = TrainConfig(
         mode=args.mode, algorithm=args.algorithm, push_every=args.push_every,
-        staleness_bound=args.staleness_bound, num_workers=args.num_workers, epochs=args.epochs, batch_size=args.batch_size,
+        staleness_bound=args.staleness_bound, num_workers=args.num_workers,
+        epochs=args.epochs, batch_size=args.batch_size,
         averaging_frequency=args.averaging_frequency, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum, average_optimizer_state=args.average_optimizer_state,
         eval_every=args.eval_every, seed=args.seed, experiment_name=args.experiment,

@@ -93,7 +93,9 @@ class ParameterServer:
     def stats(self) -> dict:
         with self._lock:
             staleness = {str(w): {"count": len(v), "mean": float(np.mean(v)) if v else 0.0,
-                                  "max": max(v, default=0)}
+                                  "max": max(v, default=0),
+                                  "histogram": {str(k): n for k, n in
+                                                sorted(collections.Counter(v).items())}}
                          for w, v in self.staleness.items()}
             return {"applied": self.applied, "refused": dict(self.refused),
                     "clocks": {str(w): c for w, c in self._clocks.items()},

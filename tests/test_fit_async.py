@@ -45,3 +45,21 @@ def test_async_learns_and_logs_the_servers_view(spark, mlflow_client, algorithm)
     assert run.data.params["mode"] == "async" and run.data.params["algorithm"] == algorithm
     for key in ("updates_per_s", "staleness_mean", "staleness_mean_worker_0", "eval_accuracy"):
         assert mlflow_client.get_metric_history(result.run_id, key), key
+
+
+def test_fit_uses_a_standalone_server_given_by_address(spark, tmp_path):
+    import os
+
+    from sparkdl_avg._sidecar import Sidecar
+
+    secret = os.urandom(32)
+    (tmp_path / "secret").write_text(secret.hex())
+    x, y = make_data(400, seed=3)
+    settings = {"algorithm": "downpour", "lr": 0.01, "update_scale": 0.5}
+    with Sidecar(host="127.0.0.1", secret=secret, settings=settings, staleness_bound=None,
+                 timeout=60) as server:  # stands in for `sparkdl-avg ps serve` run by a user
+        result = fit(frame(spark, x, y), make_model_f64, TrainConfig(
+            mode="async", num_workers=2, epochs=2, batch_size=8, push_every=2, lr=0.05,
+            ps_address=f"127.0.0.1:{server.port}", ps_secret_file=str(tmp_path / "secret"),
+            log_model=False))
+        assert result.history[-1]["updates_applied"] == 2 * (2 * 25) // 2
