@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--staleness-bound", type=int, default=None)
     serve.add_argument("--timeout", type=float, default=600.0)
     serve.add_argument("--max-message-mb", type=int, default=4096)
+    serve.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    serve.add_argument("--tls-key", help="the certificate's private key (PEM)")
     serve.add_argument("--ready-file", help="written with the bound port once serving")
     serve.add_argument("--parent-pid", type=int, help="exit when this process is gone")
     args = parser.parse_args(argv)
@@ -54,7 +56,14 @@ def _serve(args: argparse.Namespace) -> int:
     default_lambda = 2.0 if args.algorithm == "dcasgd-adaptive" else 0.04
     settings = {"algorithm": args.algorithm, "lr": args.lr, "update_scale": args.update_scale,
                 "dc_lambda": default_lambda if args.dc_lambda is None else args.dc_lambda}
-    server = ParameterServer(secret=secret, host=args.host, port=args.port, settings=settings,
+    tls = None
+    if args.tls_cert:
+        import ssl
+
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    server = ParameterServer(tls=tls, secret=secret, host=args.host, port=args.port,
+                             settings=settings,
                              staleness_bound=args.staleness_bound, timeout=args.timeout,
                              max_message_bytes=args.max_message_mb << 20)
     stop = threading.Event()

@@ -29,9 +29,12 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
     double = plan.dtype == torch.float64
     flat = FlatBuffer(averaged_tensors(plan.model), torch.float64 if double else torch.float32)
     bind, advertise = driver_addresses(spark)
+    tls_ca_pem = None
     if config.ps_address is not None:
         host, _, port = config.ps_address.rpartition(":")
         secret = bytes.fromhex(Path(config.ps_secret_file).read_text().strip())
+        if config.ps_tls_ca:
+            tls_ca_pem = Path(config.ps_tls_ca).read_text()
         server = contextlib.nullcontext(None)
         address = (host, int(port))
     else:
@@ -46,7 +49,7 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
     with server as sidecar, PSClient(
         address if sidecar is None else (advertise, sidecar.port), secret=secret,
         worker=DRIVER, numel=flat.array.size, dtype=flat.array.dtype,
-        timeout=config.round_timeout,
+        timeout=config.round_timeout, tls_ca_pem=tls_ca_pem,
     ) as ps:
         ps.init(flat.gather(), workers=config.num_workers)
         spec = WorkerSpec(
@@ -56,6 +59,7 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
             config=config, num_features=plan.data.num_features, double_precision=double,
             long_labels=plan.long_labels, classify=classify, **plan.pickled,
             ps_address=address if sidecar is None else (advertise, sidecar.port),
+            ps_tls_ca_pem=tls_ca_pem,
         )
         job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
                          f"sparkdl-avg: async training, {config.num_workers} workers")

@@ -105,6 +105,10 @@ class TrainConfig:
     ps_secret_file: str | None = None
     """Async with ps_address: file holding the server's hex secret."""
 
+    ps_tls_ca: str | None = None
+    """Async with ps_address: CA (or the server's self-signed certificate) file; set it to
+    speak TLS to a server started with --tls-cert/--tls-key and verify it."""
+
     eval_interval_s: float = 5.0
     """Async: evaluate the server's parameters on `eval_df` every this many seconds."""
 

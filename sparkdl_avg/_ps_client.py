@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+
 import numpy as np
 
 from sparkdl_avg import _wire
@@ -9,8 +11,11 @@ from sparkdl_avg import _wire
 
 class PSClient:
     def __init__(self, address: tuple[str, int], *, secret: bytes, worker: int, numel: int,
-                 dtype: np.dtype, timeout: float) -> None:
-        self._conn = _wire.connect(address, timeout=timeout, max_payload=0)
+                 dtype: np.dtype, timeout: float, tls_ca_pem: str | None = None) -> None:
+        """`tls_ca_pem`: PEM text of a CA (or the server's self-signed certificate): speak TLS
+        and verify the server with it."""
+        tls = ssl.create_default_context(cadata=tls_ca_pem) if tls_ca_pem else None
+        self._conn = _wire.connect(address, timeout=timeout, max_payload=0, tls=tls)
         try:
             self._conn.authenticate_to_server(secret, {"worker": worker})
         except BaseException:

@@ -15,6 +15,7 @@ import collections
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 import time
 
@@ -38,11 +39,12 @@ class ParameterServer:
     def __init__(self, state: ServerState | None = None, *, secret: bytes,
                  host: str = "127.0.0.1", port: int = 0, staleness_bound: int | None = None,
                  timeout: float = 600.0, settings: dict | None = None,
-                 max_message_bytes: int = 1 << 32) -> None:
+                 max_message_bytes: int = 1 << 32, tls: ssl.SSLContext | None = None) -> None:
         self.state = state
         """None until a driver sends INIT with the initial parameters and `settings`."""
         self._settings = settings or {}
         self._max_message = max_message_bytes
+        self._tls = tls
         self._secret = secret
         self._host, self._port = host, port
         self._bound = staleness_bound
@@ -118,6 +120,9 @@ class ParameterServer:
     def _serve(self, sock: socket.socket, peer) -> None:
         conn = None
         try:
+            if self._tls is not None:
+                sock.settimeout(_HANDSHAKE_S)
+                sock = self._tls.wrap_socket(sock, server_side=True)
             conn = _wire.Connection(sock, timeout=_HANDSHAKE_S, max_payload=0,
                                     max_meta=_wire.HANDSHAKE_META_BYTES)
             conn.deadline = time.monotonic() + _HANDSHAKE_S

@@ -20,6 +20,7 @@ import hmac
 import json
 import os
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -213,6 +214,13 @@ class Connection:
             raise ProtocolError("the server failed authentication (wrong secret)")
 
 
-def connect(address: tuple[str, int], *, timeout: float, max_payload: int) -> Connection:
+def connect(address: tuple[str, int], *, timeout: float, max_payload: int,
+            tls: ssl.SSLContext | None = None) -> Connection:
     sock = socket.create_connection(address, timeout=timeout)
+    if tls is not None:
+        try:
+            sock = tls.wrap_socket(sock, server_hostname=address[0])
+        except BaseException:
+            sock.close()
+            raise
     return Connection(sock, timeout=timeout, max_payload=max_payload)

@@ -48,6 +48,8 @@ class WorkerSpec:
     """A user optimizer factory, cloudpickled (config.optimizer is then a placeholder)."""
     ps_address: tuple[str, int] | None = None
     """Async mode: the parameter server (then `address` is unused)."""
+    ps_tls_ca_pem: str | None = None
+    """PEM text of the CA that verifies the server (files on the driver are not on executors)."""
 
 
 def run_task(spec: WorkerSpec, batches: Iterator) -> Iterator:
@@ -262,7 +264,8 @@ def _train_async(spec: WorkerSpec, rank: int, data, device) -> None:
     replica = _Replica(spec, rank, data, device)
     flat = FlatBuffer(averaged_tensors(replica.model), replica.wire_dtype)
     with PSClient(spec.ps_address, secret=spec.secret, worker=rank, numel=flat.array.size,
-                  dtype=flat.array.dtype, timeout=max(cfg.round_timeout, spec.connect_s)) as ps:
+                  dtype=flat.array.dtype, timeout=max(cfg.round_timeout, spec.connect_s),
+                  tls_ca_pem=spec.ps_tls_ca_pem) as ps:
         ps.pull()
         np.copyto(flat.array, ps.params)
         flat.scatter()
