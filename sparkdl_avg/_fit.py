@@ -46,7 +46,8 @@ class FitResult:
     run_id: str
     """The MLflow run that recorded this fit."""
     history: list[dict] = field(default_factory=list)
-    """One dict per averaging round: the metrics logged to MLflow at that step."""
+    """The metrics logged to MLflow, one dict per step: per averaging round in sync mode, per
+    evaluation interval (`eval_interval_s`) in async mode."""
     workers: list[dict] = field(default_factory=list)
     """One dict per task: partition, host, device, GPU address, rows."""
     timings: dict[str, float] = field(default_factory=dict)
