@@ -13,15 +13,13 @@ import torch
 from pyspark.sql import functions as F
 
 from sparkdl_avg import _wire
-from sparkdl_avg._cluster import BarrierJob, driver_addresses
+from sparkdl_avg._cluster import BarrierJob, connect_deadline_s, driver_addresses
 from sparkdl_avg._data import EVAL, FEATURES, LABEL, SPLIT
 from sparkdl_avg._model import FlatBuffer, averaged_tensors
 from sparkdl_avg._ps_client import PSClient
 from sparkdl_avg._ps_server import DRIVER
 from sparkdl_avg._sidecar import Sidecar
 from sparkdl_avg._worker import REPORT_SCHEMA, WorkerSpec, _evaluate, run_task
-
-_CONNECT_DEADLINE_S = 300.0
 
 
 def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict,
@@ -54,7 +52,7 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
         ps.init(flat.gather(), workers=config.num_workers)
         spec = WorkerSpec(
             address=("", 0), secret=secret, schedule=plan.schedule,
-            connect_s=max(_CONNECT_DEADLINE_S, config.round_timeout),
+            connect_s=connect_deadline_s(config.round_timeout),
             train_rows=plan.data.train_sizes, eval_rows=plan.data.eval_sizes,
             config=config, num_features=plan.data.num_features, double_precision=double,
             long_labels=plan.long_labels, classify=classify, **plan.pickled,

@@ -13,6 +13,13 @@ from sparkdl_avg._device import check_gpu_scheduling
 from sparkdl_avg._errors import ClusterError, TrainingError
 
 _SLOT_WAIT_S = 10.0
+_CONNECT_DEADLINE_S = 300.0
+
+
+def connect_deadline_s(round_timeout: float) -> float:
+    """How long workers may take to load their partitions and connect: loading large data is
+    slow, so never less than 5 minutes."""
+    return max(_CONNECT_DEADLINE_S, round_timeout)
 
 
 def driver_addresses(spark: SparkSession) -> tuple[str, str]:

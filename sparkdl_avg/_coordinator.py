@@ -7,6 +7,7 @@ thread per worker moves bytes (socket calls release the GIL), so transfers overl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -27,7 +28,6 @@ from sparkdl_avg._errors import ProtocolError, TrainingError
 
 log = logging.getLogger("sparkdl_avg")
 _POLL_S = 0.25
-_HANDSHAKE_S = 10.0
 _MAX_STATE_FACTOR = 4
 """A push may carry the parameters plus optimizer state of up to 3x their size (Adam)."""
 
@@ -110,23 +110,19 @@ class Coordinator:
                 sock, peer = self._listener.accept()
             except TimeoutError:
                 continue
-            conn = None
             try:
-                conn = _wire.Connection(sock, timeout=_HANDSHAKE_S, max_payload=0,
-                                        max_meta=_wire.HANDSHAKE_META_BYTES)
-                conn.deadline = time.monotonic() + _HANDSHAKE_S
-                hello = conn.authenticate_client(self._secret)
-                rank = hello.get("rank")
-                if not isinstance(rank, int) or not 0 <= rank < self.num_workers \
-                        or rank in self._conns:
-                    conn.send(_wire.Kind.ERROR, {"message": f"unexpected worker rank {rank!r}"})
-                    raise ProtocolError(f"unexpected worker rank {rank!r}")
+                conn, hello = _wire.accept(sock, self._secret)
             except Exception as exc:  # a stranger or a broken peer must not end the fit
                 log.warning("refused a connection from %s: %s", peer, exc)
-                (conn or sock).close()
                 continue
-            conn.deadline = None
-            conn.max_meta = _wire.MAX_META_BYTES
+            rank = hello.get("rank")
+            if not isinstance(rank, int) or not 0 <= rank < self.num_workers \
+                    or rank in self._conns:
+                log.warning("refused a connection from %s: unexpected rank %r", peer, rank)
+                with contextlib.suppress(OSError):
+                    conn.send(_wire.Kind.ERROR, {"message": f"unexpected worker rank {rank!r}"})
+                conn.close()
+                continue
             conn.set_timeout(self._timeout)
             self._conns[rank] = conn
             self.hellos[rank] = hello

@@ -13,7 +13,12 @@ import torch
 
 from sparkdl_avg import _wire
 from sparkdl_avg._async_driver import train_async
-from sparkdl_avg._cluster import BarrierJob, check_cluster, driver_addresses
+from sparkdl_avg._cluster import (
+    BarrierJob,
+    check_cluster,
+    connect_deadline_s,
+    driver_addresses,
+)
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._coordinator import Coordinator, RoundStats
 from sparkdl_avg._data import PreparedData, prepare
@@ -34,7 +39,6 @@ from sparkdl_avg._tracking import RunLogger
 from sparkdl_avg._worker import REPORT_SCHEMA, WorkerSpec, run_task
 
 log = logging.getLogger("sparkdl_avg")
-_CONNECT_DEADLINE_S = 300.0
 
 
 @dataclass(slots=True)
@@ -170,7 +174,7 @@ def _train(spark, plan: _Plan, config: TrainConfig, classify: bool, run: RunLogg
         check_job=lambda wait_s: job.check(wait_s),
     ) as coord:
         # Workers connect once their partition is loaded; large data loads slowly.
-        connect_s = max(_CONNECT_DEADLINE_S, config.round_timeout)
+        connect_s = connect_deadline_s(config.round_timeout)
         spec = WorkerSpec(
             address=coord.address, secret=secret, schedule=schedule, connect_s=connect_s,
             train_rows=plan.data.train_sizes, eval_rows=plan.data.eval_sizes,

@@ -26,7 +26,6 @@ from sparkdl_avg._async_rules import ServerState, may_apply, may_read
 from sparkdl_avg._errors import ProtocolError
 
 log = logging.getLogger("sparkdl_avg")
-_HANDSHAKE_S = 10.0
 SECRET_ENV = "SPARKDL_AVG_PS_SECRET"
 """How a started server gets its secret (not the command line, which others can read)."""
 DRIVER = -1
@@ -118,23 +117,17 @@ class ParameterServer:
             self._spawn(self._serve, f"sparkdl-avg-ps-{peer[1]}", sock, peer)
 
     def _serve(self, sock: socket.socket, peer) -> None:
-        conn = None
         try:
-            if self._tls is not None:
-                sock.settimeout(_HANDSHAKE_S)
-                sock = self._tls.wrap_socket(sock, server_side=True)
-            conn = _wire.Connection(sock, timeout=_HANDSHAKE_S, max_payload=0,
-                                    max_meta=_wire.HANDSHAKE_META_BYTES)
-            conn.deadline = time.monotonic() + _HANDSHAKE_S
-            hello = conn.authenticate_client(self._secret)
-            worker = hello.get("worker")
-            if not isinstance(worker, int) or worker < DRIVER:
-                raise ProtocolError(f"bad worker id {worker!r}")
+            conn, hello = _wire.accept(sock, self._secret, tls=self._tls)
         except Exception as exc:
             self._refuse("auth", exc, peer)
-            (conn or sock).close()
             return
-        conn.deadline, conn.max_meta = None, _wire.MAX_META_BYTES
+        worker = hello.get("worker")
+        if not isinstance(worker, int) or worker < DRIVER:
+            self._refuse("auth", ProtocolError(f"bad worker id {worker!r}"), peer)
+            _try_send_error(conn, f"bad worker id {worker!r}")
+            conn.close()
+            return
         conn.max_payload = self._max_message if worker == DRIVER else 0
         conn.set_timeout(self._timeout)
         with self._lock:

@@ -214,6 +214,32 @@ class Connection:
             raise ProtocolError("the server failed authentication (wrong secret)")
 
 
+HANDSHAKE_S = 10.0
+"""A peer has this long, in total, to authenticate."""
+
+
+def accept(sock: socket.socket, secret: bytes, *, tls: ssl.SSLContext | None = None
+           ) -> tuple[Connection, dict[str, Any]]:
+    """Server side of a new connection: TLS (optional), then the HMAC handshake, all within
+    HANDSHAKE_S and a small metadata limit, so a stranger can neither stall nor flood us.
+    Returns the connection (limits reset to normal) and the peer's authenticated hello; the
+    socket is closed if anything fails."""
+    conn = None
+    try:
+        if tls is not None:
+            sock.settimeout(HANDSHAKE_S)
+            sock = tls.wrap_socket(sock, server_side=True)
+        conn = Connection(sock, timeout=HANDSHAKE_S, max_payload=0,
+                          max_meta=HANDSHAKE_META_BYTES)
+        conn.deadline = time.monotonic() + HANDSHAKE_S
+        hello = conn.authenticate_client(secret)
+    except BaseException:
+        (conn or sock).close()
+        raise
+    conn.deadline, conn.max_meta = None, MAX_META_BYTES
+    return conn, hello
+
+
 def connect(address: tuple[str, int], *, timeout: float, max_payload: int,
             tls: ssl.SSLContext | None = None) -> Connection:
     sock = socket.create_connection(address, timeout=timeout)
