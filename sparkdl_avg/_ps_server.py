@@ -3,10 +3,10 @@
 One thread per connected worker; the update rules live in `_async_rules` and run under one
 lock. What a worker sends is checked before it touches the parameters: a wrong secret, a
 malformed frame, an update of the wrong size or with NaN/Inf is refused with an ERROR reply
-and counted by reason, and the server stays up. `staleness_bound` holds a worker's ACK until
-its pulls until it is at most that many pushes ahead of the slowest connected worker, and holds a
-push until every other worker has read the parameters of that many clocks back; with a bound
-of 0 the rounds are exactly synchronous.
+and counted by reason, and the server stays up. `staleness_bound` holds a worker's pulls until
+it is at most that many pushes ahead of the slowest connected worker, and holds a push until
+every other worker has read the parameters of that many clocks back; with a bound of 0 the
+rounds are exactly synchronous.
 """
 
 from __future__ import annotations
@@ -124,8 +124,7 @@ class ParameterServer:
             return
         worker = hello.get("worker")
         if not isinstance(worker, int) or worker < DRIVER:
-            self._refuse("auth", ProtocolError(f"bad worker id {worker!r}"), peer)
-            _try_send_error(conn, f"bad worker id {worker!r}")
+            self._refuse("auth", f"bad worker id {worker!r}", peer, conn)
             conn.close()
             return
         conn.max_payload = self._max_message if worker == DRIVER else 0
@@ -147,17 +146,17 @@ class ParameterServer:
             conn.close()
 
     def _serve_worker(self, conn: _wire.Connection, worker: int) -> None:
-        buffers: dict[str, np.ndarray] = {}
+        update = np.empty(0)  # this connection's receive buffer, sized to the model
 
         def into(kind: _wire.Kind, meta: dict) -> np.ndarray | None:
+            nonlocal update
             if kind is not _wire.Kind.UPDATE:
                 return None  # INIT (driver only) goes to a fresh buffer within max_payload
             if self.state is None:
                 raise ProtocolError("the server has no parameters yet (no INIT)")
-            buf = buffers.get("update")
-            if buf is None or buf.shape != self.state.params.shape:
-                buf = buffers["update"] = np.empty_like(self.state.params)
-            return buf
+            if update.shape != self.state.params.shape:
+                update = np.empty_like(self.state.params)
+            return update
 
         while not self._closed.is_set():
             try:
@@ -165,8 +164,7 @@ class ParameterServer:
             except ProtocolError as exc:
                 if "closed by the peer" not in str(exc):
                     # Refused; the stream may be out of step, so this connection ends here.
-                    self._refuse(_reason(exc), exc, worker)
-                    _try_send_error(conn, str(exc))
+                    self._refuse(_reason(exc), exc, worker, conn)
                 return
             except (TimeoutError, OSError):
                 return
@@ -186,24 +184,21 @@ class ParameterServer:
                         self._lock.notify_all()
                 conn.send(_wire.Kind.PARAMS, {"version": version}, params)
             elif frame.kind is _wire.Kind.UPDATE:
-                self._apply(conn, worker, buffers["update"], frame)
+                self._apply(conn, worker, update, frame)
             elif frame.kind is _wire.Kind.INIT and worker == DRIVER:
                 self._init(conn, frame)
             elif frame.kind is _wire.Kind.STATS:
                 conn.send(_wire.Kind.STATS, self.stats())
             else:
-                self.refused["unexpected"] += 1
-                _try_send_error(conn, f"unexpected {frame.kind.name} frame")
+                self._refuse("unexpected", f"unexpected {frame.kind.name} frame", worker, conn)
 
     def _apply(self, conn: _wire.Connection, worker: int, update: np.ndarray,
                frame: _wire.Frame) -> None:
         if frame.payload is None:
-            self.refused["malformed"] += 1
-            _try_send_error(conn, "UPDATE without a payload")
+            self._refuse("malformed", "UPDATE without a payload", worker, conn)
             return
         if not np.isfinite(update).all():
-            self.refused["non_finite"] += 1
-            _try_send_error(conn, "update holds NaN or Inf: refused")
+            self._refuse("non_finite", "update holds NaN or Inf: refused", worker, conn)
             return
         with self._lock:
             clock = self._clocks.get(worker, 0)
@@ -214,8 +209,7 @@ class ParameterServer:
             try:
                 self.state.apply(worker, update)
             except ValueError as exc:
-                self.refused["malformed"] += 1
-                _try_send_error(conn, str(exc))
+                self._refuse("malformed", exc, worker, conn)
                 return
             staleness = self.applied - self._pulled_version.get(worker, 0)
             self.applied += 1
@@ -242,15 +236,10 @@ class ParameterServer:
 
     def _init(self, conn: _wire.Connection, frame: _wire.Frame) -> None:
         dtype = frame.meta.get("dtype")
-        if dtype not in ("float32", "float64") or frame.payload is None \
-                or frame.payload.nbytes % np.dtype(dtype).itemsize:
-            self.refused["malformed"] += 1
-            _try_send_error(conn, f"malformed INIT: {frame.meta}")
-            return
         workers = frame.meta.get("workers", 0)
-        if not _is_count(workers):
-            self.refused["malformed"] += 1
-            _try_send_error(conn, f"malformed INIT: {frame.meta}")
+        if dtype not in ("float32", "float64") or frame.payload is None \
+                or frame.payload.nbytes % np.dtype(dtype).itemsize or not _is_count(workers):
+            self._refuse("malformed", f"malformed INIT: {frame.meta}", DRIVER, conn)
             return
         params = np.frombuffer(frame.payload, dtype=dtype).copy()
         with self._lock:
@@ -265,10 +254,15 @@ class ParameterServer:
             self.staleness.clear()
         conn.send(_wire.Kind.ACK, {"applied": 0})
 
-    def _refuse(self, reason: str, exc: BaseException, who) -> None:
+    def _refuse(self, reason: str, why: object, who,
+                conn: _wire.Connection | None = None) -> None:
+        """Count a refusal by reason (under the lock: many threads refuse), log it, and tell
+        the peer when there is a connection to tell."""
         with self._lock:
             self.refused[reason] += 1
-        log.warning("parameter server refused %s (%s): %s", who, reason, exc)
+        log.warning("parameter server refused %s (%s): %s", who, reason, why)
+        if conn is not None:
+            _try_send_error(conn, str(why))
 
 
 def _reason(exc: ProtocolError) -> str:

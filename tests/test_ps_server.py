@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from sparkdl_avg import ProtocolError
+from sparkdl_avg import ProtocolError, _wire
 from sparkdl_avg._async_rules import ServerState
 from sparkdl_avg._ps_client import PSClient
 from sparkdl_avg._ps_server import ParameterServer
@@ -170,3 +170,12 @@ def test_announced_workers_hold_pushes_until_their_first_read():
                 assert late.params.tolist() == [0, 0, 0, 0]
                 assert pushed.wait(5)
                 t.join()
+
+
+def test_an_update_without_payload_is_refused_not_a_crash():
+    with server() as ps, client(ps, 0) as c:
+        c._conn.send(_wire.Kind.UPDATE, {})  # first frame, no bytes
+        with pytest.raises(ProtocolError, match="UPDATE without a payload"):
+            c._conn.expect(_wire.Kind.ACK)
+        c.pull()  # the connection is still served
+        assert ps.stats()["refused"] == {"malformed": 1}
