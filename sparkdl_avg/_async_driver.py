@@ -15,7 +15,7 @@ from pyspark.sql import functions as F
 from sparkdl_avg import _wire
 from sparkdl_avg._cluster import BarrierJob, connect_deadline_s, driver_addresses
 from sparkdl_avg._data import EVAL, FEATURES, LABEL, SPLIT
-from sparkdl_avg._model import FlatBuffer, averaged_tensors
+from sparkdl_avg._model import FlatBuffer, averaged_tensors, wire_dtype
 from sparkdl_avg._ps_client import PSClient
 from sparkdl_avg._ps_server import DRIVER
 from sparkdl_avg._sidecar import Sidecar
@@ -24,8 +24,7 @@ from sparkdl_avg._worker import REPORT_SCHEMA, WorkerSpec, _evaluate, run_task
 
 def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict,
                 t_start: float) -> tuple[list[dict], list[dict]]:
-    double = plan.dtype == torch.float64
-    flat = FlatBuffer(averaged_tensors(plan.model), torch.float64 if double else torch.float32)
+    flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
     bind, advertise = driver_addresses(spark)
     tls_ca_pem = None
     if config.ps_address is not None:
@@ -34,7 +33,7 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
         if config.ps_tls_ca:
             tls_ca_pem = Path(config.ps_tls_ca).read_text()
         server = contextlib.nullcontext(None)
-        address = (host, int(port))
+        user_address = (host, int(port))
     else:
         secret = _wire.new_secret()
         server = Sidecar(host=bind, secret=secret, settings={
@@ -44,40 +43,33 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
         }, staleness_bound=config.staleness_bound, timeout=config.round_timeout)
     eval_data = _collect_eval(plan, classify)
     history: list[dict] = []
-    with server as sidecar, PSClient(
-        address if sidecar is None else (advertise, sidecar.port), secret=secret,
-        worker=DRIVER, numel=flat.array.size, dtype=flat.array.dtype,
-        timeout=config.round_timeout, tls_ca_pem=tls_ca_pem,
-    ) as ps:
-        ps.init(flat.gather(), workers=config.num_workers)
-        spec = WorkerSpec(
-            address=("", 0), secret=secret, schedule=plan.schedule,
-            connect_s=connect_deadline_s(config.round_timeout),
-            train_rows=plan.data.train_sizes, eval_rows=plan.data.eval_sizes,
-            config=config, num_features=plan.data.num_features, double_precision=double,
-            long_labels=plan.long_labels, classify=classify, **plan.pickled,
-            ps_address=address if sidecar is None else (advertise, sidecar.port),
-            ps_tls_ca_pem=tls_ca_pem,
-        )
-        job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
-                         f"sparkdl-avg: async training, {config.num_workers} workers")
-        t_train = time.perf_counter()
-        timings["first_step_s"] = t_train - t_start  # tasks start training as they load
-        previous = {"t": t_train, "applied": 0, "samples": 0, "loss_sum": 0.0}
-        with job:
-            finished = False
-            while not finished:
-                finished = job.done(config.eval_interval_s)
-                metrics = _interval_metrics(ps, plan.model, flat, eval_data, loss_fn, classify,
-                                            previous)
-                step = len(history)
-                history.append({"interval": step, **metrics})
-                run.log_metrics(metrics, step=step)
-            workers = sorted((row.asDict() for row in job.wait(config.round_timeout)),
-                             key=lambda w: w["partition"])
-        timings["train_s"] = time.perf_counter() - t_train
-        stats = ps.stats()
-        run.log_dict(stats, "server_stats.json")
+    with server as sidecar:
+        address = user_address if sidecar is None else (advertise, sidecar.port)
+        with PSClient(address, secret=secret, worker=DRIVER, numel=flat.array.size,
+                      dtype=flat.array.dtype, timeout=config.round_timeout,
+                      tls_ca_pem=tls_ca_pem) as ps:
+            ps.init(flat.gather(), workers=config.num_workers)
+            spec = WorkerSpec.for_plan(plan, config, classify=classify, secret=secret,
+                                       connect_s=connect_deadline_s(config.round_timeout),
+                                       ps_address=address, ps_tls_ca_pem=tls_ca_pem)
+            job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
+                             f"sparkdl-avg: async training, {config.num_workers} workers")
+            t_train = time.perf_counter()
+            timings["first_step_s"] = t_train - t_start  # tasks start training as they load
+            previous = {"t": t_train, "applied": 0, "samples": 0, "loss_sum": 0.0}
+            with job:
+                finished = False
+                while not finished:
+                    finished = job.done(config.eval_interval_s)
+                    metrics = _interval_metrics(ps, plan.model, flat, eval_data, loss_fn,
+                                                classify, previous)
+                    step = len(history)
+                    history.append({"interval": step, **metrics})
+                    run.log_metrics(metrics, step=step)
+                workers = sorted((row.asDict() for row in job.wait(config.round_timeout)),
+                                 key=lambda w: w["partition"])
+            timings["train_s"] = time.perf_counter() - t_train
+            run.log_dict(ps.stats(), "server_stats.json")
     return history, workers
 
 

@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,7 +42,6 @@ class RoundStats:
     averaging_s: float
     divergence: float
     eval: dict | None = None
-    per_worker_compute_s: list[float] = field(default_factory=list)
 
 
 class Coordinator:
@@ -165,7 +164,6 @@ class Coordinator:
             round_s=0.0,
             averaging_s=averaging_s,
             divergence=divergence,
-            per_worker_compute_s=[p["compute_s"] for p in pushes],
         )
         if evaluate:
             evals = self._all(lambda rank, conn: _checked_eval(

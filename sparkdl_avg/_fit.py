@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -32,6 +32,7 @@ from sparkdl_avg._model import (
     make_loss,
     model_dtype,
     pickle_for_executors,
+    wire_dtype,
 )
 from sparkdl_avg._plan import Schedule, make_schedule
 from sparkdl_avg._progress import Progress
@@ -140,8 +141,7 @@ def _plan(spark, train_df, eval_df, model_fn, config: TrainConfig, features_col,
             "cross_entropy needs integer class labels"
         )
     check_model_fits_data(model, num_features=data.num_features, loss=loss, dtype=dtype,
-                          integral_labels=data.integral_labels, label_min=data.label_min,
-                          label_max=data.label_max)
+                          label_min=data.label_min, label_max=data.label_max)
     smallest = min(data.train_sizes)
     if smallest < config.batch_size:
         raise DataError(
@@ -161,8 +161,7 @@ def _plan(spark, train_df, eval_df, model_fn, config: TrainConfig, features_col,
 def _train(spark, plan: _Plan, config: TrainConfig, classify: bool, run: RunLogger,
            timings: dict, t_start: float) -> tuple[list[dict], list[dict]]:
     """Start the coordinator and the barrier job, run every round, load the final average."""
-    double = plan.dtype == torch.float64
-    flat = FlatBuffer(averaged_tensors(plan.model), torch.float64 if double else torch.float32)
+    flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
     secret = _wire.new_secret()
     schedule, has_eval = plan.schedule, plan.data.eval_sizes[0] > 0
     history: list[dict] = []
@@ -175,13 +174,8 @@ def _train(spark, plan: _Plan, config: TrainConfig, classify: bool, run: RunLogg
     ) as coord:
         # Workers connect once their partition is loaded; large data loads slowly.
         connect_s = connect_deadline_s(config.round_timeout)
-        spec = WorkerSpec(
-            address=coord.address, secret=secret, schedule=schedule, connect_s=connect_s,
-            train_rows=plan.data.train_sizes, eval_rows=plan.data.eval_sizes,
-            config=replace(config, optimizer="sgd") if callable(config.optimizer) else config,
-            num_features=plan.data.num_features, double_precision=double,
-            long_labels=plan.long_labels, classify=classify, **plan.pickled,
-        )
+        spec = WorkerSpec.for_plan(plan, config, classify=classify, secret=secret,
+                                   connect_s=connect_s, address=coord.address)
         job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
                          f"sparkdl-avg: train {config.num_workers} replicas")
         with job:

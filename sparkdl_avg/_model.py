@@ -101,6 +101,12 @@ def optimizer_state_tensors(
     return out
 
 
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Parameters travel and are averaged in float64 for float64 models, else float32
+    (numpy, and so the wire, has no bfloat16)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class FlatBuffer:
     """The tensors re-homed into one contiguous tensor, and its host copy for the wire.
 
@@ -195,7 +201,7 @@ def _mse(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def check_model_fits_data(
     model: torch.nn.Module, *, num_features: int, loss: str | LossFn, dtype: torch.dtype,
-    integral_labels: bool, label_min: float, label_max: float,
+    label_min: float, label_max: float,
 ) -> None:
     """Run the model once on a dummy batch; check its output against the labels' range."""
     probe = torch.zeros(2, num_features, dtype=dtype)

@@ -11,7 +11,7 @@ import socket
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -50,6 +50,26 @@ class WorkerSpec:
     """Async mode: the parameter server (then `address` is unused)."""
     ps_tls_ca_pem: str | None = None
     """PEM text of the CA that verifies the server (files on the driver are not on executors)."""
+
+    @classmethod
+    def for_plan(cls, plan, config: TrainConfig, *, classify: bool, secret: bytes,
+                 connect_s: float, address: tuple[str, int] = ("", 0),
+                 ps_address: tuple[str, int] | None = None,
+                 ps_tls_ca_pem: str | None = None) -> WorkerSpec:
+        """The spec for a fit's plan (`_fit._Plan`), in either mode."""
+        import torch
+
+        return cls(
+            address=address, secret=secret, schedule=plan.schedule, connect_s=connect_s,
+            train_rows=plan.data.train_sizes, eval_rows=plan.data.eval_sizes,
+            # a callable optimizer travels by value in plan.pickled; Spark would pickle it
+            # by reference, which fails for user modules the executors lack
+            config=replace(config, optimizer="sgd") if callable(config.optimizer) else config,
+            num_features=plan.data.num_features,
+            double_precision=plan.dtype == torch.float64, long_labels=plan.long_labels,
+            classify=classify, ps_address=ps_address, ps_tls_ca_pem=ps_tls_ca_pem,
+            **plan.pickled,
+        )
 
 
 def run_task(spec: WorkerSpec, batches: Iterator) -> Iterator:
@@ -151,7 +171,7 @@ class _Replica:
         import cloudpickle
         import torch
 
-        from sparkdl_avg._model import make_loss, model_dtype
+        from sparkdl_avg._model import make_loss, model_dtype, wire_dtype
 
         cfg = spec.config
         torch.manual_seed(cfg.seed * 100_003 + rank)  # dropout & co. differ per replica
@@ -162,7 +182,7 @@ class _Replica:
         if not spec.long_labels:
             y_train, y_eval = y_train.to(self.dtype), y_eval.to(self.dtype)
         self.train_data, self.eval_data = (x_train, y_train), (x_eval, y_eval)
-        self.wire_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.wire_dtype = wire_dtype(self.dtype)
         self.loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
         self._factory = cloudpickle.loads(spec.optimizer) if spec.optimizer else None
         self.optimizer = None

@@ -63,3 +63,13 @@ def test_fit_uses_a_standalone_server_given_by_address(spark, tmp_path):
             ps_address=f"127.0.0.1:{server.port}", ps_secret_file=str(tmp_path / "secret"),
             log_model=False))
         assert result.history[-1]["updates_applied"] == 2 * (2 * 25) // 2
+
+
+def test_async_with_a_user_optimizer_factory(spark):
+    from test_fit_sync import sgd_factory  # a user module the executors do not have
+
+    x, y = make_data(200, seed=6)
+    result = fit(frame(spark, x, y), make_model_f64, TrainConfig(
+        mode="async", num_workers=2, epochs=1, batch_size=10, push_every=2,
+        optimizer=sgd_factory, log_model=False))
+    assert result.history[-1]["updates_applied"] == 2 * 10 // 2
