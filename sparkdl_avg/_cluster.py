@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -10,7 +11,7 @@ from collections.abc import Callable
 from pyspark.sql import DataFrame, SparkSession
 
 from sparkdl_avg._device import check_gpu_scheduling
-from sparkdl_avg._errors import ClusterError, TrainingError
+from sparkdl_avg._errors import ClusterError, TrainingError, WorkerLostError
 
 _SLOT_WAIT_S = 10.0
 _CONNECT_DEADLINE_S = 300.0
@@ -30,8 +31,10 @@ def driver_addresses(spark: SparkSession) -> tuple[str, str]:
     return conf.get("spark.driver.bindAddress", None) or advertise, advertise
 
 
-def check_cluster(spark: SparkSession, num_workers: int, device: str) -> int:
-    """Fail in seconds, with the numbers, where Spark would retry for minutes or hang."""
+def check_cluster(spark: SparkSession, num_workers: int, device: str,
+                  wait_s: float = _SLOT_WAIT_S) -> int:
+    """Fail in seconds, with the numbers, where Spark would retry for minutes or hang. Waits
+    up to `wait_s` for executors still registering (or replacing a lost one)."""
     sc = spark.sparkContext
     conf = sc.getConf()
     gpu_amount = float(conf.get("spark.task.resource.gpu.amount", "0"))
@@ -40,7 +43,7 @@ def check_cluster(spark: SparkSession, num_workers: int, device: str) -> int:
         raise ClusterError("spark.dynamicAllocation.enabled=true: the training tasks run as one "
                            "barrier stage, which Spark refuses under dynamic allocation; "
                            "disable it for training")
-    deadline = time.monotonic() + _SLOT_WAIT_S
+    deadline = time.monotonic() + wait_s
     while True:
         slots = _concurrent_slots(spark)
         if slots >= num_workers or time.monotonic() > deadline:
@@ -103,8 +106,44 @@ class BarrierJob:
         if wait_s > 0:
             self._done.wait(wait_s)
         if self.error is not None:
-            raise TrainingError(f"the training tasks failed: {_spark_reason(self.error)}") \
+            text = str(self.error)
+            match = _FAILED_TASK.search(text)
+            raise WorkerLostError(f"the training tasks failed: {_spark_reason(text)}",
+                                  partition=int(match.group(1)) if match else None) \
                 from self.error
+
+    def tasks(self) -> list[dict]:
+        """What Spark knows of this job's tasks (every attempt of its stages): partition,
+        executor, host, status and error, from the driver's status store."""
+        sc = self._frame.sparkSession.sparkContext
+        tracker, store = sc.statusTracker(), sc._jsc.sc().statusStore()
+        out = []
+        for job_id in tracker.getJobIdsForGroup(self._group):
+            info = tracker.getJobInfo(job_id)
+            for stage_id in (info.stageIds if info is not None else []):
+                stage = tracker.getStageInfo(stage_id)
+                attempt = stage.currentAttemptId if stage is not None else 0
+                tasks = store.taskList(stage_id, attempt, 10_000)
+                for i in range(tasks.size()):
+                    t = tasks.apply(i)
+                    error = t.errorMessage()
+                    out.append({"partition": t.index(), "executor": t.executorId(),
+                                "host": t.host(), "status": t.status(),
+                                "error": _spark_reason(error.get()) if error.isDefined()
+                                else None})
+        return out
+
+    def wait_tasks_ended(self, timeout: float) -> bool:
+        """After a failure: wait until no task of this job still runs (its slots are free)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if not any(t["status"] == "RUNNING" for t in self.tasks()):
+                    return True
+            except Exception:  # noqa: BLE001 - the status store is best effort
+                return False
+            time.sleep(0.2)
+        return False
 
     def done(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the job to end; raise if it failed."""
@@ -123,11 +162,20 @@ class BarrierJob:
         self._frame.sparkSession.sparkContext.cancelJobGroup(self._group)
 
 
-def _spark_reason(exc: BaseException) -> str:
-    """The useful line of a Spark job failure: the Python error raised in the task."""
-    text = str(exc)
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if line and ("Error" in line or "Exception" in line) and not line.startswith("at "):
-            return line[:2000]
-    return text[:2000]
+_FAILED_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)")
+_PYTHON_ERROR = re.compile(r"^[A-Z]\w*(Error|Exception|Exit|Interrupt)(: .*)?$")
+_JVM_ERROR = re.compile(r"^:?\s*(?:org\.apache|java)\.[\w.$]*(?:Exception|Error): (.*)$")
+
+
+def _spark_reason(text: str) -> str:
+    """The useful line of a Spark task or job failure: the Python error raised in the task,
+    else the first JVM error that is not the job abort itself."""
+    lines = [line.strip() for line in text.splitlines()]
+    python = [line for line in lines if _PYTHON_ERROR.match(line)]
+    if python:
+        return python[-1][:2000]
+    for line in lines:
+        match = _JVM_ERROR.match(line)
+        if match and not match.group(1).startswith("Job aborted"):
+            return match.group(1)[:2000]
+    return text.strip()[:2000]

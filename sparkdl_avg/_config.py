@@ -69,7 +69,22 @@ class TrainConfig:
     """Evaluate the averaged model on `eval_df` every this many rounds (and after the last)."""
 
     round_timeout: float = 600.0
-    """Seconds the driver waits for any worker within a round before failing the fit."""
+    """Seconds the driver waits for a worker's next message (a push, an evaluation) before it
+    declares the worker hung and restarts the round's training (see max_failures)."""
+
+    max_failures: int = 3
+    """Task failures (an exception, a killed worker, a lost executor, a hang) the fit recovers
+    from by restarting the training job from its last checkpoint; one more fails the fit."""
+
+    checkpoint_every: int = 10
+    """Sync: every this many rounds (and after the last) the averaged parameters, each worker's
+    optimizer state and the position in the data are kept as the restart point and saved to
+    `checkpoint_dir` or the MLflow run. 0: keep none; a failure restarts from round 0.
+    Async: the parameter server saves its state every this many pushes per worker."""
+
+    checkpoint_dir: str | None = None
+    """A directory for checkpoints (the newest two are kept); None: the MLflow run's artifacts
+    under checkpoints/."""
 
     experiment_name: str | None = None
     """MLflow experiment; None uses the active one (MLflow's default, or the notebook's)."""
@@ -115,6 +130,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("num_workers", "epochs", "batch_size", "averaging_frequency", "eval_every"):
             _require_int(name, getattr(self, name), minimum=1)
+        _require_int("max_failures", self.max_failures, minimum=0)
+        _require_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        if self.checkpoint_dir is not None and (
+                not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
+            raise ConfigError(f"checkpoint_dir must be a directory path, got "
+                              f"{self.checkpoint_dir!r}")
         _require_int("seed", self.seed, minimum=0)
         if isinstance(self.optimizer, str):
             if self.optimizer not in _OPTIMIZERS:

@@ -24,11 +24,12 @@ from sparkdl_avg._averaging import (
     non_finite_replicas,
     weighted_average,
 )
-from sparkdl_avg._errors import ProtocolError, TrainingError
+from sparkdl_avg._errors import ProtocolError, TrainingError, WorkerLostError
 
 log = logging.getLogger("sparkdl_avg")
 _POLL_S = 0.25
 _MAX_STATE_FACTOR = 4
+_JOB_FAILURE_WAIT_S = 5.0
 """A push may carry the parameters plus optimizer state of up to 3x their size (Adam)."""
 
 
@@ -42,6 +43,8 @@ class RoundStats:
     averaging_s: float
     divergence: float
     eval: dict | None = None
+    states: list[tuple[list, np.ndarray]] | None = None
+    """At checkpoint rounds: each worker's optimizer state (layout, bytes)."""
 
 
 class Coordinator:
@@ -64,6 +67,8 @@ class Coordinator:
         self._dtype = np.dtype(dtype)
         self._buffers = [np.empty(model_numel, self._dtype) for _ in range(num_workers)]
         self.average = np.empty(model_numel, self._dtype)
+        # optimizer state at checkpoints: at most 3x the parameters (Adam), in any dtype
+        self._max_state_bytes = _MAX_STATE_FACTOR * model_numel * 8 + (1 << 20)
         self._round_end = time.perf_counter()
 
     def __enter__(self) -> Coordinator:
@@ -94,8 +99,10 @@ class Coordinator:
 
     # --- setup ----------------------------------------------------------------------------
 
-    def accept_workers(self, initial: np.ndarray, deadline_s: float) -> None:
-        """Wait for every worker to connect and authenticate, then send the initial parameters."""
+    def accept_workers(self, initial: np.ndarray, deadline_s: float, *, start_round: int = 0,
+                       states: list[tuple[list, np.ndarray]] | None = None) -> None:
+        """Wait for every worker to connect and authenticate, then send the parameters to
+        start from: before `start_round`, with each worker's optimizer state when restarting."""
         deadline = time.monotonic() + deadline_s
         while len(self._conns) < self.num_workers:
             self._check_job(0)
@@ -123,17 +130,26 @@ class Coordinator:
                 conn.close()
                 continue
             conn.set_timeout(self._timeout)
+            conn.max_payload = self._max_state_bytes
             self._conns[rank] = conn
             self.hellos[rank] = hello
         self._listener.close()  # everyone is here: nobody else may connect
         self._listener = None
-        self._all(lambda rank, conn: conn.send(_wire.Kind.AVERAGE, {"round": -1}, initial))
+        meta = {"round": start_round - 1, "state": states is not None}
+
+        def send_start(rank: int, conn: _wire.Connection) -> None:
+            conn.send(_wire.Kind.AVERAGE, meta, initial)
+            if states is not None:
+                layout, payload = states[rank]
+                conn.send(_wire.Kind.STATE, {"layout": layout}, payload)
+
+        self._all(send_start)
         self._round_end = time.perf_counter()
 
     # --- rounds ---------------------------------------------------------------------------
 
     def run_round(self, round_index: int, *, model_numel: int, allow_state: bool,
-                  evaluate: bool) -> RoundStats:
+                  evaluate: bool, checkpoint: bool = False) -> RoundStats:
         pushes = self._all(lambda rank, conn: self._recv_push(rank, conn, round_index,
                                                               model_numel, allow_state))
         sizes = {p["numel"] for p in pushes}
@@ -154,7 +170,7 @@ class Coordinator:
         divergence = mean_distance([b[:model_numel] for b in self._buffers],
                                    self.average[:model_numel])
         averaging_s = time.perf_counter() - t_avg
-        meta = {"round": round_index, "eval": evaluate}
+        meta = {"round": round_index, "eval": evaluate, "checkpoint": checkpoint}
         self._all(lambda rank, conn: conn.send(_wire.Kind.AVERAGE, meta, self.average))
         stats = RoundStats(
             round=round_index,
@@ -165,6 +181,8 @@ class Coordinator:
             averaging_s=averaging_s,
             divergence=divergence,
         )
+        if checkpoint:
+            stats.states = self._all(self._recv_state)
         if evaluate:
             evals = self._all(lambda rank, conn: _checked_eval(
                 rank, self._expect(rank, conn, _wire.Kind.EVAL).meta))
@@ -206,20 +224,32 @@ class Coordinator:
             raise ProtocolError(f"worker {rank} sent a malformed PUSH: {meta}")
         return meta
 
+    def _recv_state(self, rank: int, conn: _wire.Connection) -> tuple[list, np.ndarray]:
+        frame = self._expect(rank, conn, _wire.Kind.STATE)
+        layout = frame.meta.get("layout")
+        if not isinstance(layout, list):
+            raise ProtocolError(f"worker {rank} sent a malformed STATE: no layout")
+        payload = np.frombuffer(frame.payload, np.uint8) if frame.payload is not None \
+            else np.zeros(0, np.uint8)
+        return layout, payload
+
     def _expect(self, rank: int, conn: _wire.Connection, kind: _wire.Kind,
                 into: _wire.Into = None) -> _wire.Frame:
         try:
             frame = conn.recv(into)
         except TimeoutError:
-            raise TrainingError(
-                f"worker {rank} ({self.hellos[rank].get('host')}) sent nothing for "
-                f"{self._timeout:.0f}s (round_timeout)"
-            ) from None
+            raise WorkerLostError(
+                f"partition {rank} (host {self.hellos[rank].get('host')}) sent nothing for "
+                f"{self._timeout:g}s (round_timeout): the task hangs or its executor is stuck",
+                partition=rank) from None
         except (ProtocolError, OSError) as exc:
-            raise TrainingError(f"lost worker {rank} ({self.hellos[rank].get('host')}): {exc}") \
-                from exc
+            raise WorkerLostError(f"lost the worker of partition {rank} (host "
+                                  f"{self.hellos[rank].get('host')}): {exc}",
+                                  partition=rank) from exc
         if frame.kind is _wire.Kind.ERROR:
-            raise TrainingError(f"worker {rank} failed: {frame.meta.get('message', '?')}")
+            message = str(frame.meta.get("message", "?"))
+            raise WorkerLostError(f"partition {rank} failed: {message}", partition=rank,
+                                  reported=message)
         if frame.kind is not kind:
             raise TrainingError(f"worker {rank} sent {frame.kind.name}, expected {kind.name}")
         return frame
@@ -240,8 +270,10 @@ class Coordinator:
         return [f.result() for f in futures]
 
     def _fail(self, exc: BaseException) -> None:
-        # A lost worker usually means its task failed: give Spark a moment to say why.
-        self._check_job(0 if isinstance(exc, TrainingError) and "failed:" in str(exc) else 5.0)
+        # A lost worker usually means its task failed: give Spark a moment to say why,
+        # unless the worker told us itself.
+        reported = isinstance(exc, WorkerLostError) and exc.reported is not None
+        self._check_job(0 if reported else _JOB_FAILURE_WAIT_S)
         if isinstance(exc, TrainingError):
             raise exc
         raise TrainingError(str(exc)) from exc

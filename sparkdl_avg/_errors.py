@@ -29,3 +29,17 @@ class TrainingError(SparkdlAvgError, RuntimeError):
 
 class ProtocolError(SparkdlAvgError, ConnectionError):
     """A peer sent a frame that is malformed, oversized, unauthenticated or unexpected."""
+
+
+class WorkerLostError(TrainingError):
+    """Internal: a training task failed, hung or disconnected. The fit restarts from its last
+    checkpoint while `max_failures` allows, else reports it as a TrainingError."""
+
+    def __init__(self, message: str, *, partition: int | None = None,
+                 reported: str | None = None) -> None:
+        super().__init__(message)
+        self.partition = partition
+        self.reported = reported
+        """The exception the worker itself sent (None: a lost socket, a hang, a crash)."""
+        self.details: dict | None = None
+        """Filled in by the driver: partition, executor, host, error."""

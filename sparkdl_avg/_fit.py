@@ -2,42 +2,30 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from sparkdl_avg import _wire
 from sparkdl_avg._async_driver import train_async
-from sparkdl_avg._cluster import (
-    BarrierJob,
-    check_cluster,
-    connect_deadline_s,
-    driver_addresses,
-)
+from sparkdl_avg._checkpoint import open_source
+from sparkdl_avg._cluster import check_cluster
 from sparkdl_avg._config import TrainConfig
-from sparkdl_avg._coordinator import Coordinator, RoundStats
 from sparkdl_avg._data import PreparedData, prepare
 from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._model import (
-    FlatBuffer,
     LossFn,
-    averaged_tensors,
     build_model,
     check_model_fits_data,
     make_loss,
     model_dtype,
     pickle_for_executors,
-    wire_dtype,
 )
 from sparkdl_avg._plan import Schedule, make_schedule
-from sparkdl_avg._progress import Progress
+from sparkdl_avg._sync_driver import train_sync
 from sparkdl_avg._tracking import RunLogger
-from sparkdl_avg._worker import REPORT_SCHEMA, WorkerSpec, run_task
 
 log = logging.getLogger("sparkdl_avg")
 
@@ -57,6 +45,9 @@ class FitResult:
     """One dict per task: partition, host, device, GPU address, rows."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each phase of the fit (validation, first step, training, logging)."""
+    failures: list[dict] = field(default_factory=list)
+    """The task failures the fit recovered from: partition, executor, host, error, and the
+    round it restarted from."""
 
 
 def fit(
@@ -68,9 +59,12 @@ def fit(
     label_col: str = "label",
     loss: str | LossFn = "cross_entropy",
     eval_df=None,
+    resume_from: str | None = None,
 ) -> FitResult:
     """Train `model_fn()` on `train_df` across `config.num_workers` Spark tasks by periodic
-    parameter averaging, logging the run to MLflow. See README for the full contract."""
+    parameter averaging, logging the run to MLflow. `resume_from` (sync mode): a checkpoint
+    directory or the MLflow run id of a fit whose driver died; it continues from that fit's
+    newest checkpoint. See README for the full contract."""
     config = TrainConfig() if config is None else config
     if not isinstance(config, TrainConfig):
         raise ConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -83,14 +77,22 @@ def fit(
                    tags={"sparkdl_avg.mode": config.mode}) as run:
         run.log_params({**config.to_dict(), "features_col": features_col,
                         "label_col": label_col, "loss": getattr(loss, "__qualname__", loss)})
+        resume = None
+        if resume_from is not None:
+            if config.mode != "sync":
+                raise ConfigError("resume_from needs mode='sync'; an async fit restarts its "
+                                  "parameter server from the server's own checkpoint")
+            resume = open_source(resume_from, run.tracking_uri)
         plan = _plan(spark, train_df, eval_df, model_fn, config, features_col, label_col, loss)
         run.log_params(plan.params)
         timings = {"validate_s": time.perf_counter() - t_start}
+        failures: list[dict] = []
         if config.mode == "async":
             history, workers = train_async(spark, plan, config, classify, loss_fn, run,
                                            timings, t_start)
         else:
-            history, workers = _train(spark, plan, config, classify, run, timings, t_start)
+            history, workers, failures = train_sync(spark, plan, config, classify, run,
+                                                    timings, t_start, resume)
         for w in workers:
             if w["warning"]:
                 log.warning("partition %d: %s", w["partition"], w["warning"])
@@ -105,9 +107,10 @@ def fit(
             timings["log_model_s"] = time.perf_counter() - t_log
         timings["total_s"] = time.perf_counter() - t_start
         run.log_metrics({f"time_{k}": v for k, v in timings.items()}, step=0)
-        run.log_dict({"workers": workers, "timings": timings}, "fit_summary.json")
+        run.log_dict({"workers": workers, "timings": timings, "failures": failures},
+                     "fit_summary.json")
         return FitResult(model=model, run_id=run.run_id, history=history, workers=workers,
-                         timings=timings)
+                         timings=timings, failures=failures)
 
 
 @dataclass(slots=True)
@@ -156,66 +159,3 @@ def _plan(spark, train_df, eval_df, model_fn, config: TrainConfig, features_col,
               "model_parameters": sum(p.numel() for p in model.parameters())}
     return _Plan(model, dtype, data, schedule, pickled,
                  long_labels=data.integral_labels or loss == "cross_entropy", params=params)
-
-
-def _train(spark, plan: _Plan, config: TrainConfig, classify: bool, run: RunLogger,
-           timings: dict, t_start: float) -> tuple[list[dict], list[dict]]:
-    """Start the coordinator and the barrier job, run every round, load the final average."""
-    flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
-    secret = _wire.new_secret()
-    schedule, has_eval = plan.schedule, plan.data.eval_sizes[0] > 0
-    history: list[dict] = []
-    bind, advertise = driver_addresses(spark)
-    progress = Progress(schedule.num_rounds)
-    with contextlib.closing(progress), Coordinator(
-        host=bind, advertise=advertise, num_workers=config.num_workers, secret=secret,
-        timeout=config.round_timeout, dtype=flat.array.dtype, model_numel=flat.array.size,
-        check_job=lambda wait_s: job.check(wait_s),
-    ) as coord:
-        # Workers connect once their partition is loaded; large data loads slowly.
-        connect_s = connect_deadline_s(config.round_timeout)
-        spec = WorkerSpec.for_plan(plan, config, classify=classify, secret=secret,
-                                   connect_s=connect_s, address=coord.address)
-        job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
-                         f"sparkdl-avg: train {config.num_workers} replicas")
-        with job:
-            coord.accept_workers(flat.gather(), connect_s)
-            timings["first_step_s"] = time.perf_counter() - t_start
-            t_train = time.perf_counter()
-            for r in range(schedule.num_rounds):
-                last = r == schedule.num_rounds - 1
-                stats = coord.run_round(
-                    r, model_numel=flat.array.size, allow_state=config.average_optimizer_state,
-                    evaluate=has_eval and (last or (r + 1) % config.eval_every == 0),
-                )
-                metrics = _round_metrics(stats)
-                history.append({"round": r, **metrics})
-                run.log_metrics(metrics, step=r)
-                progress.update(r, stats.train_loss, metrics.get("eval_accuracy"))
-            coord.finish()
-            timings["train_s"] = time.perf_counter() - t_train
-            flat.array[:] = coord.average[:flat.array.size]
-            flat.scatter()
-            workers = sorted((row.asDict() for row in job.wait(config.round_timeout)),
-                             key=lambda w: w["partition"])
-    return history, workers
-
-
-def _round_metrics(stats: RoundStats) -> dict[str, float]:
-    eval_s = stats.eval["time_s"] if stats.eval is not None else 0.0
-    communication = max(0.0, stats.round_s - stats.compute_s - stats.averaging_s - eval_s)
-    metrics = {
-        "train_loss": stats.train_loss,
-        "samples_per_s": stats.samples / stats.round_s if stats.round_s > 0 else 0.0,
-        "time_round_s": stats.round_s,
-        "time_compute_s": stats.compute_s,
-        "time_communication_s": communication,
-        "time_averaging_s": stats.averaging_s,
-        "replica_divergence": stats.divergence,
-    }
-    if stats.eval is not None:
-        metrics["eval_loss"] = stats.eval["loss"]
-        metrics["time_eval_s"] = eval_s
-        if "accuracy" in stats.eval:
-            metrics["eval_accuracy"] = stats.eval["accuracy"]
-    return metrics

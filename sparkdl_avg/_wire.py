@@ -56,6 +56,8 @@ class Kind(enum.IntEnum):
     ACK = 12
     STATS = 13
     INIT = 14
+    # checkpoints of synchronous fits
+    STATE = 15
 
 
 @dataclass(frozen=True, slots=True)

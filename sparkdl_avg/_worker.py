@@ -174,7 +174,7 @@ class _Replica:
         from sparkdl_avg._model import make_loss, model_dtype, wire_dtype
 
         cfg = spec.config
-        torch.manual_seed(cfg.seed * 100_003 + rank)  # dropout & co. differ per replica
+        torch.manual_seed(_step_seed(cfg.seed, rank, -1))
         self.model = cloudpickle.loads(spec.model_fn)().to(device)
         self.dtype = model_dtype(self.model)
         x_train, y_train, x_eval, y_eval = data
@@ -189,12 +189,14 @@ class _Replica:
         self.spec, self.rank, self.device = spec, rank, device
         self.step, self._order = 0, None
 
-    def start(self) -> None:
-        """After the initial parameters are in: build the optimizer, enter training mode."""
+    def start(self, step: int = 0) -> None:
+        """After the initial parameters are in: build the optimizer, enter training mode, and
+        take up the data at `step` (a restart continues where its checkpoint left off)."""
         from sparkdl_avg._model import make_optimizer
 
         self.model.train()
         self.optimizer = make_optimizer(self.spec.config, self.model.parameters(), self._factory)
+        self.step, self._order = step, None
 
     def run_steps(self, count: int) -> tuple[float, int]:
         """`count` local minibatch steps; returns (summed loss x batch size, samples)."""
@@ -205,6 +207,9 @@ class _Replica:
         n_rows = x.shape[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         samples = 0
+        # Random state (dropout & co.) is a function of the position, so a restart from a
+        # checkpoint draws exactly what the uninterrupted run drew.
+        torch.manual_seed(_step_seed(cfg.seed, self.rank, self.step))
         for _ in range(count):
             epoch, in_epoch = divmod(self.step, schedule.steps_per_epoch)
             if in_epoch == 0 or self._order is None:
@@ -226,6 +231,7 @@ class _Replica:
 
 
 def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
+    from sparkdl_avg import _optimizer_state as optimizer_state
     from sparkdl_avg import _wire
     from sparkdl_avg._model import FlatBuffer, averaged_tensors, optimizer_state_tensors
 
@@ -237,12 +243,19 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
         model, wire_dtype = replica.model, replica.wire_dtype
         flat = FlatBuffer(averaged_tensors(model), wire_dtype)
         conn.set_timeout(spec.connect_s)  # the first parameters come once every worker is here
-        conn.expect(_wire.Kind.AVERAGE, into=flat.array)
+        first = conn.expect(_wire.Kind.AVERAGE, into=flat.array)
         conn.set_timeout(cfg.round_timeout)
         flat.scatter()
-        replica.start()
+        start_round = int(first.meta.get("round", -1)) + 1
+        replica.start(step=start_round * schedule.averaging_frequency)
+        # optimizer state (at checkpoints, and on restart) may be up to 3x the parameters
+        conn.max_payload = 4 * flat.array.nbytes + (1 << 20)
+        if first.meta.get("state"):
+            frame = conn.expect(_wire.Kind.STATE)
+            optimizer_state.restore(replica.optimizer, frame.meta.get("layout", []),
+                                    frame.payload)
         state: list = []
-        for round_index in range(schedule.num_rounds):
+        for round_index in range(start_round, schedule.num_rounds):
             t0 = time.perf_counter()
             loss_sum, samples = replica.run_steps(schedule.steps_in_round(round_index))
             compute_s = time.perf_counter() - t0
@@ -258,6 +271,9 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
             conn.send(_wire.Kind.PUSH, meta, flat.gather())
             reply = conn.expect(_wire.Kind.AVERAGE, into=flat.array)
             flat.scatter()
+            if reply.meta.get("checkpoint"):
+                layout, payload = optimizer_state.pack(replica.optimizer)
+                conn.send(_wire.Kind.STATE, {"round": round_index, "layout": layout}, payload)
             if reply.meta.get("eval"):
                 t_eval = time.perf_counter()
                 stats = replica.evaluate()
@@ -304,6 +320,12 @@ def _train_async(spec: WorkerSpec, rank: int, data, device) -> None:
                 np.copyto(flat.array, ps.params)
                 flat.scatter()
                 np.copyto(anchor, flat.array)
+
+
+def _step_seed(seed: int, rank: int, step: int) -> int:
+    """The torch seed of worker `rank` from local step `step` on (-1: building the model)."""
+    return int(np.random.SeedSequence([seed, rank, step + 1]).generate_state(1, np.uint64)[0]
+               >> 1)
 
 
 def _evaluate(model, x, y, loss_fn, classify: bool) -> dict:

@@ -1,0 +1,312 @@
+"""Checkpoints of a synchronous fit: the restart point after a failure, and what `resume_from`
+continues from after the driver died.
+
+A checkpoint is a folder: `params.npy` (the averaged parameters), `state-<rank>.npy` (each
+worker's optimizer state as bytes) and `checkpoint.json` (round, steps, the metrics so far,
+what the fit must match to resume, and the files' SHA-256), written last so a folder without
+it is incomplete. It lives under `checkpoint_dir/round-NNNNNN/` (the newest two are kept) or
+in the MLflow run under `checkpoints/round-NNNNNN/`. Loading never unpickles: `np.load` with
+`allow_pickle=False` and JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from sparkdl_avg._errors import ConfigError
+
+log = logging.getLogger("sparkdl_avg")
+FORMAT = 1
+_KEEP = 2
+_ROUND_DIR = re.compile(r"^round-(\d{6,})$")
+_RUN_ID = re.compile(r"^(runs:/)?([0-9a-f]{32})/?$")
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    round: int
+    """Rounds completed: training continues with this round."""
+    steps: int
+    """Local minibatch steps each worker has taken (its position in the data)."""
+    params: np.ndarray
+    """The averaged parameters, flat, in the wire dtype."""
+    states: list[tuple[list, np.ndarray]] | None
+    """Per worker: its optimizer state as `_optimizer_state.pack` made it; None before any step."""
+    fingerprint: dict
+    """What a fit must match to continue from here (see `fingerprint`)."""
+    history: list[dict] = field(default_factory=list)
+    """The per-round metrics up to here."""
+
+
+def fingerprint(config, *, train_rows: list[int], num_features: int, model_numel: int,
+                dtype: str) -> dict:
+    """The settings that decide the trajectory; epochs may grow (to train further)."""
+    optimizer = config.optimizer if isinstance(config.optimizer, str) else \
+        getattr(config.optimizer, "__qualname__", "callable")
+    return {"num_workers": config.num_workers, "batch_size": config.batch_size,
+            "averaging_frequency": config.averaging_frequency, "seed": config.seed,
+            "shuffle": config.shuffle, "optimizer": optimizer, "lr": config.lr,
+            "momentum": config.momentum, "weight_decay": config.weight_decay,
+            "average_optimizer_state": config.average_optimizer_state,
+            "train_rows": list(train_rows), "num_features": num_features,
+            "model_numel": model_numel, "dtype": dtype}
+
+
+def check_resumable(checkpoint: Checkpoint, expected: dict, *, total_steps: int,
+                    source: str) -> None:
+    """Raise ConfigError, naming each difference, if this fit cannot continue `checkpoint`."""
+    diffs = [f"{k}: checkpoint {checkpoint.fingerprint.get(k)!r}, this fit {v!r}"
+             for k, v in expected.items() if checkpoint.fingerprint.get(k) != v]
+    if diffs:
+        raise ConfigError(f"cannot resume from {source}: the fit differs from the one that "
+                          f"wrote the checkpoint ({'; '.join(diffs)})")
+    if checkpoint.steps >= total_steps:
+        raise ConfigError(f"cannot resume from {source}: it has all {checkpoint.steps} steps "
+                          f"of this fit's {total_steps}; raise epochs to train further")
+    if checkpoint.steps != checkpoint.round * expected["averaging_frequency"]:
+        raise ConfigError(f"cannot resume from {source}: it was taken after a partial last "
+                          "round, so more epochs would not line up with the original rounds")
+
+
+# --- one checkpoint <-> one local folder -------------------------------------------------
+
+def write_folder(checkpoint: Checkpoint, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"params.npy": checkpoint.params}
+    layouts = None
+    if checkpoint.states is not None:
+        layouts = [layout for layout, _ in checkpoint.states]
+        files.update({f"state-{rank}.npy": payload
+                      for rank, (_, payload) in enumerate(checkpoint.states)})
+    digests = {}
+    for name, array in files.items():
+        np.save(folder / name, np.ascontiguousarray(array), allow_pickle=False)
+        digests[name] = _sha256(folder / name)
+    meta = {"format": FORMAT, "round": checkpoint.round, "steps": checkpoint.steps,
+            "fingerprint": checkpoint.fingerprint, "history": checkpoint.history,
+            "state_layouts": layouts, "sha256": digests}
+    (folder / "checkpoint.json").write_text(json.dumps(meta))
+
+
+def read_folder(folder: Path) -> Checkpoint:
+    try:
+        meta = json.loads((folder / "checkpoint.json").read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, this version reads {FORMAT}")
+        for name, digest in meta["sha256"].items():
+            if _sha256(folder / name) != digest:
+                raise ValueError(f"{name} does not match its SHA-256: the checkpoint is damaged")
+        params = np.load(folder / "params.npy", allow_pickle=False)
+        states = None
+        if meta["state_layouts"] is not None:
+            states = [(layout, np.load(folder / f"state-{rank}.npy", allow_pickle=False))
+                      for rank, layout in enumerate(meta["state_layouts"])]
+        return Checkpoint(round=int(meta["round"]), steps=int(meta["steps"]), params=params,
+                          states=states, fingerprint=meta["fingerprint"],
+                          history=meta["history"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cannot read the checkpoint in {folder}: {exc}") from exc
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _round_name(round_index: int) -> str:
+    return f"round-{round_index:06d}"
+
+
+# --- where checkpoints are kept ----------------------------------------------------------
+
+class DirStore:
+    """`checkpoint_dir`: each checkpoint written to a temporary folder, then renamed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.description = str(self.path)
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        final = self.path / _round_name(checkpoint.round)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=self.path))
+        try:
+            write_folder(checkpoint, tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in self._complete()[:-_KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load_latest(self) -> Checkpoint | None:
+        if (self.path / "checkpoint.json").exists():  # pointed at one checkpoint's folder
+            return read_folder(self.path)
+        complete = self._complete()
+        return read_folder(complete[-1]) if complete else None
+
+    def _complete(self) -> list[Path]:
+        if not self.path.is_dir():
+            return []
+        return sorted(p for p in self.path.iterdir()
+                      if _ROUND_DIR.match(p.name) and (p / "checkpoint.json").exists())
+
+
+class MlflowStore:
+    """The run's artifacts: data files first, `checkpoint.json` last."""
+
+    def __init__(self, tracking_uri: str, run_id: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri)
+        self.run_id = run_id
+        self.description = f"MLflow run {run_id}"
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        path = f"checkpoints/{_round_name(checkpoint.round)}"
+        with tempfile.TemporaryDirectory(prefix="sparkdl-avg-ckpt-") as tmp:
+            folder = Path(tmp) / "data"
+            write_folder(checkpoint, folder)
+            marker = Path(tmp) / "checkpoint.json"
+            os.rename(folder / "checkpoint.json", marker)
+            self._client.log_artifacts(self.run_id, str(folder), path)
+            self._client.log_artifact(self.run_id, str(marker), path)
+        for old in self._complete()[:-_KEEP]:
+            self._delete(old)
+
+    def load_latest(self) -> Checkpoint | None:
+        complete = self._complete()
+        if not complete:
+            return None
+        with tempfile.TemporaryDirectory(prefix="sparkdl-avg-ckpt-") as tmp:
+            local = self._client.download_artifacts(self.run_id, complete[-1], tmp)
+            return read_folder(Path(local))
+
+    def _complete(self) -> list[str]:
+        found = []
+        for item in self._client.list_artifacts(self.run_id, "checkpoints"):
+            name = item.path.rsplit("/", 1)[-1]
+            if item.is_dir and _ROUND_DIR.match(name) and any(
+                    f.path.endswith("/checkpoint.json")
+                    for f in self._client.list_artifacts(self.run_id, item.path)):
+                found.append(item.path)
+        return sorted(found)
+
+    def _delete(self, path: str) -> None:
+        """Best effort: not every artifact store can delete."""
+        from mlflow.tracking.artifact_utils import get_artifact_repository
+
+        try:
+            uri = self._client.get_run(self.run_id).info.artifact_uri
+            get_artifact_repository(uri).delete_artifacts(path)
+        except Exception as exc:  # noqa: BLE001 - keeping an old checkpoint is harmless
+            log.debug("could not delete old checkpoint %s: %s", path, exc)
+
+
+def open_source(resume_from: str, tracking_uri: str) -> tuple[Checkpoint, str, str | None]:
+    """The newest checkpoint at `resume_from` (a directory or an MLflow run id), a description
+    of where it came from, and the run id when it was one."""
+    if not isinstance(resume_from, str) or not resume_from:
+        raise ConfigError(f"resume_from must be a directory or an MLflow run id, got "
+                          f"{resume_from!r}")
+    if os.path.isdir(resume_from):
+        store = DirStore(resume_from)
+        return _found(store.load_latest(), store), store.description, None
+    match = _RUN_ID.match(resume_from)
+    if match is None:
+        raise ConfigError(f"resume_from={resume_from!r} is neither an existing directory nor "
+                          "an MLflow run id")
+    store = MlflowStore(tracking_uri, match.group(2))
+    try:
+        checkpoint = store.load_latest()
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"cannot read the checkpoints of {store.description}: {exc}") \
+            from exc
+    return _found(checkpoint, store), store.description, store.run_id
+
+
+def end_source_run(tracking_uri: str, run_id: str) -> None:
+    """The run of a fit whose driver died stays RUNNING; once resumed, mark it KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, "KILLED")
+
+
+def _found(checkpoint: Checkpoint | None, store) -> Checkpoint:
+    if checkpoint is None:
+        raise ConfigError(f"{store.description} holds no complete checkpoint")
+    return checkpoint
+
+
+class Writer:
+    """Saves checkpoints in a background thread; when saving lags, only the newest waits."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.saved_round = -1
+        self.errors = 0
+        self._pending: Checkpoint | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="sparkdl-avg-ckpt",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, checkpoint: Checkpoint) -> None:
+        with self._cond:
+            self._pending = checkpoint
+            self._cond.notify_all()
+
+    def close(self, timeout: float = 600.0) -> None:
+        """Write what is pending, then stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                checkpoint, self._pending = self._pending, None
+                if checkpoint is None:
+                    return
+            try:
+                self.store.save(checkpoint)
+                self.saved_round = checkpoint.round
+            except Exception:  # training goes on; the next checkpoint may succeed
+                self.errors += 1
+                log.warning("could not save the round-%d checkpoint to %s", checkpoint.round,
+                            self.store.description, exc_info=True)
+
+
+@contextlib.contextmanager
+def writing(store):
+    """A `Writer` that is closed (pending checkpoint written) on leaving the block."""
+    writer = Writer(store)
+    try:
+        yield writer
+    finally:
+        writer.close()
