@@ -3,6 +3,7 @@ of one flat host buffer (pinned when on a GPU) for the wire."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -37,9 +38,8 @@ def pickle_for_executors(name: str, value: object) -> bytes:
 
     A callable from the user's own modules (a job script's helper, a test file) travels by
     value: executors do not have those modules. Installed packages travel by reference."""
-    module = sys.modules.get(getattr(value, "__module__", None) or "")
-    by_value = module is not None and _is_user_module(module)
-    if by_value:
+    modules = [m for m in _modules_of(value) if _is_user_module(m)]
+    for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:
         return cloudpickle.dumps(value)
@@ -49,8 +49,22 @@ def pickle_for_executors(name: str, value: object) -> bytes:
             "or make everything it captures picklable (no SparkSession, sockets or locks)."
         ) from exc
     finally:
-        if by_value:
+        for module in modules:
             cloudpickle.unregister_pickle_by_value(module)
+
+
+def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
+    """The modules a callable comes from: its own, its class's, and for a
+    `functools.partial` those of the function and of its arguments."""
+    found = set()
+    for obj in (value, type(value)):
+        module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        if module is not None:
+            found.add(module)
+    if isinstance(value, functools.partial) and depth < 3:
+        for part in (value.func, *value.args, *value.keywords.values()):
+            found |= _modules_of(part, depth + 1)
+    return found
 
 
 def _is_user_module(module: ModuleType) -> bool:

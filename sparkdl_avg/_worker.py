@@ -244,7 +244,9 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
         flat = FlatBuffer(averaged_tensors(model), wire_dtype)
         conn.set_timeout(spec.connect_s)  # the first parameters come once every worker is here
         first = conn.expect(_wire.Kind.AVERAGE, into=flat.array)
-        conn.set_timeout(cfg.round_timeout)
+        # The driver times out a hung worker after round_timeout and names it; the others,
+        # waiting on that worker's average, must not time out first and take the blame.
+        conn.set_timeout(2 * cfg.round_timeout + 30)
         flat.scatter()
         start_round = int(first.meta.get("round", -1)) + 1
         replica.start(step=start_round * schedule.averaging_frequency)

@@ -3,6 +3,7 @@ the fit's MLflow run is left FAILED with that error."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -181,8 +182,9 @@ def test_error_on_an_executor_fails_the_fit_and_names_the_worker(good, mlflow_cl
                 raise ValueError("boom in forward")
             return super().forward(x)
 
-    with pytest.raises(TrainingError, match="boom in forward"):
-        fit(good, lambda: Exploding(3, 2), CFG)
+    with pytest.raises(TrainingError, match=r"max_failures=0.*partition \d on executor driver "
+                       r"\(host .*\): ValueError: boom in forward"):
+        fit(good, lambda: Exploding(3, 2), dataclasses.replace(CFG, max_failures=0))
     assert_failed_run(mlflow_client, "boom in forward")
 
 

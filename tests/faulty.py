@@ -1,0 +1,76 @@
+"""Models that fail on purpose, from the user's side: the fault tests' ammunition.
+
+A fault fires once: the first task to reach it leaves a marker file, so the restarted task
+trains normally. Shared by test_faults and the driver process that test_faults kills."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+
+N_FEATURES, N_CLASSES = 5, 3
+
+
+class FaultyMLP(torch.nn.Module):
+    """An MLP with dropout whose forward, on one partition at its `at_call`-th training call,
+    raises, kills its own process, or hangs: once per `marker` file, or every time without
+    one. `delay_s` slows every step down."""
+
+    def __init__(self, fault: str | None = None, marker: str = "", partition: int = 1,
+                 at_call: int = 9, delay_s: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(N_FEATURES, 24), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+            torch.nn.Linear(24, N_CLASSES))
+        self.fault, self.marker, self.partition = fault, marker, partition
+        self.at_call, self.delay_s, self.calls = at_call, delay_s, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()  # None on the driver
+        if ctx is not None and self.training:
+            self.calls += 1
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if self.fault and self.calls == self.at_call \
+                    and ctx.partitionId() == self.partition \
+                    and (not self.marker or _first(self.marker)):
+                if self.fault == "raise":
+                    raise ValueError("injected failure in forward")
+                if self.fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if self.fault == "hang":
+                    time.sleep(3600)
+        return self.net(x)
+
+
+def _first(marker: str) -> bool:
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
+def always_fails() -> torch.nn.Module:
+    return FaultyMLP(fault="raise", at_call=1)
+
+
+def dataset(spark, rows: int = 600, seed: int = 3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, N_FEATURES)).astype(np.float32)
+    y = ((x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.3).astype(np.int64))
+    return spark.createDataFrame(pd.DataFrame({"features": [r.tolist() for r in x],
+                                               "label": y}))
+
+
+def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -1,0 +1,88 @@
+"""Faults injected from the user's side (a forward that raises, a worker killed by a signal,
+a hang) while a sync fit runs: the fit recovers from its last checkpoint and ends with the
+very parameters of a run without the fault; beyond max_failures it fails naming the task."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+from faulty import FaultyMLP, always_fails, dataset, same_parameters
+
+from sparkdl_avg import ConfigError, TrainConfig, TrainingError, fit
+
+pytestmark = pytest.mark.spark
+
+BASE = dict(num_workers=2, epochs=2, batch_size=15, averaging_frequency=2, optimizer="adam",
+            lr=0.01, seed=5, checkpoint_every=3, log_model=False)
+
+
+@pytest.fixture(scope="module")
+def data(spark):
+    return dataset(spark).cache()
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    """The same fit without any fault."""
+    return fit(data, FaultyMLP, TrainConfig(**BASE))
+
+
+@pytest.mark.parametrize("fault", ["raise", "kill", "hang"])
+def test_fit_recovers_from_a_task_fault_bit_identically(fault, data, reference, tmp_path,
+                                                         mlflow_client):
+    model_fn = partial(FaultyMLP, fault=fault, marker=str(tmp_path / "fired"))
+    config = TrainConfig(**BASE, round_timeout=3.0 if fault == "hang" else 600.0)
+    result = fit(data, model_fn, config)
+    assert (tmp_path / "fired").exists()  # the fault did fire
+    assert len(result.failures) == 1
+    failure = result.failures[0]
+    assert failure["partition"] == 1
+    assert failure["executor"] == "driver" and failure["host"]  # local mode: one executor
+    expected = {"raise": "ValueError: injected failure in forward",
+                "kill": "Python worker exited unexpectedly",
+                "hang": "sent nothing for 3s (round_timeout)"}[fault]
+    assert expected in failure["error"]
+    assert failure["round"] == 3  # the fault hit round 4; the last checkpoint was after round 3
+    assert same_parameters(result.model, reference.model)
+    assert [h["round"] for h in result.history] == list(range(len(reference.history)))
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["restarts"] == 1
+
+
+def test_more_failures_than_max_failures_fail_the_fit_naming_the_task(data, mlflow_client):
+    with pytest.raises(TrainingError) as info:
+        fit(data, always_fails, TrainConfig(**{**BASE, "max_failures": 1}))
+    message = str(info.value)
+    assert "failed 2 time(s), more than max_failures=1" in message
+    assert "partition 1 on executor driver" in message
+    assert "ValueError: injected failure in forward" in message
+    runs = mlflow_client.search_runs([mlflow_client.get_experiment_by_name("Default")
+                                      .experiment_id], order_by=["attributes.start_time DESC"],
+                                     max_results=1)
+    assert runs[0].info.status == "FAILED"
+
+
+def test_resume_from_a_directory_trains_further_bit_identically(data, tmp_path):
+    folder = str(tmp_path / "ckpt")
+    fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 1}, checkpoint_dir=folder))
+    resumed = fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 3}, checkpoint_dir=folder),
+                  resume_from=folder)
+    straight = fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 3}))
+    assert same_parameters(resumed.model, straight.model)
+    assert resumed.history[0]["round"] == 0  # the first fit's rounds come with the checkpoint
+    assert [h["train_loss"] for h in resumed.history] == \
+        [h["train_loss"] for h in straight.history]
+
+
+def test_resume_refuses_a_different_fit_before_training(data, tmp_path):
+    folder = str(tmp_path / "ckpt")
+    fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 1}, checkpoint_dir=folder))
+    with pytest.raises(ConfigError, match=r"lr: checkpoint 0.01, this fit 0.02"):
+        fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 2, "lr": 0.02}),
+            resume_from=folder)
+    with pytest.raises(ConfigError, match="raise epochs to train further"):
+        fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 1}), resume_from=folder)
+    with pytest.raises(ConfigError, match="neither an existing directory nor an MLflow run"):
+        fit(data, FaultyMLP, TrainConfig(**BASE), resume_from=str(tmp_path / "nothing"))
