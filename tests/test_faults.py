@@ -4,6 +4,12 @@ very parameters of a run without the fault; beyond max_failures it fails naming 
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from functools import partial
 
 import pytest
@@ -86,3 +92,48 @@ def test_resume_refuses_a_different_fit_before_training(data, tmp_path):
         fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 1}), resume_from=folder)
     with pytest.raises(ConfigError, match="neither an existing directory nor an MLflow run"):
         fit(data, FaultyMLP, TrainConfig(**BASE), resume_from=str(tmp_path / "nothing"))
+
+
+def test_resume_after_the_driver_process_was_killed(data, reference, mlflow_client, tmp_path):
+    """SIGKILL a driver (its whole process group: JVM, Python workers) once its MLflow run has a
+    checkpoint, then resume from that run: same parameters as a fit never interrupted."""
+    config = {**BASE, "checkpoint_every": 2, "experiment_name": "killed-driver"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    script = os.path.join(os.path.dirname(__file__), "driver_to_kill.py")
+    with open(tmp_path / "driver.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, script, json.dumps(config)], env=env,
+                                start_new_session=True, stdout=log, stderr=log)
+        try:
+            run_id = _wait_for_checkpoint(mlflow_client, "killed-driver", at_least_round=4,
+                                          proc=proc, log=tmp_path / "driver.log")
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert mlflow_client.get_run(run_id).info.status == "RUNNING"  # died without a word
+    resumed = fit(data, FaultyMLP, TrainConfig(**config), resume_from=run_id)
+    assert same_parameters(resumed.model, reference.model)  # checkpoint_every: no numerics
+    params = mlflow_client.get_run(resumed.run_id).data.params
+    assert int(params["resumed_at_round"]) >= 4
+    assert int(params["resumed_at_round"]) < len(reference.history)  # killed mid-fit
+    assert mlflow_client.get_run(run_id).info.status == "KILLED"
+
+
+def _wait_for_checkpoint(client, experiment: str, *, at_least_round: int, proc, log,
+                         timeout: float = 180.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the driver exited early: {log.read_text()[-3000:]}"
+        exp = client.get_experiment_by_name(experiment)
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        for run in runs:
+            if run.info.status != "RUNNING":
+                continue
+            done = [f.path for f in client.list_artifacts(run.info.run_id, "checkpoints")]
+            rounds = [int(p.rsplit("-", 1)[1]) for p in done
+                      if any(a.path.endswith("checkpoint.json")
+                             for a in client.list_artifacts(run.info.run_id, p))]
+            if rounds and max(rounds) >= at_least_round:
+                return run.info.run_id
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint in {timeout}s: {log.read_text()[-3000:]}")
