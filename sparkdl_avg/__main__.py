@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-message-mb", type=int, default=4096)
     serve.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     serve.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    serve.add_argument("--checkpoint-file", help="save the state here (npz) at INIT and every "
+                       "--checkpoint-every applied updates")
+    serve.add_argument("--checkpoint-every", type=int, default=0)
+    serve.add_argument("--resume", action="store_true",
+                       help="start from --checkpoint-file instead of waiting for an INIT")
     serve.add_argument("--ready-file", help="written with the bound port once serving")
     serve.add_argument("--parent-pid", type=int, help="exit when this process is gone")
     args = parser.parse_args(argv)
@@ -65,7 +70,15 @@ def _serve(args: argparse.Namespace) -> int:
     server = ParameterServer(tls=tls, secret=secret, host=args.host, port=args.port,
                              settings=settings,
                              staleness_bound=args.staleness_bound, timeout=args.timeout,
-                             max_message_bytes=args.max_message_mb << 20)
+                             max_message_bytes=args.max_message_mb << 20,
+                             checkpoint_path=args.checkpoint_file,
+                             checkpoint_every=args.checkpoint_every)
+    if args.resume:
+        if not args.checkpoint_file or not os.path.exists(args.checkpoint_file):
+            print("sparkdl-avg ps: --resume needs an existing --checkpoint-file",
+                  file=sys.stderr)
+            return 2
+        server.restore(args.checkpoint_file)
     stop = threading.Event()
     with server:
         if args.ready_file:

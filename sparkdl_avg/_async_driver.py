@@ -4,6 +4,7 @@ barrier job, and every `eval_interval_s` the server's parameters evaluated and l
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from functools import partial
 from pathlib import Path
@@ -13,17 +14,24 @@ import torch
 from pyspark.sql import functions as F
 
 from sparkdl_avg import _wire
-from sparkdl_avg._cluster import BarrierJob, connect_deadline_s, driver_addresses
+from sparkdl_avg._cluster import BarrierJob, Restarts, connect_deadline_s, driver_addresses
 from sparkdl_avg._data import EVAL, FEATURES, LABEL, SPLIT
+from sparkdl_avg._errors import WorkerLostError
 from sparkdl_avg._model import FlatBuffer, averaged_tensors, wire_dtype
 from sparkdl_avg._ps_client import PSClient
 from sparkdl_avg._ps_server import DRIVER
 from sparkdl_avg._sidecar import Sidecar
 from sparkdl_avg._worker import REPORT_SCHEMA, WorkerSpec, _evaluate, run_task
 
+log = logging.getLogger("sparkdl_avg")
+
 
 def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict,
-                t_start: float) -> tuple[list[dict], list[dict]]:
+                t_start: float) -> tuple[list[dict], list[dict], list[dict]]:
+    """Returns (history, workers, failures). A failed task makes Spark abort the barrier job;
+    the driver relaunches it (up to max_failures) and each worker takes up its data where the
+    server's count of its applied steps says. A sidecar that dies is restarted from its
+    checkpoint on the same port; the workers reconnect and redo the steps it lost."""
     flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
     bind, advertise = driver_addresses(spark)
     tls_ca_pem = None
@@ -40,37 +48,78 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
             "algorithm": config.algorithm, "lr": config.lr, "dc_lambda": config.dc_lambda,
             # each push counts 1/n: with staleness_bound=0 this is exactly sync averaging
             "update_scale": 1.0 / config.num_workers,
-        }, staleness_bound=config.staleness_bound, timeout=config.round_timeout)
+        }, staleness_bound=config.staleness_bound, timeout=config.round_timeout,
+            checkpoint_every=config.checkpoint_every * config.num_workers,
+            checkpoint_dir=config.checkpoint_dir)
     eval_data = _collect_eval(plan, classify)
     history: list[dict] = []
+    restarts = Restarts(spark, config, run)
+    total = plan.schedule.total_steps
     with server as sidecar:
         address = user_address if sidecar is None else (advertise, sidecar.port)
-        with PSClient(address, secret=secret, worker=DRIVER, numel=flat.array.size,
-                      dtype=flat.array.dtype, timeout=config.round_timeout,
-                      tls_ca_pem=tls_ca_pem) as ps:
+
+        def connect() -> PSClient:
+            return PSClient(address, secret=secret, worker=DRIVER, numel=flat.array.size,
+                            dtype=flat.array.dtype, timeout=config.round_timeout,
+                            tls_ca_pem=tls_ca_pem)
+
+        ps = connect()
+        try:
             ps.init(flat.gather(), workers=config.num_workers)
             spec = WorkerSpec.for_plan(plan, config, classify=classify, secret=secret,
                                        connect_s=connect_deadline_s(config.round_timeout),
                                        ps_address=address, ps_tls_ca_pem=tls_ca_pem)
-            job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
-                             f"sparkdl-avg: async training, {config.num_workers} workers")
             t_train = time.perf_counter()
             timings["first_step_s"] = t_train - t_start  # tasks start training as they load
             previous = {"t": t_train, "applied": 0, "samples": 0, "loss_sum": 0.0}
-            with job:
-                finished = False
-                while not finished:
-                    finished = job.done(config.eval_interval_s)
-                    metrics = _interval_metrics(ps, plan.model, flat, eval_data, loss_fn,
-                                                classify, previous)
-                    step = len(history)
-                    history.append({"interval": step, **metrics})
-                    run.log_metrics(metrics, step=step)
-                workers = sorted((row.asDict() for row in job.wait(config.round_timeout)),
-                                 key=lambda w: w["partition"])
+            while True:
+                job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
+                                 f"sparkdl-avg: async training, {config.num_workers} workers")
+                try:
+                    with job:
+                        finished = False
+                        while not finished:
+                            finished = job.done(config.eval_interval_s)
+                            try:
+                                metrics = _interval_metrics(ps, plan.model, flat, eval_data,
+                                                            loss_fn, classify, previous)
+                            except (OSError, ConnectionError):
+                                if sidecar is None or sidecar.alive():
+                                    raise
+                                ps = _restart_sidecar(sidecar, ps, connect, run, len(history))
+                                metrics = _interval_metrics(ps, plan.model, flat, eval_data,
+                                                            loss_fn, classify, previous)
+                            history.append({"interval": len(history), **metrics})
+                            run.log_metrics(metrics, step=len(history) - 1)
+                        rows = job.wait(config.round_timeout)
+                except WorkerLostError as exc:
+                    job.explain(exc)
+                    restarts.record(exc, "each worker's last applied push", step=len(history))
+                    continue
+                behind = {w: s for w in range(config.num_workers)
+                          if (s := ps.stats()["progress"].get(str(w), 0)) < total}
+                if not behind:
+                    break
+                # The server restarted from a checkpoint older than some finished workers'
+                # last pushes: run the job again; those workers redo only the lost steps.
+                log.warning("the parameter server lost steps of finished workers %s; "
+                            "training them again", behind)
+            workers = sorted((row.asDict() for row in rows), key=lambda w: w["partition"])
             timings["train_s"] = time.perf_counter() - t_train
             run.log_dict(ps.stats(), "server_stats.json")
-    return history, workers
+        finally:
+            ps.close()
+    return history, workers, restarts.failures
+
+
+def _restart_sidecar(sidecar: Sidecar, ps: PSClient, connect, run, step: int) -> PSClient:
+    """The server process died: bring it back from its checkpoint; reconnect the driver."""
+    ps.close()
+    log.warning("the parameter server died (restart %d): restarting it from its checkpoint",
+                sidecar.restarts + 1)
+    sidecar.restart()
+    run.log_metrics({"ps_restarts": sidecar.restarts}, step=step)
+    return connect()
 
 
 def _collect_eval(plan, classify: bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -13,8 +14,13 @@ from pyspark.sql import DataFrame, SparkSession
 from sparkdl_avg._device import check_gpu_scheduling
 from sparkdl_avg._errors import ClusterError, TrainingError, WorkerLostError
 
+log = logging.getLogger("sparkdl_avg")
 _SLOT_WAIT_S = 10.0
 _CONNECT_DEADLINE_S = 300.0
+_TASKS_END_S = 60.0
+"""After a failure, how long the driver waits for the aborted job's tasks to leave their slots."""
+_REPLACE_EXECUTOR_S = 120.0
+"""How long a restart waits for the cluster to have enough slots again (a lost executor)."""
 
 
 def connect_deadline_s(round_timeout: float) -> float:
@@ -133,6 +139,27 @@ class BarrierJob:
                                 else None})
         return out
 
+    def explain(self, exc: WorkerLostError) -> None:
+        """After a failure: stop the job, wait for its tasks to leave their slots, and fill
+        `exc.details` with the partition, executor, host and original error."""
+        self.cancel()
+        self.wait_tasks_ended(_TASKS_END_S)
+        try:
+            tasks = self.tasks()
+        except Exception:  # noqa: BLE001 - the status store is best effort
+            tasks = []
+        failed = [t for t in tasks if t["status"] == "FAILED"]
+        partition = exc.partition if exc.partition is not None else \
+            (failed[0]["partition"] if failed else None)
+        task = next((t for t in failed if t["partition"] == partition), None) or \
+            next((t for t in tasks if t["partition"] == partition), None)
+        error = exc.reported or str(exc)
+        if task is not None and task["status"] == "FAILED" and task["error"] \
+                and not exc.reported:
+            error = task["error"]  # Spark knows the root cause (a crash, a lost executor)
+        exc.details = {"partition": partition, "executor": task["executor"] if task else None,
+                       "host": task["host"] if task else None, "error": error}
+
     def wait_tasks_ended(self, timeout: float) -> bool:
         """After a failure: wait until no task of this job still runs (its slots are free)."""
         deadline = time.monotonic() + timeout
@@ -160,6 +187,30 @@ class BarrierJob:
 
     def cancel(self) -> None:
         self._frame.sparkSession.sparkContext.cancelJobGroup(self._group)
+
+
+class Restarts:
+    """Task failures against `max_failures`: each one is logged (a warning, the MLflow metric
+    `restarts`), and the one past the limit raises a TrainingError naming the task."""
+
+    def __init__(self, spark: SparkSession, config, run) -> None:
+        self._spark, self._config, self._run = spark, config, run
+        self.failures: list[dict] = []
+
+    def record(self, exc: WorkerLostError, resume_at: str, *, step: int) -> None:
+        failure = dict(exc.details or {"error": str(exc)}, restart_at=resume_at)
+        self.failures.append(failure)
+        self._run.log_metrics({"restarts": len(self.failures)}, step=step)
+        where = (f"partition {failure.get('partition')} on executor {failure.get('executor')} "
+                 f"(host {failure.get('host')}): {failure['error']}")
+        limit = self._config.max_failures
+        if len(self.failures) > limit:
+            raise TrainingError(f"training failed {len(self.failures)} time(s), more than "
+                                f"max_failures={limit}; the last failure: {where}") from exc
+        log.warning("restart %d of at most %d, from %s, after a failure: %s",
+                    len(self.failures), limit, resume_at, where)
+        check_cluster(self._spark, self._config.num_workers, self._config.device,
+                      wait_s=_REPLACE_EXECUTOR_S)
 
 
 _FAILED_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)")

@@ -46,8 +46,8 @@ class FitResult:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each phase of the fit (validation, first step, training, logging)."""
     failures: list[dict] = field(default_factory=list)
-    """The task failures the fit recovered from: partition, executor, host, error, and the
-    round it restarted from."""
+    """The task failures the fit recovered from: partition, executor, host, error, and where
+    training restarted (`restart_at`)."""
 
 
 def fit(
@@ -88,8 +88,8 @@ def fit(
         timings = {"validate_s": time.perf_counter() - t_start}
         failures: list[dict] = []
         if config.mode == "async":
-            history, workers = train_async(spark, plan, config, classify, loss_fn, run,
-                                           timings, t_start)
+            history, workers, failures = train_async(spark, plan, config, classify, loss_fn,
+                                                     run, timings, t_start)
         else:
             history, workers, failures = train_sync(spark, plan, config, classify, run,
                                                     timings, t_start, resume)

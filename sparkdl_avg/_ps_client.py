@@ -7,6 +7,12 @@ import ssl
 import numpy as np
 
 from sparkdl_avg import _wire
+from sparkdl_avg._errors import ProtocolError
+
+
+class ServerRefused(ProtocolError):
+    """The server answered with an ERROR: it refused a request (a NaN update, a timeout
+    waiting for slower workers). Unlike a lost connection, reconnecting does not help."""
 
 
 class PSClient:
@@ -22,6 +28,8 @@ class PSClient:
             self._conn.close()
             raise
         self.params = np.empty(numel, dtype)
+        self.progress = 0
+        """After a pull: the local steps of this worker the server has applied."""
 
     def close(self) -> None:
         self._conn.close()
@@ -33,22 +41,38 @@ class PSClient:
         self.close()
 
     def pull(self) -> int:
-        """Fetch the server's parameters into `self.params`; returns the server's version."""
+        """Fetch the server's parameters into `self.params` (and this worker's `progress`);
+        returns the server's version."""
         self._conn.send(_wire.Kind.PULL)
-        return int(self._conn.expect(_wire.Kind.PARAMS, into=self.params).meta["version"])
+        meta = self._expect(_wire.Kind.PARAMS, into=self.params).meta
+        self.progress = int(meta.get("progress", 0))
+        return int(meta["version"])
 
-    def push(self, update: np.ndarray, *, samples: int = 0, loss_sum: float = 0.0) -> dict:
-        """Send an update (the server applies w <- w - update by its rule); returns the ACK."""
-        self._conn.send(_wire.Kind.UPDATE, {"samples": samples, "loss_sum": loss_sum}, update)
-        return self._conn.expect(_wire.Kind.ACK).meta
+    def push(self, update: np.ndarray, *, samples: int = 0, loss_sum: float = 0.0,
+             steps: int | None = None) -> dict:
+        """Send an update (the server applies w <- w - update by its rule); returns the ACK.
+        `steps`: the worker's local steps including this update (its progress)."""
+        meta = {"samples": samples, "loss_sum": loss_sum}
+        if steps is not None:
+            meta["steps"] = steps
+        self._conn.send(_wire.Kind.UPDATE, meta, update)
+        return self._expect(_wire.Kind.ACK).meta
+
+    def _expect(self, kind: _wire.Kind, into: _wire.Into = None) -> _wire.Frame:
+        frame = self._conn.recv(into)
+        if frame.kind is _wire.Kind.ERROR:
+            raise ServerRefused(f"the parameter server refused: {frame.meta.get('message')}")
+        if frame.kind is not kind:
+            raise ProtocolError(f"expected a {kind.name} frame, got {frame.kind.name}")
+        return frame
 
     def init(self, params: np.ndarray, workers: int = 0) -> None:
         """Driver only: (re)start the server from these parameters, expecting workers
         0..workers-1 (they count for the staleness bound from now on)."""
         self._conn.send(_wire.Kind.INIT, {"dtype": str(params.dtype), "workers": workers},
                         params)
-        self._conn.expect(_wire.Kind.ACK)
+        self._expect(_wire.Kind.ACK)
 
     def stats(self) -> dict:
         self._conn.send(_wire.Kind.STATS)
-        return self._conn.expect(_wire.Kind.STATS).meta
+        return self._expect(_wire.Kind.STATS).meta

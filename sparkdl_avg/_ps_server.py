@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -38,7 +40,10 @@ class ParameterServer:
     def __init__(self, state: ServerState | None = None, *, secret: bytes,
                  host: str = "127.0.0.1", port: int = 0, staleness_bound: int | None = None,
                  timeout: float = 600.0, settings: dict | None = None,
-                 max_message_bytes: int = 1 << 32, tls: ssl.SSLContext | None = None) -> None:
+                 max_message_bytes: int = 1 << 32, tls: ssl.SSLContext | None = None,
+                 checkpoint_path: str | None = None, checkpoint_every: int = 0) -> None:
+        """`checkpoint_path`: save the state there at INIT and every `checkpoint_every`
+        applied updates (0: at INIT only), so a restarted server resumes from it."""
         self.state = state
         """None until a driver sends INIT with the initial parameters and `settings`."""
         self._settings = settings or {}
@@ -57,6 +62,11 @@ class ParameterServer:
         self.loss_sum = 0.0
         self.refused: collections.Counter[str] = collections.Counter()
         self.staleness: dict[int, list[int]] = collections.defaultdict(list)
+        self.progress: dict[int, int] = {}
+        """Per worker: the local steps its applied pushes cover (where a restarted one
+        resumes)."""
+        self._checkpoint = _CheckpointWriter(checkpoint_path) if checkpoint_path else None
+        self._checkpoint_every = checkpoint_every
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._conns: set[_wire.Connection] = set()
@@ -90,6 +100,35 @@ class ParameterServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._checkpoint is not None:
+            self._checkpoint.close()
+
+    def restore(self, path: str) -> None:
+        """Take up a checkpoint written by a server with the same settings (before start)."""
+        with np.load(path, allow_pickle=False) as saved:
+            meta = json.loads(saved["meta"].tobytes())
+            params = saved["params"].copy()
+            meansquare = saved["meansquare"].copy() if "meansquare" in saved else None
+        self.state = ServerState(params=params, **self._settings)
+        self.state.meansquare = meansquare
+        self.applied, self.samples, self.loss_sum = (meta["applied"], meta["samples"],
+                                                     meta["loss_sum"])
+        self.progress = {int(w): int(s) for w, s in meta["progress"].items()}
+        self.refused.update(meta["refused"])
+        log.info("resumed from %s: %d updates applied, progress %s", path, self.applied,
+                 self.progress)
+
+    def _save_checkpoint(self) -> None:
+        """With the lock held: hand a copy of the state to the background writer."""
+        if self._checkpoint is None or self.state is None:
+            return
+        arrays = {"params": self.state.params.copy()}
+        if self.state.meansquare is not None:
+            arrays["meansquare"] = self.state.meansquare.copy()
+        meta = {"applied": self.applied, "samples": self.samples, "loss_sum": self.loss_sum,
+                "progress": {str(w): s for w, s in self.progress.items()},
+                "refused": dict(self.refused)}
+        self._checkpoint.submit(arrays, meta)
 
     def stats(self) -> dict:
         with self._lock:
@@ -100,6 +139,7 @@ class ParameterServer:
                          for w, v in self.staleness.items()}
             return {"applied": self.applied, "refused": dict(self.refused),
                     "clocks": {str(w): c for w, c in self._clocks.items()},
+                    "progress": {str(w): s for w, s in self.progress.items()},
                     "samples": self.samples, "loss_sum": self.loss_sum,
                     "staleness": staleness}
 
@@ -179,10 +219,11 @@ class ParameterServer:
                         return
                     params = self.state.pull(worker).copy()
                     version = self._pulled_version[worker] = self.applied
+                    progress = self.progress.get(worker, 0)
                     if worker != DRIVER:
                         self._read_clocks[worker] = self._clocks[worker]
                         self._lock.notify_all()
-                conn.send(_wire.Kind.PARAMS, {"version": version}, params)
+                conn.send(_wire.Kind.PARAMS, {"version": version, "progress": progress}, params)
             elif frame.kind is _wire.Kind.UPDATE:
                 self._apply(conn, worker, update, frame)
             elif frame.kind is _wire.Kind.INIT and worker == DRIVER:
@@ -221,6 +262,10 @@ class ParameterServer:
             if _is_count(meta.get("samples")) and isinstance(meta.get("loss_sum"), (int, float)):
                 self.samples += meta["samples"]
                 self.loss_sum += meta["loss_sum"]
+            if _is_count(meta.get("steps")):
+                self.progress[worker] = meta["steps"]
+            if self._checkpoint_every and applied % self._checkpoint_every == 0:
+                self._save_checkpoint()
         conn.send(_wire.Kind.ACK, {"applied": applied, "staleness": staleness})
 
     def _wait_for(self, condition) -> bool:
@@ -249,9 +294,11 @@ class ParameterServer:
                 self._clocks.setdefault(w, 0)
                 self._read_clocks.setdefault(w, -1)  # no push applies before its first read
             self.state = ServerState(params=params, **self._settings)
-            self.applied = 0
+            self.applied, self.samples, self.loss_sum = 0, 0, 0.0
+            self.progress.clear()
             self._pulled_version.clear()
             self.staleness.clear()
+            self._save_checkpoint()
         conn.send(_wire.Kind.ACK, {"applied": 0})
 
     def _refuse(self, reason: str, why: object, who,
@@ -263,6 +310,49 @@ class ParameterServer:
         log.warning("parameter server refused %s (%s): %s", who, reason, why)
         if conn is not None:
             _try_send_error(conn, str(why))
+
+
+class _CheckpointWriter:
+    """Writes the newest submitted state to `path` (npz: arrays and a JSON `meta`) in a
+    background thread, through a temporary file and a rename, so a reader never sees half."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._pending: tuple[dict, dict] | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="sparkdl-avg-ps-ckpt",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, arrays: dict, meta: dict) -> None:
+        with self._cond:
+            self._pending = (arrays, meta)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                pending, self._pending = self._pending, None
+            if pending is None:
+                return
+            arrays, meta = pending
+            tmp = f"{self._path}.tmp.npz"
+            try:
+                np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                         **arrays)
+                os.replace(tmp, self._path)
+            except OSError:
+                log.warning("could not save the server checkpoint to %s", self._path,
+                            exc_info=True)
 
 
 def _reason(exc: ProtocolError) -> str:

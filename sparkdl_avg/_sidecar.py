@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -17,10 +18,16 @@ _START_TIMEOUT_S = 60.0
 
 class Sidecar:
     """`python -m sparkdl_avg ps serve` beside the driver. Leaving the block stops it; if the
-    driver dies instead, the server's watchdog sees the parent gone and exits."""
+    driver dies instead, the server's watchdog sees the parent gone and exits. It saves its
+    state every `checkpoint_every` updates; `restart()` brings a dead one back from that
+    state on the same port, where its workers reconnect."""
 
     def __init__(self, *, host: str, secret: bytes, settings: dict,
-                 staleness_bound: int | None, timeout: float) -> None:
+                 staleness_bound: int | None, timeout: float, checkpoint_every: int = 0,
+                 checkpoint_dir: str | None = None) -> None:
+        self._checkpoint_every = checkpoint_every
+        self._checkpoint_dir = checkpoint_dir
+        self.restarts = 0
         self._args = [
             "--host", host, "--algorithm", settings["algorithm"], "--lr", str(settings["lr"]),
             "--update-scale", repr(settings["update_scale"]), "--timeout", str(timeout),
@@ -37,10 +44,30 @@ class Sidecar:
 
     def __enter__(self) -> Sidecar:
         self._dir = tempfile.TemporaryDirectory(prefix="sparkdl-avg-ps-")
+        folder = self._checkpoint_dir or self._dir.name
+        os.makedirs(folder, exist_ok=True)
+        self.checkpoint_file = os.path.join(folder, "parameter-server.npz")
+        self._args += ["--checkpoint-file", self.checkpoint_file,
+                       "--checkpoint-every", str(self._checkpoint_every)]
+        self._launch([])
+        return self
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def restart(self) -> None:
+        """Start a new server on the same port from the last checkpoint."""
+        self._stop()
+        self.restarts += 1
+        self._launch(["--port", str(self.port), "--resume"])
+
+    def _launch(self, extra: list[str]) -> None:
         ready = os.path.join(self._dir.name, "ready.json")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(ready)
         env = {**os.environ, SECRET_ENV: self._secret.hex()}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "sparkdl_avg", "ps", "serve", *self._args,
+            [sys.executable, "-m", "sparkdl_avg", "ps", "serve", *self._args, *extra,
              "--ready-file", ready], env=env, stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -56,9 +83,14 @@ class Sidecar:
             time.sleep(0.05)
         with open(ready) as f:
             self.port = json.load(f)["port"]
-        return self
 
     def __exit__(self, *exc_info) -> None:
+        self._stop()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def _stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -66,6 +98,3 @@ class Sidecar:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=10)
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None

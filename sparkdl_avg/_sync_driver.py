@@ -22,20 +22,16 @@ from sparkdl_avg._checkpoint import (
     fingerprint,
     writing,
 )
-from sparkdl_avg._cluster import BarrierJob, check_cluster, connect_deadline_s, driver_addresses
+from sparkdl_avg._cluster import BarrierJob, Restarts, connect_deadline_s, driver_addresses
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._coordinator import Coordinator, RoundStats
-from sparkdl_avg._errors import TrainingError, WorkerLostError
+from sparkdl_avg._errors import WorkerLostError
 from sparkdl_avg._model import FlatBuffer, averaged_tensors, wire_dtype
 from sparkdl_avg._progress import Progress
 from sparkdl_avg._tracking import RunLogger
 from sparkdl_avg._worker import REPORT_SCHEMA, WorkerSpec, run_task
 
 log = logging.getLogger("sparkdl_avg")
-_TASKS_END_S = 60.0
-"""After a failure, how long the driver waits for the aborted job's tasks to leave their slots."""
-_REPLACE_EXECUTOR_S = 120.0
-"""How long a restart waits for the cluster to have enough slots again (a lost executor)."""
 
 
 def train_sync(spark, plan, config: TrainConfig, classify: bool, run: RunLogger, timings: dict,
@@ -59,7 +55,7 @@ def train_sync(spark, plan, config: TrainConfig, classify: bool, run: RunLogger,
     store = DirStore(config.checkpoint_dir) if config.checkpoint_dir else \
         MlflowStore(run.tracking_uri, run.run_id)
     history = list(point.history)
-    failures: list[dict] = []
+    restarts = Restarts(spark, config, run)
     attempt = _Attempt(spark, plan, config, flat, run, history, expected)
     progress = Progress(plan.schedule.num_rounds)
     with contextlib.closing(progress), writing(store) as writer:
@@ -68,25 +64,13 @@ def train_sync(spark, plan, config: TrainConfig, classify: bool, run: RunLogger,
                 workers = attempt.run(point, classify, progress, writer, timings, t_start)
                 break
             except WorkerLostError as exc:
-                failure = exc.details or {"error": str(exc)}
-                failure["round"] = attempt.point.round
-                failures.append(failure)
-                run.log_metrics({"restarts": len(failures)}, step=attempt.point.round)
-                where = _where(failure)
-                if len(failures) > config.max_failures:
-                    raise TrainingError(
-                        f"training failed {len(failures)} time(s), more than max_failures="
-                        f"{config.max_failures}; the last failure: {where}"
-                    ) from exc
-                log.warning("restart %d of at most %d, from round %d, after a failure: %s",
-                            len(failures), config.max_failures, attempt.point.round, where)
+                restarts.record(exc, f"round {attempt.point.round}",
+                                step=attempt.point.round)
                 point = attempt.point
-                check_cluster(spark, config.num_workers, config.device,
-                              wait_s=_REPLACE_EXECUTOR_S)
         timings["train_s"] = time.perf_counter() - attempt.t_train
     if writer.errors:
         run.set_tags({"sparkdl_avg.checkpoint_errors": writer.errors})
-    return history, workers, failures
+    return history, workers, restarts.failures
 
 
 class _Attempt:
@@ -132,9 +116,7 @@ class _Attempt:
                     rows = job.wait(config.round_timeout)
                 except WorkerLostError as exc:
                     coord.close()  # the surviving workers stop waiting for the next average
-                    job.cancel()
-                    job.wait_tasks_ended(_TASKS_END_S)
-                    exc.details = _describe(exc, job.tasks())
+                    job.explain(exc)
                     raise
         return sorted((row.asDict() for row in rows), key=lambda w: w["partition"])
 
@@ -160,25 +142,6 @@ class _Attempt:
                 params=coord.average[:self.flat.array.size].copy(), states=stats.states,
                 fingerprint=self.expected, history=list(self.history[:r + 1]))
             writer.submit(self.point)
-
-
-def _describe(exc: WorkerLostError, tasks: list[dict]) -> dict:
-    """Which partition failed, on which executor and host, and the original error."""
-    failed = [t for t in tasks if t["status"] == "FAILED"]
-    partition = exc.partition if exc.partition is not None else \
-        (failed[0]["partition"] if failed else None)
-    task = next((t for t in failed if t["partition"] == partition), None) or \
-        next((t for t in tasks if t["partition"] == partition), None)
-    error = exc.reported or str(exc)
-    if task is not None and task["status"] == "FAILED" and task["error"] and not exc.reported:
-        error = task["error"]  # Spark knows the root cause (a crash, a lost executor)
-    return {"partition": partition, "executor": task["executor"] if task else None,
-            "host": task["host"] if task else None, "error": error}
-
-
-def _where(failure: dict) -> str:
-    return (f"partition {failure.get('partition')} on executor {failure.get('executor')} "
-            f"(host {failure.get('host')}): {failure['error']}")
 
 
 def round_metrics(stats: RoundStats) -> dict[str, float]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._plan import Schedule, batch_slice, epoch_order
+from sparkdl_avg._ps_client import PSClient, ServerRefused
 
 REPORT_SCHEMA = (
     "partition int, host string, pid long, device string, gpu string, warning string, "
@@ -198,6 +199,10 @@ class _Replica:
         self.optimizer = make_optimizer(self.spec.config, self.model.parameters(), self._factory)
         self.step, self._order = step, None
 
+    def rewind(self, step: int) -> None:
+        """Take up the data at `step` again (steps after it were lost with a server)."""
+        self.step, self._order = step, None
+
     def run_steps(self, count: int) -> tuple[float, int]:
         """`count` local minibatch steps; returns (summed loss x batch size, samples)."""
         import torch
@@ -294,34 +299,80 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
 
 def _train_async(spec: WorkerSpec, rank: int, data, device) -> None:
     """Downpour: push the accumulated update every `push_every` steps, fetch the server's
-    parameters every `fetch_every` steps (a multiple of push_every)."""
+    parameters every `fetch_every` steps (a multiple of push_every). The server records how
+    many of this worker's steps it has applied; a worker (re)starting or reconnecting after
+    the server restarted takes up the data from there, so no step is lost or counted twice."""
     from sparkdl_avg._model import FlatBuffer, averaged_tensors
-    from sparkdl_avg._ps_client import PSClient
 
     cfg, total = spec.config, spec.schedule.total_steps
     replica = _Replica(spec, rank, data, device)
     flat = FlatBuffer(averaged_tensors(replica.model), replica.wire_dtype)
-    with PSClient(spec.ps_address, secret=spec.secret, worker=rank, numel=flat.array.size,
-                  dtype=flat.array.dtype, timeout=max(cfg.round_timeout, spec.connect_s),
-                  tls_ca_pem=spec.ps_tls_ca_pem) as ps:
-        ps.pull()
-        np.copyto(flat.array, ps.params)
-        flat.scatter()
-        anchor = flat.array.copy()  # the parameters the next update is measured from
-        replica.start()
+    link = _ServerLink(spec, rank, flat)
+    try:
+        link.pull()
+        replica.start(step=link.ps.progress)
         fetch_every = (cfg.fetch_every or cfg.push_every) // cfg.push_every
         pushes = 0
         while replica.step < total:
             loss_sum, samples = replica.run_steps(min(cfg.push_every, total - replica.step))
-            current = flat.gather()
-            ps.push(anchor - current, samples=samples, loss_sum=loss_sum)
-            np.copyto(anchor, current)
-            pushes += 1
-            if pushes % fetch_every == 0 or replica.step >= total:
-                ps.pull()
-                np.copyto(flat.array, ps.params)
-                flat.scatter()
-                np.copyto(anchor, flat.array)
+            try:
+                current = flat.gather()
+                link.ps.push(link.anchor - current, samples=samples, loss_sum=loss_sum,
+                             steps=replica.step)
+                np.copyto(link.anchor, current)
+                pushes += 1
+                if pushes % fetch_every == 0 or replica.step >= total:
+                    link.pull()
+            except ServerRefused:
+                raise
+            except (OSError, ConnectionError) as exc:  # ProtocolError is a ConnectionError
+                link.reconnect(exc)
+                link.pull()
+                replica.rewind(link.ps.progress)  # redo the steps the server lost
+    finally:
+        link.close()
+
+
+class _ServerLink:
+    """A worker's connection to the parameter server that outlives the server: when the
+    connection breaks it reconnects (for up to round_timeout) to the same address, where a
+    restarted server takes up its checkpoint."""
+
+    def __init__(self, spec: WorkerSpec, rank: int, flat) -> None:
+        self.spec, self.rank, self.flat = spec, rank, flat
+        self.anchor = flat.array.copy()  # the parameters the next update is measured from
+        self.ps = self._connect()
+
+    def _connect(self) -> PSClient:
+        cfg = self.spec.config
+        return PSClient(self.spec.ps_address, secret=self.spec.secret, worker=self.rank,
+                        numel=self.flat.array.size, dtype=self.flat.array.dtype,
+                        timeout=max(cfg.round_timeout, self.spec.connect_s),
+                        tls_ca_pem=self.spec.ps_tls_ca_pem)
+
+    def pull(self) -> None:
+        """The server's parameters into the model (and `ps.progress`)."""
+        self.ps.pull()
+        np.copyto(self.flat.array, self.ps.params)
+        self.flat.scatter()
+        np.copyto(self.anchor, self.flat.array)
+
+    def reconnect(self, cause: BaseException) -> None:
+        deadline = time.monotonic() + self.spec.config.round_timeout
+        self.ps.close()
+        while True:
+            try:
+                self.ps = self._connect()
+                return
+            except (OSError, ConnectionError) as exc:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(
+                        f"lost the parameter server ({cause}) and could not reconnect within "
+                        f"round_timeout={self.spec.config.round_timeout:g}s: {exc}") from exc
+                time.sleep(0.5)
+
+    def close(self) -> None:
+        self.ps.close()
 
 
 def _step_seed(seed: int, rank: int, step: int) -> int:

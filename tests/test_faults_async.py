@@ -1,0 +1,99 @@
+"""Faults in async mode: a worker task that fails, and the parameter server process killed
+mid-fit. Either way the fit finishes with every step applied exactly once."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+from faulty import FaultyMLP, dataset
+
+from sparkdl_avg import TrainConfig, fit
+
+pytestmark = pytest.mark.spark
+
+BASE = dict(mode="async", num_workers=2, epochs=2, batch_size=15, push_every=2,
+            optimizer="adam", lr=0.01, seed=5, eval_interval_s=0.3, log_model=False)
+STEPS = 2 * 20  # 300 rows per worker, 15 a batch, 2 epochs
+
+
+@pytest.fixture(scope="module")
+def data(spark):
+    return dataset(spark).cache()
+
+
+def expected_pushes() -> int:
+    return 2 * math.ceil(STEPS / BASE["push_every"])
+
+
+def test_a_failed_worker_task_is_restarted_where_the_server_says(data, tmp_path,
+                                                                 mlflow_client):
+    model_fn = partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired"), at_call=15)
+    result = fit(data, model_fn, TrainConfig(**BASE, staleness_bound=2))
+    assert (tmp_path / "fired").exists()
+    assert len(result.failures) == 1
+    assert result.failures[0]["partition"] == 1
+    assert "ValueError: injected failure in forward" in result.failures[0]["error"]
+    # each worker's steps were applied exactly once: none lost, none pushed twice
+    assert result.history[-1]["updates_applied"] == expected_pushes()
+    stats = _server_stats(mlflow_client, result.run_id)
+    assert stats["progress"] == {"0": STEPS, "1": STEPS}
+
+
+def test_a_killed_parameter_server_is_restarted_from_its_checkpoint(data, tmp_path,
+                                                                    mlflow_client):
+    checkpoint = tmp_path / "parameter-server.npz"
+    killer = threading.Thread(target=_kill_server_after_a_checkpoint, args=(checkpoint,),
+                              daemon=True)
+    killer.start()
+    result = fit(data, partial(FaultyMLP, delay_s=0.03),
+                 TrainConfig(**BASE, checkpoint_every=2, checkpoint_dir=str(tmp_path)))
+    killer.join(timeout=5)
+    assert getattr(killer, "killed", False), "the server was not killed mid-fit"
+    assert mlflow_client.get_metric_history(result.run_id, "ps_restarts")[-1].value == 1
+    assert result.history[-1]["updates_applied"] == expected_pushes()
+    assert _server_stats(mlflow_client, result.run_id)["progress"] == {"0": STEPS, "1": STEPS}
+
+
+def _server_stats(client, run_id: str) -> dict:
+    import json
+
+    local = client.download_artifacts(run_id, "server_stats.json")
+    return json.loads(Path(local).read_text())
+
+
+def _kill_server_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0) -> None:
+    """SIGKILL the sidecar once it has saved a checkpoint beyond its initial one."""
+    deadline = time.monotonic() + timeout
+    first = None
+    while time.monotonic() < deadline:
+        if checkpoint.exists():
+            mtime = checkpoint.stat().st_mtime_ns
+            if first is None:
+                first = mtime
+            elif mtime != first:
+                pid = _server_pid(str(checkpoint))
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    threading.current_thread().killed = True
+                    return
+        time.sleep(0.02)
+
+
+def _server_pid(checkpoint: str) -> int | None:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmdline and checkpoint.encode() in cmdline:
+            return int(entry)
+    return None
