@@ -34,6 +34,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--data-dir", help="where the generated Parquet is cached")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--experiment", default="sparkdl-avg-mnist1d")
+    p.add_argument("--max-failures", type=int, default=3, help="task failures to recover from")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="rounds between checkpoints")
+    p.add_argument("--checkpoint-dir", help="checkpoints here instead of the MLflow run")
+    p.add_argument("--resume-from", help="continue a fit whose driver died: run id or directory")
     p.add_argument("--no-log-model", action="store_true")
     return p.parse_args(argv)
 
@@ -55,7 +59,8 @@ def main(argv: list[str]) -> int:
         averaging_frequency=args.averaging_frequency, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum, average_optimizer_state=args.average_optimizer_state,
         eval_every=args.eval_every, seed=args.seed, experiment_name=args.experiment,
-        log_model=not args.no_log_model,
+        log_model=not args.no_log_model, max_failures=args.max_failures,
+        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
     )
     builder = SparkSession.builder.appName("sparkdl-avg-mnist1d")
     if args.master:
@@ -67,7 +72,8 @@ def main(argv: list[str]) -> int:
     try:
         train_df, test_df = mnist1d.load(spark, args.samples, cache_dir=args.data_dir)
         hidden = tuple(int(h) for h in args.hidden.split(",") if h)
-        result = fit(train_df, mnist1d.mlp(hidden), config, eval_df=test_df)
+        result = fit(train_df, mnist1d.mlp(hidden), config, eval_df=test_df,
+                     resume_from=args.resume_from)
     finally:
         spark.stop()
     final = result.history[-1]

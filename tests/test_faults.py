@@ -20,6 +20,7 @@ from sparkdl_avg import ConfigError, TrainConfig, TrainingError, fit
 pytestmark = pytest.mark.spark
 
 BASE = dict(num_workers=2, epochs=2, batch_size=15, averaging_frequency=2, optimizer="adam",
+            experiment_name="faults",
             lr=0.01, seed=5, checkpoint_every=3, log_model=False)
 
 
@@ -65,7 +66,7 @@ def test_more_failures_than_max_failures_fail_the_fit_naming_the_task(data, mlfl
     assert "failed 2 time(s), more than max_failures=1" in message
     assert "partition 1 on executor driver" in message
     assert "ValueError: injected failure in forward" in message
-    runs = mlflow_client.search_runs([mlflow_client.get_experiment_by_name("Default")
+    runs = mlflow_client.search_runs([mlflow_client.get_experiment_by_name("faults")
                                       .experiment_id], order_by=["attributes.start_time DESC"],
                                      max_results=1)
     assert runs[0].info.status == "FAILED"

@@ -1,4 +1,5 @@
-"""GPU scheduling without a GPU: fake GPUs on a local-cluster, and refusal in local mode."""
+"""GPU scheduling without a GPU: fake GPUs on a local-cluster, and refusal in local mode; on
+the same local-cluster, a fit that survives losing its executor."""
 
 from __future__ import annotations
 
@@ -14,16 +15,22 @@ import torch
 from sparkdl_avg import ClusterError, TrainConfig, fit
 
 
-@pytest.mark.cluster
-def test_each_task_trains_on_its_own_spark_assigned_gpu(tmp_path):
-    out = tmp_path / "workers.json"
+@pytest.fixture(scope="module")
+def cluster_fits(tmp_path_factory):
+    """Runs local_cluster_fits.py once (the cluster takes ~30 s to start) for both tests."""
+    out = tmp_path_factory.mktemp("cluster") / "fits.json"
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("fake_gpu_fit.py")), str(out)],
-        env=env, capture_output=True, text=True, timeout=240,
+        [sys.executable, str(Path(__file__).with_name("local_cluster_fits.py")), str(out)],
+        env=env, capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    workers = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.cluster
+def test_each_task_trains_on_its_own_spark_assigned_gpu(cluster_fits):
+    workers = cluster_fits["workers"]
     assert sorted(w["gpu"] for w in workers) == ["0", "1"]
     for w in workers:
         if torch.cuda.is_available():
@@ -31,6 +38,20 @@ def test_each_task_trains_on_its_own_spark_assigned_gpu(tmp_path):
         else:  # this machine's torch has no CUDA: the task says so and trains on the CPU
             assert w["device"] == "cpu"
             assert "CUDA is not available" in w["warning"]
+
+
+@pytest.mark.cluster
+def test_a_fit_survives_losing_its_executor(cluster_fits):
+    """The model SIGKILLs its executor's JVM mid-fit; the standalone worker starts a new
+    executor, the driver waits for its slots and restarts from the last checkpoint."""
+    assert cluster_fits["killed"]
+    [failure] = cluster_fits["failures"]
+    # a checkpoint round (every 2 of 6): the Python workers outlive their JVM for a moment
+    # and may finish more rounds, even all, before Spark reports the executor lost
+    assert failure["restart_at"] in ("round 2", "round 4", "round 6")
+    assert failure["executor"] == "0"  # the first executor; its replacement is "1"
+    assert "ExecutorLostFailure" in failure["error"] or "exited" in failure["error"]
+    assert cluster_fits["same_parameters"]  # bit-identical to the fit that lost nothing
 
 
 @pytest.mark.spark

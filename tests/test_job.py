@@ -35,7 +35,12 @@ def check_output(stdout: str, client) -> None:
 
 @pytest.mark.cluster
 def test_job_runs_with_plain_python(tmp_path, mlflow_store, mlflow_client):
-    check_output(run_job([sys.executable, str(JOB)], tmp_path, mlflow_store), mlflow_client)
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, str(JOB), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]
+    check_output(run_job(cmd, tmp_path, mlflow_store), mlflow_client)
+    rounds = sorted(p.name for p in ckpt.glob("round-*"))
+    assert len(rounds) == 2  # the newest two are kept
+    assert all((ckpt / r / "checkpoint.json").exists() for r in rounds)
 
 
 @pytest.mark.cluster
