@@ -16,7 +16,7 @@ from pyspark.sql import functions as F
 from sparkdl_avg import _wire
 from sparkdl_avg._cluster import BarrierJob, Restarts, connect_deadline_s, driver_addresses
 from sparkdl_avg._data import EVAL, FEATURES, LABEL, SPLIT
-from sparkdl_avg._errors import WorkerLostError
+from sparkdl_avg._errors import TrainingError, WorkerLostError
 from sparkdl_avg._model import FlatBuffer, averaged_tensors, wire_dtype
 from sparkdl_avg._ps_client import PSClient
 from sparkdl_avg._ps_server import DRIVER
@@ -63,9 +63,9 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
                             dtype=flat.array.dtype, timeout=config.round_timeout,
                             tls_ca_pem=tls_ca_pem)
 
-        ps = connect()
+        server = _Server(sidecar, connect, restarts, run)
         try:
-            ps.init(flat.gather(), workers=config.num_workers)
+            server.ps.init(flat.gather(), workers=config.num_workers)
             spec = WorkerSpec.for_plan(plan, config, classify=classify, secret=secret,
                                        connect_s=connect_deadline_s(config.round_timeout),
                                        ps_address=address, ps_tls_ca_pem=tls_ca_pem)
@@ -73,6 +73,7 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
             timings["first_step_s"] = t_train - t_start  # tasks start training as they load
             previous = {"t": t_train, "applied": 0, "samples": 0, "loss_sum": 0.0}
             while True:
+                server.revive(len(history))
                 job = BarrierJob(plan.data.frame, partial(run_task, spec), REPORT_SCHEMA,
                                  f"sparkdl-avg: async training, {config.num_workers} workers")
                 try:
@@ -80,15 +81,9 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
                         finished = False
                         while not finished:
                             finished = job.done(config.eval_interval_s)
-                            try:
-                                metrics = _interval_metrics(ps, plan.model, flat, eval_data,
-                                                            loss_fn, classify, previous)
-                            except (OSError, ConnectionError):
-                                if sidecar is None or sidecar.alive():
-                                    raise
-                                ps = _restart_sidecar(sidecar, ps, connect, run, len(history))
-                                metrics = _interval_metrics(ps, plan.model, flat, eval_data,
-                                                            loss_fn, classify, previous)
+                            metrics = server.call(lambda ps: _interval_metrics(
+                                ps, plan.model, flat, eval_data, loss_fn, classify, previous),
+                                len(history))
                             history.append({"interval": len(history), **metrics})
                             run.log_metrics(metrics, step=len(history) - 1)
                         rows = job.wait(config.round_timeout)
@@ -96,30 +91,57 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
                     job.explain(exc)
                     restarts.record(exc, "each worker's last applied push", step=len(history))
                     continue
-                behind = {w: s for w in range(config.num_workers)
-                          if (s := ps.stats()["progress"].get(str(w), 0)) < total}
+                progress = server.call(lambda ps: ps.stats()["progress"], len(history))
+                behind = {w: progress.get(str(w), 0) for w in range(config.num_workers)
+                          if progress.get(str(w), 0) < total}
                 if not behind:
                     break
                 # The server restarted from a checkpoint older than some finished workers'
                 # last pushes: run the job again; those workers redo only the lost steps.
-                log.warning("the parameter server lost steps of finished workers %s; "
-                            "training them again", behind)
+                restarts.record(WorkerLostError(
+                    f"the restarted parameter server lacks the last steps of finished workers "
+                    f"(steps applied: {behind} of {total})"), "the steps the server has",
+                    step=len(history))
             workers = sorted((row.asDict() for row in rows), key=lambda w: w["partition"])
             timings["train_s"] = time.perf_counter() - t_train
-            run.log_dict(ps.stats(), "server_stats.json")
+            run.log_dict(server.call(lambda ps: ps.stats(), len(history)), "server_stats.json")
         finally:
-            ps.close()
+            server.close()
     return history, workers, restarts.failures
 
 
-def _restart_sidecar(sidecar: Sidecar, ps: PSClient, connect, run, step: int) -> PSClient:
-    """The server process died: bring it back from its checkpoint; reconnect the driver."""
-    ps.close()
-    log.warning("the parameter server died (restart %d): restarting it from its checkpoint",
-                sidecar.restarts + 1)
-    sidecar.restart()
-    run.log_metrics({"ps_restarts": sidecar.restarts}, step=step)
-    return connect()
+class _Server:
+    """The driver's connection to the parameter server. A sidecar found dead is restarted
+    from its checkpoint (on the same port, where the workers reconnect); each restart counts
+    against max_failures."""
+
+    def __init__(self, sidecar: Sidecar | None, connect, restarts: Restarts, run) -> None:
+        self.sidecar, self._connect, self._restarts, self._run = sidecar, connect, restarts, run
+        self.ps = connect()
+
+    def call(self, fn, step: int):
+        try:
+            return fn(self.ps)
+        except (OSError, ConnectionError) as exc:
+            if not self.revive(step, grace_s=2.0):
+                raise TrainingError(f"lost the parameter server: {exc}") from exc
+            return fn(self.ps)
+
+    def revive(self, step: int, grace_s: float = 0.0) -> bool:
+        """Restart the sidecar if it died; True if it did."""
+        if self.sidecar is None or self.sidecar.alive(grace_s):
+            return False
+        self.ps.close()
+        self._restarts.record(WorkerLostError(
+            f"the parameter server process died (exit code {self.sidecar.returncode})"),
+            "the server's last checkpoint", step=step)
+        self.sidecar.restart()
+        self._run.log_metrics({"ps_restarts": self.sidecar.restarts}, step=step)
+        self.ps = self._connect()
+        return True
+
+    def close(self) -> None:
+        self.ps.close()
 
 
 def _collect_eval(plan, classify: bool):

@@ -135,7 +135,8 @@ def _round_name(round_index: int) -> str:
 # --- where checkpoints are kept ----------------------------------------------------------
 
 class DirStore:
-    """`checkpoint_dir`: each checkpoint written to a temporary folder, then renamed."""
+    """`checkpoint_dir`: each checkpoint written to a temporary folder, synced, then renamed
+    into place, so a crash leaves either the whole checkpoint or none of it."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
@@ -147,26 +148,56 @@ class DirStore:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=self.path))
         try:
             write_folder(checkpoint, tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            _fsync_folder(tmp)
+            if final.exists():  # the same round again (a restart): swap, never a gap
+                old = final.with_name(f".{final.name}-old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            _fsync_folder(self.path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for old in self._complete()[:-_KEEP]:
+        for old in self.complete()[:-_KEEP]:
             shutil.rmtree(old, ignore_errors=True)
 
     def load_latest(self) -> Checkpoint | None:
-        if (self.path / "checkpoint.json").exists():  # pointed at one checkpoint's folder
+        """The newest checkpoint that reads back whole (an older one if the newest is
+        damaged); `path` may also be one checkpoint's own folder."""
+        if (self.path / "checkpoint.json").exists():
             return read_folder(self.path)
-        complete = self._complete()
-        return read_folder(complete[-1]) if complete else None
+        error = None
+        for folder in reversed(self.complete()):
+            try:
+                return read_folder(folder)
+            except ConfigError as exc:
+                log.warning("skipping a damaged checkpoint: %s", exc)
+                error = error or exc
+        if error is not None:
+            raise error
+        return None
 
-    def _complete(self) -> list[Path]:
+    def complete(self) -> list[Path]:
+        """Checkpoint folders with their checkpoint.json, oldest first."""
         if not self.path.is_dir():
             return []
-        return sorted(p for p in self.path.iterdir()
-                      if _ROUND_DIR.match(p.name) and (p / "checkpoint.json").exists())
+        found = [p for p in self.path.iterdir()
+                 if _ROUND_DIR.match(p.name) and (p / "checkpoint.json").exists()]
+        return sorted(found, key=lambda p: int(_ROUND_DIR.match(p.name).group(1)))
+
+
+def _fsync_folder(folder: Path) -> None:
+    for path in [*folder.iterdir(), folder]:
+        if path.is_dir() and path != folder:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class MlflowStore:
@@ -207,7 +238,7 @@ class MlflowStore:
                     f.path.endswith("/checkpoint.json")
                     for f in self._client.list_artifacts(self.run_id, item.path)):
                 found.append(item.path)
-        return sorted(found)
+        return sorted(found, key=lambda p: int(_ROUND_DIR.match(p.rsplit("/", 1)[-1]).group(1)))
 
     def _delete(self, path: str) -> None:
         """Best effort: not every artifact store can delete."""
@@ -220,15 +251,15 @@ class MlflowStore:
             log.debug("could not delete old checkpoint %s: %s", path, exc)
 
 
-def open_source(resume_from: str, tracking_uri: str) -> tuple[Checkpoint, str, str | None]:
-    """The newest checkpoint at `resume_from` (a directory or an MLflow run id), a description
-    of where it came from, and the run id when it was one."""
+def open_source(resume_from: str, tracking_uri: str) -> tuple[Checkpoint, DirStore | MlflowStore]:
+    """The newest checkpoint at `resume_from` (a directory or an MLflow run id) and the store
+    it came from."""
     if not isinstance(resume_from, str) or not resume_from:
         raise ConfigError(f"resume_from must be a directory or an MLflow run id, got "
                           f"{resume_from!r}")
     if os.path.isdir(resume_from):
         store = DirStore(resume_from)
-        return _found(store.load_latest(), store), store.description, None
+        return _found(store.load_latest(), store), store
     match = _RUN_ID.match(resume_from)
     if match is None:
         raise ConfigError(f"resume_from={resume_from!r} is neither an existing directory nor "
@@ -241,7 +272,25 @@ def open_source(resume_from: str, tracking_uri: str) -> tuple[Checkpoint, str, s
     except Exception as exc:
         raise ConfigError(f"cannot read the checkpoints of {store.description}: {exc}") \
             from exc
-    return _found(checkpoint, store), store.description, store.run_id
+    return _found(checkpoint, store), store
+
+
+def target_store(config, run_id: str, tracking_uri: str,
+                 source: DirStore | MlflowStore | None) -> DirStore | MlflowStore:
+    """Where this fit saves checkpoints. A checkpoint_dir that holds another fit's checkpoints
+    is refused (they would be pruned, or resumed by mistake) unless this fit continues them."""
+    if config.checkpoint_dir is None:
+        return MlflowStore(tracking_uri, run_id)
+    store = DirStore(config.checkpoint_dir)
+    continuing = isinstance(source, DirStore) and \
+        source.path.resolve() in (store.path.resolve(), store.path.resolve().parent)
+    existing = store.complete()
+    if existing and not continuing:
+        raise ConfigError(
+            f"checkpoint_dir={config.checkpoint_dir!r} already holds checkpoints of another "
+            f"fit ({existing[-1].name}); continue it with resume_from={config.checkpoint_dir!r} "
+            "or choose an empty directory")
+    return store
 
 
 def end_source_run(tracking_uri: str, run_id: str) -> None:
@@ -264,7 +313,6 @@ class Writer:
 
     def __init__(self, store) -> None:
         self.store = store
-        self.saved_round = -1
         self.errors = 0
         self._pending: Checkpoint | None = None
         self._cond = threading.Condition()
@@ -295,7 +343,6 @@ class Writer:
                     return
             try:
                 self.store.save(checkpoint)
-                self.saved_round = checkpoint.round
             except Exception:  # training goes on; the next checkpoint may succeed
                 self.errors += 1
                 log.warning("could not save the round-%d checkpoint to %s", checkpoint.round,

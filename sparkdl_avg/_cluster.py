@@ -113,37 +113,42 @@ class BarrierJob:
             self._done.wait(wait_s)
         if self.error is not None:
             text = str(self.error)
+            if _NOT_RETRYABLE.search(text):  # cancelled by a person, or Spark shut down
+                raise TrainingError(f"the training job was stopped: {_spark_reason(text)}") \
+                    from self.error
             match = _FAILED_TASK.search(text)
             raise WorkerLostError(f"the training tasks failed: {_spark_reason(text)}",
                                   partition=int(match.group(1)) if match else None) \
                 from self.error
 
     def tasks(self) -> list[dict]:
-        """What Spark knows of this job's tasks (every attempt of its stages): partition,
-        executor, host, status and error, from the driver's status store."""
+        """The training tasks as the driver's status store knows them: partition, executor,
+        host, status and error. Only the barrier stage counts: the last stage of the group's
+        last job (earlier jobs and stages are the shuffle feeding it)."""
         sc = self._frame.sparkSession.sparkContext
         tracker, store = sc.statusTracker(), sc._jsc.sc().statusStore()
+        jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup(self._group)]
+        jobs = [j for j in jobs if j is not None and len(j.stageIds)]
+        if not jobs:
+            return []
+        stage_id = max(max(jobs, key=lambda j: j.jobId).stageIds)
+        stage = tracker.getStageInfo(stage_id)
+        tasks = store.taskList(stage_id, stage.currentAttemptId if stage else 0, 10_000)
         out = []
-        for job_id in tracker.getJobIdsForGroup(self._group):
-            info = tracker.getJobInfo(job_id)
-            for stage_id in (info.stageIds if info is not None else []):
-                stage = tracker.getStageInfo(stage_id)
-                attempt = stage.currentAttemptId if stage is not None else 0
-                tasks = store.taskList(stage_id, attempt, 10_000)
-                for i in range(tasks.size()):
-                    t = tasks.apply(i)
-                    error = t.errorMessage()
-                    out.append({"partition": t.index(), "executor": t.executorId(),
-                                "host": t.host(), "status": t.status(),
-                                "error": _spark_reason(error.get()) if error.isDefined()
-                                else None})
+        for i in range(tasks.size()):
+            t = tasks.apply(i)
+            error = t.errorMessage()
+            out.append({"partition": t.index(), "executor": t.executorId(), "host": t.host(),
+                        "status": t.status(),
+                        "error": _spark_reason(error.get()) if error.isDefined() else None})
         return out
 
     def explain(self, exc: WorkerLostError) -> None:
         """After a failure: stop the job, wait for its tasks to leave their slots, and fill
         `exc.details` with the partition, executor, host and original error."""
         self.cancel()
-        self.wait_tasks_ended(_TASKS_END_S)
+        if not self.wait_tasks_ended(_TASKS_END_S):
+            log.warning("tasks of the failed job still run after %.0fs", _TASKS_END_S)
         try:
             tasks = self.tasks()
         except Exception:  # noqa: BLE001 - the status store is best effort
@@ -201,8 +206,10 @@ class Restarts:
         failure = dict(exc.details or {"error": str(exc)}, restart_at=resume_at)
         self.failures.append(failure)
         self._run.log_metrics({"restarts": len(self.failures)}, step=step)
-        where = (f"partition {failure.get('partition')} on executor {failure.get('executor')} "
-                 f"(host {failure.get('host')}): {failure['error']}")
+        where = failure["error"]
+        if failure.get("partition") is not None:
+            where = (f"partition {failure['partition']} on executor {failure.get('executor')} "
+                     f"(host {failure.get('host')}): {where}")
         limit = self._config.max_failures
         if len(self.failures) > limit:
             raise TrainingError(f"training failed {len(self.failures)} time(s), more than "
@@ -213,6 +220,8 @@ class Restarts:
                       wait_s=_REPLACE_EXECUTOR_S)
 
 
+_NOT_RETRYABLE = re.compile(r"cancelled job group|Job \d+ cancelled|SparkContext was shut down|"
+                            r"killed via the Web UI")
 _FAILED_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)")
 _PYTHON_ERROR = re.compile(r"^[A-Z]\w*(Error|Exception|Exit|Interrupt)(: .*)?$")
 _JVM_ERROR = re.compile(r"^:?\s*(?:org\.apache|java)\.[\w.$]*(?:Exception|Error): (.*)$")

@@ -29,8 +29,9 @@ from sparkdl_avg._errors import ProtocolError, TrainingError, WorkerLostError
 log = logging.getLogger("sparkdl_avg")
 _POLL_S = 0.25
 _MAX_STATE_FACTOR = 4
-_JOB_FAILURE_WAIT_S = 5.0
 """A push may carry the parameters plus optimizer state of up to 3x their size (Adam)."""
+_JOB_FAILURE_WAIT_S = 5.0
+"""After losing a worker's socket, how long to wait for Spark to say why the task died."""
 
 
 @dataclass(slots=True)
@@ -249,6 +250,8 @@ class Coordinator:
                                   partition=rank) from exc
         if frame.kind is _wire.Kind.ERROR:
             message = str(frame.meta.get("message", "?"))
+            if frame.meta.get("fatal"):
+                raise TrainingError(f"partition {rank} failed: {message}")
             raise WorkerLostError(f"partition {rank} failed: {message}", partition=rank,
                                   reported=message)
         if frame.kind is not kind:
@@ -271,6 +274,8 @@ class Coordinator:
         return [f.result() for f in futures]
 
     def _fail(self, exc: BaseException) -> None:
+        if isinstance(exc, TrainingError) and not isinstance(exc, WorkerLostError):
+            raise exc  # our own diagnosis (a fatal worker error, a bad frame): final
         # A lost worker usually means its task failed: give Spark a moment to say why,
         # unless the worker told us itself.
         reported = isinstance(exc, WorkerLostError) and exc.reported is not None

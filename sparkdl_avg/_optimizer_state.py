@@ -1,33 +1,43 @@
-"""A worker's optimizer state as (layout, bytes) and back: how it reaches a checkpoint and
-returns to a restarted worker. No pickle: the layout is JSON, the tensors raw bytes."""
+"""What a worker holds beyond the averaged parameters, as (layout, bytes) and back: its
+optimizer state and the model's integer buffers (BatchNorm's `num_batches_tracked`). This is
+how it reaches a checkpoint and returns to a restarted worker. No pickle: the layout is JSON,
+the tensors raw bytes."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from sparkdl_avg._errors import ProtocolError
+from sparkdl_avg._errors import ModelError, ProtocolError
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,
     torch.uint8, torch.bool)}
 
 
-def pack(optimizer: torch.optim.Optimizer) -> tuple[list, np.ndarray]:
-    """`optimizer.state_dict()["state"]` as a JSON-able layout and one uint8 array.
+_BUFFERS = -1
+"""The layout's "parameter index" of the model's integer buffers."""
+
+
+def pack(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[list, np.ndarray]:
+    """`optimizer.state_dict()["state"]` and the model's non-floating buffers as a JSON-able
+    layout and one uint8 array.
 
     Layout entries: [param index, key, "tensor", dtype, shape, offset, nbytes] or
-    [param index, key, "value", number]."""
+    [param index, key, "value", number]; param index -1 holds buffers by name."""
     layout: list = []
     chunks: list[np.ndarray] = []
     offset = 0
-    for index, state in sorted(optimizer.state_dict()["state"].items()):
+    buffers = {name: b for name, b in model.named_buffers() if not b.is_floating_point()}
+    state_items = sorted(optimizer.state_dict()["state"].items())
+    for index, state in ([(_BUFFERS, buffers)] if buffers else []) + state_items:
         for key in sorted(state):
             value = state[key]
             if isinstance(value, torch.Tensor):
                 name = str(value.dtype).removeprefix("torch.")
                 if name not in _DTYPES:
-                    raise TypeError(f"optimizer state {key!r} has unsupported dtype {name}")
+                    raise ModelError(f"optimizer state {key!r} has dtype {name}, which "
+                                     "checkpoints cannot hold; use checkpoint_every=0")
                 raw = value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
                 layout.append([int(index), key, "tensor", name, list(value.shape), offset,
                                int(raw.nbytes)])
@@ -36,14 +46,15 @@ def pack(optimizer: torch.optim.Optimizer) -> tuple[list, np.ndarray]:
             elif isinstance(value, (int, float, bool)) or value is None:
                 layout.append([int(index), key, "value", value])
             else:
-                raise TypeError(f"optimizer state {key!r} of type {type(value).__name__} "
-                                "cannot be checkpointed")
+                raise ModelError(f"optimizer state {key!r} of type {type(value).__name__} "
+                                 "cannot be checkpointed; use checkpoint_every=0")
     payload = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
     return layout, payload
 
 
-def restore(optimizer: torch.optim.Optimizer, layout: list, payload) -> None:
-    """Load a `pack`ed state into `optimizer` (built over the same parameters)."""
+def restore(optimizer: torch.optim.Optimizer, model: torch.nn.Module, layout: list,
+            payload) -> None:
+    """Load a `pack`ed state into `optimizer` and `model` (built over the same parameters)."""
     data = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
     state: dict[int, dict] = {}
     try:
@@ -64,5 +75,12 @@ def restore(optimizer: torch.optim.Optimizer, layout: list, payload) -> None:
             state.setdefault(index, {})[key] = raw.view(dtype).reshape(shape)
     except (ValueError, TypeError, IndexError, RuntimeError) as exc:
         raise ProtocolError(f"malformed optimizer state: {exc}") from None
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in state.pop(_BUFFERS, {}).items():
+            if name not in buffers or buffers[name].shape != value.shape:
+                raise ProtocolError(f"malformed optimizer state: no buffer {name!r} of shape "
+                                    f"{tuple(value.shape)}")
+            buffers[name].copy_(value)
     current = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})

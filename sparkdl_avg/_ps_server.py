@@ -62,6 +62,9 @@ class ParameterServer:
         self.loss_sum = 0.0
         self.refused: collections.Counter[str] = collections.Counter()
         self.staleness: dict[int, list[int]] = collections.defaultdict(list)
+        self._owners: dict[int, _wire.Connection] = {}
+        self._announced = 0
+        """Workers the driver's INIT announced (they count before they connect)."""
         self.progress: dict[int, int] = {}
         """Per worker: the local steps its applied pushes cover (where a restarted one
         resumes)."""
@@ -115,6 +118,7 @@ class ParameterServer:
                                                      meta["loss_sum"])
         self.progress = {int(w): int(s) for w, s in meta["progress"].items()}
         self.refused.update(meta["refused"])
+        self._announce(int(meta.get("workers", 0)))
         log.info("resumed from %s: %d updates applied, progress %s", path, self.applied,
                  self.progress)
 
@@ -127,7 +131,7 @@ class ParameterServer:
             arrays["meansquare"] = self.state.meansquare.copy()
         meta = {"applied": self.applied, "samples": self.samples, "loss_sum": self.loss_sum,
                 "progress": {str(w): s for w, s in self.progress.items()},
-                "refused": dict(self.refused)}
+                "refused": dict(self.refused), "workers": self._announced}
         self._checkpoint.submit(arrays, meta)
 
     def stats(self) -> dict:
@@ -175,13 +179,16 @@ class ParameterServer:
                 start = min(self._clocks.values(), default=0)
                 self._clocks.setdefault(worker, start)
                 self._read_clocks.setdefault(worker, start - 1)  # has read nothing yet
+                self._owners[worker] = conn  # a reconnect takes over from a stale connection
         try:
             self._serve_worker(conn, worker)
         finally:
             with self._lock:  # a gone worker no longer holds the others back
                 self._conns.discard(conn)
-                self._clocks.pop(worker, None)
-                self._read_clocks.pop(worker, None)
+                if self._owners.get(worker) is conn:
+                    del self._owners[worker]
+                    self._clocks.pop(worker, None)
+                    self._read_clocks.pop(worker, None)
                 self._lock.notify_all()
             conn.close()
 
@@ -202,7 +209,7 @@ class ParameterServer:
             try:
                 frame = conn.recv(into)
             except ProtocolError as exc:
-                if "closed by the peer" not in str(exc):
+                if not isinstance(exc, _wire.PeerClosed):
                     # Refused; the stream may be out of step, so this connection ends here.
                     self._refuse(_reason(exc), exc, worker, conn)
                 return
@@ -288,11 +295,7 @@ class ParameterServer:
             return
         params = np.frombuffer(frame.payload, dtype=dtype).copy()
         with self._lock:
-            # Workers announced by the driver count for the staleness bound before they
-            # connect: an early worker must not run ahead of one still loading its data.
-            for w in range(workers):
-                self._clocks.setdefault(w, 0)
-                self._read_clocks.setdefault(w, -1)  # no push applies before its first read
+            self._announce(workers)
             self.state = ServerState(params=params, **self._settings)
             self.applied, self.samples, self.loss_sum = 0, 0, 0.0
             self.progress.clear()
@@ -300,6 +303,14 @@ class ParameterServer:
             self.staleness.clear()
             self._save_checkpoint()
         conn.send(_wire.Kind.ACK, {"applied": 0})
+
+    def _announce(self, workers: int) -> None:
+        """With the lock held: workers announced by the driver count for the staleness bound
+        before they connect, so an early worker cannot run ahead of one still loading."""
+        self._announced = workers
+        for w in range(workers):
+            self._clocks.setdefault(w, 0)
+            self._read_clocks.setdefault(w, -1)  # no push applies before its first read
 
     def _refuse(self, reason: str, why: object, who,
                 conn: _wire.Connection | None = None) -> None:

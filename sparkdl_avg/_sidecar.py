@@ -47,13 +47,27 @@ class Sidecar:
         folder = self._checkpoint_dir or self._dir.name
         os.makedirs(folder, exist_ok=True)
         self.checkpoint_file = os.path.join(folder, "parameter-server.npz")
+        with contextlib.suppress(FileNotFoundError):  # a previous fit's: never to be resumed
+            os.remove(self.checkpoint_file)
         self._args += ["--checkpoint-file", self.checkpoint_file,
                        "--checkpoint-every", str(self._checkpoint_every)]
         self._launch([])
         return self
 
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+    def alive(self, grace_s: float = 0.0) -> bool:
+        """Whether the server process runs (waiting up to `grace_s` for a dying one to end)."""
+        if self._proc is None:
+            return False
+        if grace_s:
+            try:
+                self._proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                return True
+        return self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc is not None else None
 
     def restart(self) -> None:
         """Start a new server on the same port from the last checkpoint."""

@@ -20,6 +20,7 @@ from sparkdl_avg._checkpoint import (
     check_resumable,
     end_source_run,
     fingerprint,
+    target_store,
     writing,
 )
 from sparkdl_avg._cluster import BarrierJob, Restarts, connect_deadline_s, driver_addresses
@@ -35,7 +36,8 @@ log = logging.getLogger("sparkdl_avg")
 
 
 def train_sync(spark, plan, config: TrainConfig, classify: bool, run: RunLogger, timings: dict,
-               t_start: float, resume: tuple[Checkpoint, str, str | None] | None = None
+               t_start: float,
+               resume: tuple[Checkpoint, DirStore | MlflowStore] | None = None
                ) -> tuple[list[dict], list[dict], list[dict]]:
     """Train to the end, restarting after task failures. Returns (history, workers, failures)
     and leaves the final average in `plan.model`."""
@@ -43,17 +45,18 @@ def train_sync(spark, plan, config: TrainConfig, classify: bool, run: RunLogger,
     expected = fingerprint(config, train_rows=plan.data.train_sizes,
                            num_features=plan.data.num_features, model_numel=flat.array.size,
                            dtype=str(plan.dtype))
+    source = resume[1] if resume is not None else None
+    store = target_store(config, run.run_id, run.tracking_uri, source)
     if resume is not None:
-        point, source, source_run = resume
-        check_resumable(point, expected, total_steps=plan.schedule.total_steps, source=source)
-        run.log_params({"resumed_from": source, "resumed_at_round": point.round})
-        if source_run is not None:
-            end_source_run(run.tracking_uri, source_run)
+        point = resume[0]
+        check_resumable(point, expected, total_steps=plan.schedule.total_steps,
+                        source=source.description)
+        run.log_params({"resumed_from": source.description, "resumed_at_round": point.round})
+        if isinstance(source, MlflowStore):
+            end_source_run(run.tracking_uri, source.run_id)
     else:
         point = Checkpoint(round=0, steps=0, params=flat.gather().copy(), states=None,
                            fingerprint=expected)
-    store = DirStore(config.checkpoint_dir) if config.checkpoint_dir else \
-        MlflowStore(run.tracking_uri, run.run_id)
     history = list(point.history)
     restarts = Restarts(spark, config, run)
     attempt = _Attempt(spark, plan, config, flat, run, history, expected)

@@ -40,6 +40,17 @@ HANDSHAKE_META_BYTES = 4096
 _NONCE_BYTES = 32
 
 
+class PeerClosed(ProtocolError):
+    """The peer closed the connection (it ended, crashed or was restarted)."""
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """A socket-level loss (reset, refused, closed, timed out), not a protocol violation:
+    reconnecting may help."""
+    return isinstance(exc, PeerClosed) or (isinstance(exc, OSError)
+                                           and not isinstance(exc, ProtocolError))
+
+
 class Kind(enum.IntEnum):
     CHALLENGE = 1
     AUTH = 2
@@ -173,7 +184,7 @@ class Connection:
                 raise TimeoutError("the peer is too slow")
             got = self.sock.recv_into(view[pos:], len(view) - pos)
             if got == 0:
-                raise ProtocolError("connection closed by the peer")
+                raise PeerClosed("connection closed by the peer")
             pos += got
 
     # --- authentication -------------------------------------------------------------------

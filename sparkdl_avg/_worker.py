@@ -15,9 +15,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from sparkdl_avg import _wire
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._plan import Schedule, batch_slice, epoch_order
-from sparkdl_avg._ps_client import PSClient, ServerRefused
+from sparkdl_avg._ps_client import PSClient
 
 REPORT_SCHEMA = (
     "partition int, host string, pid long, device string, gpu string, warning string, "
@@ -237,7 +238,6 @@ class _Replica:
 
 def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
     from sparkdl_avg import _optimizer_state as optimizer_state
-    from sparkdl_avg import _wire
     from sparkdl_avg._model import FlatBuffer, averaged_tensors, optimizer_state_tensors
 
     cfg, schedule = spec.config, spec.schedule
@@ -259,7 +259,7 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
         conn.max_payload = 4 * flat.array.nbytes + (1 << 20)
         if first.meta.get("state"):
             frame = conn.expect(_wire.Kind.STATE)
-            optimizer_state.restore(replica.optimizer, frame.meta.get("layout", []),
+            optimizer_state.restore(replica.optimizer, model, frame.meta.get("layout", []),
                                     frame.payload)
         state: list = []
         for round_index in range(start_round, schedule.num_rounds):
@@ -279,7 +279,7 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
             reply = conn.expect(_wire.Kind.AVERAGE, into=flat.array)
             flat.scatter()
             if reply.meta.get("checkpoint"):
-                layout, payload = optimizer_state.pack(replica.optimizer)
+                layout, payload = optimizer_state.pack(replica.optimizer, model)
                 conn.send(_wire.Kind.STATE, {"round": round_index, "layout": layout}, payload)
             if reply.meta.get("eval"):
                 t_eval = time.perf_counter()
@@ -287,9 +287,13 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
                 conn.send(_wire.Kind.EVAL, {**stats, "eval_s": time.perf_counter() - t_eval})
         conn.send(_wire.Kind.DONE, {"steps": replica.step})
     except BaseException as exc:
+        from sparkdl_avg._errors import SparkdlAvgError
+
         try:
             message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            conn.send(_wire.Kind.ERROR, {"rank": rank, "message": message[:4000]})
+            # our own checks fail the same way every time: restarting would not help
+            conn.send(_wire.Kind.ERROR, {"rank": rank, "message": message[:4000],
+                                         "fatal": isinstance(exc, SparkdlAvgError)})
         except OSError:
             pass
         raise
@@ -323,9 +327,9 @@ def _train_async(spec: WorkerSpec, rank: int, data, device) -> None:
                 pushes += 1
                 if pushes % fetch_every == 0 or replica.step >= total:
                     link.pull()
-            except ServerRefused:
-                raise
-            except (OSError, ConnectionError) as exc:  # ProtocolError is a ConnectionError
+            except OSError as exc:  # ProtocolError is one too: only a lost server may retry
+                if not _wire.peer_gone(exc):
+                    raise
                 link.reconnect(exc)
                 link.pull()
                 replica.rewind(link.ps.progress)  # redo the steps the server lost
@@ -341,7 +345,8 @@ class _ServerLink:
     def __init__(self, spec: WorkerSpec, rank: int, flat) -> None:
         self.spec, self.rank, self.flat = spec, rank, flat
         self.anchor = flat.array.copy()  # the parameters the next update is measured from
-        self.ps = self._connect()
+        self.ps = None
+        self.reconnect(None)  # a server being restarted may not be back yet
 
     def _connect(self) -> PSClient:
         cfg = self.spec.config
@@ -357,22 +362,26 @@ class _ServerLink:
         self.flat.scatter()
         np.copyto(self.anchor, self.flat.array)
 
-    def reconnect(self, cause: BaseException) -> None:
+    def reconnect(self, cause: BaseException | None) -> None:
+        """Connect, retrying for up to round_timeout while the server is away."""
         deadline = time.monotonic() + self.spec.config.round_timeout
-        self.ps.close()
+        if self.ps is not None:
+            self.ps.close()
         while True:
             try:
                 self.ps = self._connect()
                 return
-            except (OSError, ConnectionError) as exc:
-                if time.monotonic() > deadline:
+            except OSError as exc:
+                if not _wire.peer_gone(exc) or time.monotonic() > deadline:
+                    lost = f"lost the parameter server ({cause}) and " if cause else ""
                     raise ConnectionError(
-                        f"lost the parameter server ({cause}) and could not reconnect within "
-                        f"round_timeout={self.spec.config.round_timeout:g}s: {exc}") from exc
+                        f"{lost}could not connect to it within round_timeout="
+                        f"{self.spec.config.round_timeout:g}s: {exc}") from exc
                 time.sleep(0.5)
 
     def close(self) -> None:
-        self.ps.close()
+        if self.ps is not None:
+            self.ps.close()
 
 
 def _step_seed(seed: int, rank: int, step: int) -> int:

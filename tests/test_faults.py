@@ -92,6 +92,8 @@ def test_resume_refuses_a_different_fit_before_training(data, tmp_path):
             resume_from=folder)
     with pytest.raises(ConfigError, match="raise epochs to train further"):
         fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 1}), resume_from=folder)
+    with pytest.raises(ConfigError, match="already holds checkpoints of another fit"):
+        fit(data, FaultyMLP, TrainConfig(**BASE, checkpoint_dir=folder))  # would prune them
     with pytest.raises(ConfigError, match="neither an existing directory nor an MLflow run"):
         fit(data, FaultyMLP, TrainConfig(**BASE), resume_from=str(tmp_path / "nothing"))
 

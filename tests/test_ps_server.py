@@ -179,3 +179,41 @@ def test_an_update_without_payload_is_refused_not_a_crash():
             c._conn.expect(_wire.Kind.ACK)
         c.pull()  # the connection is still served
         assert ps.stats()["refused"] == {"malformed": 1}
+
+
+def test_a_restarted_server_takes_up_its_checkpoint(tmp_path):
+    """The state saved every k updates comes back: parameters, counters, each worker's
+    progress (where it resumes), and the announced workers of the staleness bound."""
+    path = str(tmp_path / "ps.npz")
+    first = ParameterServer(secret=SECRET, timeout=10, checkpoint_path=path, checkpoint_every=2,
+                            settings={"algorithm": "downpour", "lr": 0.1})
+    with first, PSClient(first.address, secret=SECRET, worker=-1, numel=4,
+                         dtype=np.float32, timeout=10) as driver:
+        driver.init(np.zeros(4, np.float32), workers=2)
+        with client(first, 0) as c:
+            c.pull()
+            for steps in (8, 16, 24):  # the third push comes after the last checkpoint
+                c.push(np.ones(4, np.float32), samples=10, steps=steps)
+    second = ParameterServer(secret=SECRET, timeout=10, staleness_bound=0,
+                             settings={"algorithm": "downpour", "lr": 0.1})
+    second.restore(path)
+    assert second.applied == 2 and second.samples == 20
+    assert second.progress == {0: 16}
+    with second, client(second, 0) as c:
+        c.pull()
+        assert c.progress == 16  # the worker redoes steps 17..24
+        assert c.params.tolist() == [-2.0] * 4
+        assert second.stats()["clocks"] == {"0": 0, "1": 0}  # worker 1 still counts
+
+
+def test_a_stale_connection_ending_does_not_unregister_its_replacement():
+    with server(staleness_bound=1) as ps:
+        old = client(ps, 0)
+        old.pull()
+        new = client(ps, 0)  # the worker reconnected; the old socket lingers
+        old.close()
+        time.sleep(0.3)
+        assert ps.stats()["clocks"] == {"0": 0}
+        new.pull()
+        new.push(np.ones(4, np.float32))
+        new.close()

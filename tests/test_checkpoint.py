@@ -1,0 +1,53 @@
+"""Checkpoints on disk: complete or absent, the newest readable one wins, damage is caught."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparkdl_avg import ConfigError
+from sparkdl_avg._checkpoint import Checkpoint, DirStore, check_resumable
+
+FINGERPRINT = {"averaging_frequency": 2, "lr": 0.1}
+
+
+def checkpoint(round_index: int) -> Checkpoint:
+    states = [([[0, "momentum_buffer", "tensor", "float32", [3], 0, 12]],
+               np.arange(12, dtype=np.uint8))]
+    return Checkpoint(round=round_index, steps=2 * round_index,
+                      params=np.full(3, round_index, np.float32), states=states,
+                      fingerprint=FINGERPRINT, history=[{"round": 0, "train_loss": 1.5}])
+
+
+def test_the_newest_two_are_kept_and_the_newest_is_loaded(tmp_path):
+    store = DirStore(str(tmp_path))
+    for r in (9, 10, 11):  # 10 and 11 sort numerically, not as text
+        store.save(checkpoint(r))
+    assert [p.name for p in store.complete()] == ["round-000010", "round-000011"]
+    loaded = store.load_latest()
+    assert loaded.round == 11 and loaded.params.tolist() == [11.0] * 3
+    assert loaded.states[0][1].tolist() == list(range(12))
+    assert loaded.history == [{"round": 0, "train_loss": 1.5}]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
+    store = DirStore(str(tmp_path))
+    store.save(checkpoint(4))
+    store.save(checkpoint(6))
+    with open(tmp_path / "round-000006" / "params.npy", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x00\x00\x80\x7f")  # a flipped value: the SHA-256 no longer matches
+    assert store.load_latest().round == 4
+    (tmp_path / "round-000004" / "state-0.npy").unlink()
+    with pytest.raises(ConfigError, match="cannot read the checkpoint"):
+        store.load_latest()
+
+
+def test_resume_checks_name_each_difference():
+    with pytest.raises(ConfigError, match=r"lr: checkpoint 0.1, this fit 0.2"):
+        check_resumable(checkpoint(3), {**FINGERPRINT, "lr": 0.2}, total_steps=100,
+                        source="x")
+    with pytest.raises(ConfigError, match="raise epochs"):
+        check_resumable(checkpoint(3), FINGERPRINT, total_steps=6, source="x")
+    check_resumable(checkpoint(3), FINGERPRINT, total_steps=100, source="x")

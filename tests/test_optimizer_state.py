@@ -1,0 +1,63 @@
+"""A worker's optimizer state and integer buffers survive the trip through a checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparkdl_avg import ModelError, ProtocolError, TrainConfig
+from sparkdl_avg._model import make_optimizer
+from sparkdl_avg._optimizer_state import pack, restore
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, momentum=None),
+                               torch.nn.Linear(8, 3))
+
+
+def steps(m, opt, n: int) -> None:
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(n):
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("config", [TrainConfig(optimizer="adam"),
+                                    TrainConfig(optimizer="sgd", momentum=0.9)])
+def test_a_restored_replica_continues_exactly_like_the_original(config):
+    a = model()
+    opt_a = make_optimizer(config, a.parameters())
+    steps(a, opt_a, 3)
+    b = model()
+    b.load_state_dict({k: v for k, v in a.state_dict().items()
+                       if v.is_floating_point()}, strict=False)  # what averaging carries
+    opt_b = make_optimizer(config, b.parameters())
+    layout, payload = pack(opt_a, a)
+    restore(opt_b, b, layout, payload.tobytes())  # as bytes off the wire
+    assert int(b[1].num_batches_tracked) == 3
+    steps(a, opt_a, 3)
+    steps(b, opt_b, 3)
+    for key, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[key]), key
+
+
+def test_malformed_layouts_are_refused():
+    m = model()
+    opt = make_optimizer(TrainConfig(optimizer="adam"), m.parameters())
+    for layout in ([[0, "exp_avg", "tensor", "float32", [8, 4], 0, 10**9]],
+                   [[0, "exp_avg", "tensor", "object", [1], 0, 4]],
+                   [[-1, "no_such_buffer", "tensor", "int64", [], 0, 8]],
+                   [["x"]]):
+        with pytest.raises(ProtocolError, match="malformed optimizer state"):
+            restore(opt, m, layout, np.zeros(8, np.uint8))
+
+
+def test_state_that_cannot_be_checkpointed_is_a_model_error():
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.state[m.weight]["history"] = [1, 2]  # a list: not a tensor or a number
+    with pytest.raises(ModelError, match="cannot be checkpointed"):
+        pack(opt, m)
