@@ -20,6 +20,7 @@ import re
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -309,25 +310,26 @@ def _found(checkpoint: Checkpoint | None, store) -> Checkpoint:
 
 
 class Writer:
-    """Saves checkpoints in a background thread; when saving lags, only the newest waits."""
+    """Saves in a background thread with `save(item)`; when saving lags, only the newest item
+    waits (an older one is superseded). Failures are logged and counted, never raised."""
 
-    def __init__(self, store) -> None:
-        self.store = store
+    def __init__(self, save: Callable[[object], None], what: str) -> None:
+        self._save, self._what = save, what
         self.errors = 0
-        self._pending: Checkpoint | None = None
+        self._pending: object | None = None
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="sparkdl-avg-ckpt",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, checkpoint: Checkpoint) -> None:
+    def submit(self, item: object) -> None:
         with self._cond:
-            self._pending = checkpoint
+            self._pending = item
             self._cond.notify_all()
 
     def close(self, timeout: float = 600.0) -> None:
-        """Write what is pending, then stop."""
+        """Save what is pending, then stop."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -338,21 +340,20 @@ class Writer:
             with self._cond:
                 while self._pending is None and not self._closed:
                     self._cond.wait()
-                checkpoint, self._pending = self._pending, None
-                if checkpoint is None:
-                    return
+                item, self._pending = self._pending, None
+            if item is None:
+                return
             try:
-                self.store.save(checkpoint)
-            except Exception:  # training goes on; the next checkpoint may succeed
+                self._save(item)
+            except Exception:  # training goes on; the next save may succeed
                 self.errors += 1
-                log.warning("could not save the round-%d checkpoint to %s", checkpoint.round,
-                            self.store.description, exc_info=True)
+                log.warning("could not save %s", self._what, exc_info=True)
 
 
 @contextlib.contextmanager
 def writing(store):
-    """A `Writer` that is closed (pending checkpoint written) on leaving the block."""
-    writer = Writer(store)
+    """A checkpoint `Writer` to `store`, closed (pending checkpoint saved) on leaving."""
+    writer = Writer(store.save, f"a checkpoint to {store.description}")
     try:
         yield writer
     finally:

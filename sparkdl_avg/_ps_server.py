@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ import numpy as np
 
 from sparkdl_avg import _wire
 from sparkdl_avg._async_rules import ServerState, may_apply, may_read
+from sparkdl_avg._checkpoint import Writer
 from sparkdl_avg._errors import ProtocolError
 
 log = logging.getLogger("sparkdl_avg")
@@ -68,7 +70,9 @@ class ParameterServer:
         self.progress: dict[int, int] = {}
         """Per worker: the local steps its applied pushes cover (where a restarted one
         resumes)."""
-        self._checkpoint = _CheckpointWriter(checkpoint_path) if checkpoint_path else None
+        self._checkpoint = Writer(functools.partial(_save_npz, checkpoint_path),
+                                  f"the server checkpoint {checkpoint_path}") \
+            if checkpoint_path else None
         self._checkpoint_every = checkpoint_every
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
@@ -132,7 +136,7 @@ class ParameterServer:
         meta = {"applied": self.applied, "samples": self.samples, "loss_sum": self.loss_sum,
                 "progress": {str(w): s for w, s in self.progress.items()},
                 "refused": dict(self.refused), "workers": self._announced}
-        self._checkpoint.submit(arrays, meta)
+        self._checkpoint.submit((arrays, meta))
 
     def stats(self) -> dict:
         with self._lock:
@@ -323,47 +327,13 @@ class ParameterServer:
             _try_send_error(conn, str(why))
 
 
-class _CheckpointWriter:
-    """Writes the newest submitted state to `path` (npz: arrays and a JSON `meta`) in a
-    background thread, through a temporary file and a rename, so a reader never sees half."""
-
-    def __init__(self, path: str) -> None:
-        self._path = path
-        self._pending: tuple[dict, dict] | None = None
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="sparkdl-avg-ps-ckpt",
-                                        daemon=True)
-        self._thread.start()
-
-    def submit(self, arrays: dict, meta: dict) -> None:
-        with self._cond:
-            self._pending = (arrays, meta)
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout=60)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._pending is None and not self._closed:
-                    self._cond.wait()
-                pending, self._pending = self._pending, None
-            if pending is None:
-                return
-            arrays, meta = pending
-            tmp = f"{self._path}.tmp.npz"
-            try:
-                np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
-                         **arrays)
-                os.replace(tmp, self._path)
-            except OSError:
-                log.warning("could not save the server checkpoint to %s", self._path,
-                            exc_info=True)
+def _save_npz(path: str, item: tuple[dict, dict]) -> None:
+    """Arrays and a JSON `meta` to `path`, through a temporary file and a rename, so a
+    reader never sees half a checkpoint."""
+    arrays, meta = item
+    tmp = f"{path}.tmp.npz"
+    np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    os.replace(tmp, path)
 
 
 def _reason(exc: ProtocolError) -> str:

@@ -1,0 +1,82 @@
+"""Scoring a DataFrame with a trained model on the executors, batched through Arrow.
+
+`predict_udf` is an iterator Arrow UDF: each task unpickles the model once, puts it on the GPU
+Spark gave the task (else the CPU), and turns each Arrow batch of feature arrays into one
+tensor without a Python loop over rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from sparkdl_avg._model import pickle_for_executors
+
+
+def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: bool,
+                     device: str = "auto") -> Callable:
+    """A column function: features (array<float|double>) -> the class index (classifier),
+    the value (one output) or array<double> (several outputs)."""
+    from pyspark.sql.functions import arrow_udf
+
+    model = model.cpu().eval()
+    with torch.no_grad():
+        probe = model(torch.zeros(1, num_features, dtype=_dtype(model)))
+    width = probe.reshape(1, -1).shape[1]
+    return_type = "long" if classify else ("double" if width == 1 else "array<double>")
+    payload = pickle_for_executors("model", model)
+
+    def predict(batches: Iterator) -> Iterator:
+        yield from _predict_batches(payload, batches, num_features=num_features,
+                                    classify=classify, width=width, device=device)
+
+    return arrow_udf(predict, return_type)
+
+
+def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, classify: bool,
+                     width: int, device: str) -> Iterator:
+    import cloudpickle
+    import numpy as np
+    import pyarrow as pa
+    from pyspark import TaskContext
+
+    from sparkdl_avg._device import choose_device
+
+    ctx = TaskContext.get()
+    resources = ctx.resources() if ctx is not None else {}
+    gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
+    import os
+
+    choice = choose_device(device, gpus,
+                           cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                           cuda_available=bool(gpus) and torch.cuda.is_available())
+    target = torch.device(choice.device)
+    model = cloudpickle.loads(payload).to(target).eval()
+    dtype = _dtype(model)
+    with torch.no_grad():
+        for column in batches:
+            if column.null_count:
+                raise ValueError(f"{column.null_count} rows have null features")
+            lengths = column.value_lengths().to_numpy(zero_copy_only=False)
+            if len(lengths) and (lengths.min() != num_features or lengths.max() != num_features):
+                raise ValueError(f"features must have {num_features} values per row, got "
+                                 f"{int(lengths.min())} to {int(lengths.max())}")
+            values = column.flatten().to_numpy(zero_copy_only=False)
+            x = torch.from_numpy(np.ascontiguousarray(values).reshape(-1, num_features))
+            if target.type == "cuda":
+                x = x.pin_memory().to(target, non_blocking=True)
+            out = model(x.to(dtype))
+            if classify:
+                yield pa.array(out.argmax(dim=1).cpu().numpy().astype(np.int64))
+            elif width == 1:
+                yield pa.array(out.reshape(-1).double().cpu().numpy())
+            else:
+                flat = out.reshape(-1, width).double().cpu().numpy()
+                yield pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), width) \
+                    .cast(pa.list_(pa.float64()))
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        return p.dtype
+    return torch.float32
