@@ -80,6 +80,9 @@ def main(argv: list[str]) -> int:
     print(f"test accuracy {final['eval_accuracy']:.4f}  test loss {final['eval_loss']:.4f}  "
           f"fit {result.timings['total_s']:.1f}s  MLflow run {result.run_id}")
     print("timings: " + ", ".join(f"{k} {v:.2f}" for k, v in result.timings.items()))
+    for w in result.workers:
+        print(f"task {w['partition']}: host {w['host']} device {w['device']} gpu {w['gpu']} "
+              f"sparkdl-avg {w['version']} from {w['library']}")
     return 0
 
 

@@ -1,5 +1,7 @@
 """Train PyTorch models across a Spark cluster by parameter averaging, logged to MLflow."""
 
+__version__ = "0.1.0"  # first: the modules below read it
+
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import (
     ClusterError,
@@ -11,8 +13,6 @@ from sparkdl_avg._errors import (
     TrainingError,
 )
 from sparkdl_avg._fit import FitResult, fit
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ClusterError",

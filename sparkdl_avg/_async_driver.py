@@ -84,8 +84,12 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
                             metrics = server.call(lambda ps: _interval_metrics(
                                 ps, plan.model, flat, eval_data, loss_fn, classify, previous),
                                 len(history))
-                            history.append({"interval": len(history), **metrics})
-                            run.log_metrics(metrics, step=len(history) - 1)
+                            # step = rounds' worth of pushes (one per worker), so sync
+                            # and async runs line up in MLflow's charts
+                            step = int(metrics["updates_applied"]) // config.num_workers
+                            history.append({"interval": len(history), "round": step,
+                                            **metrics})
+                            run.log_metrics(metrics, step=step)
                         rows = job.wait(config.round_timeout)
                 except WorkerLostError as exc:
                     job.explain(exc)

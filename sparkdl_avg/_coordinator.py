@@ -46,6 +46,9 @@ class RoundStats:
     eval: dict | None = None
     states: list[tuple[list, np.ndarray]] | None = None
     """At checkpoint rounds: each worker's optimizer state (layout, bytes)."""
+    phases: list[dict[str, tuple[float, float]]] | None = None
+    """Per worker: (start, end) perf_counter times of compute, upload, waiting, averaging and
+    return+eval, as the driver sees them."""
 
 
 class Coordinator:
@@ -161,6 +164,7 @@ class Coordinator:
         if self.average.size != sizes.pop():
             self.average = np.empty(self._buffers[0].size, self._dtype)
         t_avg = time.perf_counter()
+        arrivals = [p.pop("_arrival") for p in pushes]
         weights = [p["samples"] for p in pushes]
         weighted_average(self._buffers, weights, self.average)
         if not is_finite(self.average):  # one scan; find the culprits only when needed
@@ -171,7 +175,8 @@ class Coordinator:
             )
         divergence = mean_distance([b[:model_numel] for b in self._buffers],
                                    self.average[:model_numel])
-        averaging_s = time.perf_counter() - t_avg
+        t_averaged = time.perf_counter()
+        averaging_s = t_averaged - t_avg
         meta = {"round": round_index, "eval": evaluate, "checkpoint": checkpoint}
         self._all(lambda rank, conn: conn.send(_wire.Kind.AVERAGE, meta, self.average))
         stats = RoundStats(
@@ -194,6 +199,8 @@ class Coordinator:
             if all(e.get("correct") is not None for e in evals):  # classifiers only
                 stats.eval["accuracy"] = sum(e["correct"] for e in evals) / max(1, count)
         now = time.perf_counter()
+        stats.phases = _phases(self._round_end, [p["compute_s"] for p in pushes], arrivals,
+                               t_averaged, now)
         stats.round_s, self._round_end = now - self._round_end, now
         return stats
 
@@ -214,7 +221,7 @@ class Coordinator:
             return self._buffers[rank]
 
         frame = self._expect(rank, conn, _wire.Kind.PUSH, into=target)
-        meta = frame.meta
+        meta = dict(frame.meta, _arrival=time.perf_counter())
         if frame.payload is None:
             raise ProtocolError(f"worker {rank} pushed no parameters")
         if meta.get("round") != round_index:
@@ -283,6 +290,21 @@ class Coordinator:
         if isinstance(exc, TrainingError):
             raise exc
         raise TrainingError(str(exc)) from exc
+
+
+def _phases(start: float, compute: list[float], arrivals: list[float], averaged: float,
+            end: float) -> list[dict[str, tuple[float, float]]]:
+    """Each worker's round as the driver sees it: computing from the round's start, its push
+    on the way until it arrived, waiting for the last push, the averaging, then the average
+    going back (and evaluation when due) until the round ended."""
+    last = max(arrivals)
+    out = []
+    for c, arrived in zip(compute, arrivals, strict=True):
+        computed = min(start + c, arrived)
+        out.append({"compute": (start, computed), "upload": (computed, arrived),
+                    "waiting": (arrived, last), "averaging": (last, averaged),
+                    "return+eval": (averaged, end)})
+    return out
 
 
 def _is_number(value: object) -> bool:

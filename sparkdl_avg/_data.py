@@ -115,6 +115,24 @@ def _normalise(
     element: T.DataType,
 ) -> tuple[DataFrame, bool]:
     """Features as array<element>, label as-is; also says whether labels are integral."""
+    features = features_column(df, features_col, frame_name, element)
+    label_field = _column(df, label_col, "label_col", frame_name)
+    if not isinstance(label_field.dataType, _NUMERIC) or isinstance(
+        label_field.dataType, T.BooleanType
+    ):
+        raise DataError(
+            f"{frame_name} label column {label_col!r} has type "
+            f"{label_field.dataType.simpleString()}; labels must be int or float"
+        )
+    integral = isinstance(label_field.dataType, _INTEGRAL)
+    frame = df.select(features.alias(FEATURES), F.col(f"`{label_col}`").alias(LABEL))
+    return frame, integral
+
+
+def features_column(df: DataFrame, features_col: str | Sequence[str], frame_name: str,
+                    element: T.DataType) -> Column:
+    """The features as one array<element> column: from an array column, a pyspark.ml vector,
+    or a list of numeric columns. Raises DataError naming what does not fit."""
     if not isinstance(df, DataFrame):
         raise DataError(f"{frame_name} must be a pyspark DataFrame, got {type(df).__name__}")
     if isinstance(features_col, str):
@@ -148,17 +166,7 @@ def _normalise(
     else:
         raise DataError(f"features_col must be a column name or a non-empty list, got "
                         f"{features_col!r}")
-    label_field = _column(df, label_col, "label_col", frame_name)
-    if not isinstance(label_field.dataType, _NUMERIC) or isinstance(
-        label_field.dataType, T.BooleanType
-    ):
-        raise DataError(
-            f"{frame_name} label column {label_col!r} has type "
-            f"{label_field.dataType.simpleString()}; labels must be int or float"
-        )
-    integral = isinstance(label_field.dataType, _INTEGRAL)
-    frame = df.select(features.alias(FEATURES), F.col(f"`{label_col}`").alias(LABEL))
-    return frame, integral
+    return features
 
 
 def _validate(numbered: DataFrame, features_col: object, label_col: str, *, has_eval: bool):

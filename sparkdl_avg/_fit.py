@@ -8,13 +8,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from pyspark.sql import types as T
 
+from sparkdl_avg import __version__
 from sparkdl_avg._async_driver import train_async
 from sparkdl_avg._checkpoint import open_source
 from sparkdl_avg._cluster import check_cluster
 from sparkdl_avg._config import TrainConfig
-from sparkdl_avg._data import PreparedData, prepare
+from sparkdl_avg._data import PreparedData, features_column, prepare
 from sparkdl_avg._errors import ConfigError, DataError
+from sparkdl_avg._inference import make_predict_udf
 from sparkdl_avg._model import (
     LossFn,
     build_model,
@@ -24,6 +27,7 @@ from sparkdl_avg._model import (
     pickle_for_executors,
 )
 from sparkdl_avg._plan import Schedule, make_schedule
+from sparkdl_avg._plots import learning_curves
 from sparkdl_avg._sync_driver import train_sync
 from sparkdl_avg._tracking import RunLogger
 
@@ -39,8 +43,10 @@ class FitResult:
     run_id: str
     """The MLflow run that recorded this fit."""
     history: list[dict] = field(default_factory=list)
-    """The metrics logged to MLflow, one dict per step: per averaging round in sync mode, per
-    evaluation interval (`eval_interval_s`) in async mode."""
+    """The metrics logged to MLflow: one dict per averaging round in sync mode, per evaluation
+    interval (`eval_interval_s`) in async mode. MLflow's step is the round; in async mode the
+    rounds' worth of pushes applied (`updates_applied // num_workers`), so runs of both modes
+    share one x axis."""
     workers: list[dict] = field(default_factory=list)
     """One dict per task: partition, host, device, GPU address, rows."""
     timings: dict[str, float] = field(default_factory=dict)
@@ -48,6 +54,34 @@ class FitResult:
     failures: list[dict] = field(default_factory=list)
     """The task failures the fit recovered from: partition, executor, host, error, and where
     training restarted (`restart_at`)."""
+    features_col: str | Sequence[str] = "features"
+    """Where the fit read its features; `transform` reads the same by default."""
+    num_features: int = 0
+    classify: bool = False
+    """A classifier (cross_entropy): predictions are class indices."""
+
+    def predict_udf(self, device: str = "auto"):
+        """A column function for `select`/`withColumn`/SQL that scores an array<float|double>
+        features column on the executors (batched through Arrow, on the task's GPU when it
+        has one): the class index for a classifier, else the value (array<double> for several
+        outputs)."""
+        return make_predict_udf(self.model, num_features=self.num_features,
+                                classify=self.classify, device=device)
+
+    def transform(self, df, *, output_col: str = "prediction",
+                  features_col: str | Sequence[str] | None = None, device: str = "auto"):
+        """`df` with the model's prediction added as `output_col`. Features are read as in
+        `fit` (an array or vector column, or a list of numeric columns)."""
+        if not isinstance(output_col, str) or not output_col:
+            raise ConfigError(f"output_col must be a column name, got {output_col!r}")
+        if output_col in getattr(df, "columns", []):
+            raise DataError(f"df already has a column {output_col!r}; choose another "
+                            "output_col")
+        double = next(self.model.parameters()).dtype == torch.float64
+        features = features_column(df, self.features_col if features_col is None
+                                   else features_col, "df",
+                                   T.DoubleType() if double else T.FloatType())
+        return df.withColumn(output_col, self.predict_udf(device)(features))
 
 
 def fit(
@@ -96,8 +130,12 @@ def fit(
         for w in workers:
             if w["warning"]:
                 log.warning("partition %d: %s", w["partition"], w["warning"])
+            if w["version"] != __version__:
+                log.warning("partition %d ran sparkdl-avg %s from %s; the driver runs %s",
+                            w["partition"], w["version"], w["library"], __version__)
         run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
                       for w in workers})
+        run.log_figure(lambda: learning_curves(history, "round"), "plots/learning_curves.png")
         model = plan.model.eval()  # a trained result predicts: dropout and batch stats off
         if config.log_model:
             t_log = time.perf_counter()
@@ -110,7 +148,8 @@ def fit(
         run.log_dict({"workers": workers, "timings": timings, "failures": failures},
                      "fit_summary.json")
         return FitResult(model=model, run_id=run.run_id, history=history, workers=workers,
-                         timings=timings, failures=failures)
+                         timings=timings, failures=failures, features_col=features_col,
+                         num_features=plan.data.num_features, classify=classify)
 
 
 @dataclass(slots=True)

@@ -6,10 +6,13 @@ tensor without a Python loop over rows."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
+import pyarrow as pa
 import torch
 
+from sparkdl_avg._errors import ConfigError
 from sparkdl_avg._model import pickle_for_executors
 
 
@@ -19,6 +22,8 @@ def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: boo
     the value (one output) or array<double> (several outputs)."""
     from pyspark.sql.functions import arrow_udf
 
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda'")
     model = model.cpu().eval()
     with torch.no_grad():
         probe = model(torch.zeros(1, num_features, dtype=_dtype(model)))
@@ -26,7 +31,7 @@ def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: boo
     return_type = "long" if classify else ("double" if width == 1 else "array<double>")
     payload = pickle_for_executors("model", model)
 
-    def predict(batches: Iterator) -> Iterator:
+    def predict(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
         yield from _predict_batches(payload, batches, num_features=num_features,
                                     classify=classify, width=width, device=device)
 
@@ -37,7 +42,6 @@ def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, cl
                      width: int, device: str) -> Iterator:
     import cloudpickle
     import numpy as np
-    import pyarrow as pa
     from pyspark import TaskContext
 
     from sparkdl_avg._device import choose_device
@@ -45,8 +49,6 @@ def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, cl
     ctx = TaskContext.get()
     resources = ctx.resources() if ctx is not None else {}
     gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
-    import os
-
     choice = choose_device(device, gpus,
                            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                            cuda_available=bool(gpus) and torch.cuda.is_available())

@@ -28,6 +28,7 @@ from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._coordinator import Coordinator, RoundStats
 from sparkdl_avg._errors import WorkerLostError
 from sparkdl_avg._model import FlatBuffer, averaged_tensors, wire_dtype
+from sparkdl_avg._plots import worker_timeline
 from sparkdl_avg._progress import Progress
 from sparkdl_avg._tracking import RunLogger
 from sparkdl_avg._worker import REPORT_SCHEMA, WorkerSpec, run_task
@@ -73,6 +74,9 @@ def train_sync(spark, plan, config: TrainConfig, classify: bool, run: RunLogger,
         timings["train_s"] = time.perf_counter() - attempt.t_train
     if writer.errors:
         run.set_tags({"sparkdl_avg.checkpoint_errors": writer.errors})
+    run.log_dict({"rounds": attempt.timeline}, "worker_timeline.json")
+    run.log_figure(lambda: worker_timeline(attempt.timeline, config.num_workers),
+                   "plots/worker_timeline.png")
     return history, workers, restarts.failures
 
 
@@ -85,6 +89,8 @@ class _Attempt:
         self.run_logger, self.history, self.expected = run, history, expected
         self.point: Checkpoint | None = None
         self.t_train = 0.0
+        self.timeline: list[dict] = []
+        """Per round: each worker's phases, seconds since training began (for the picture)."""
 
     def run(self, point: Checkpoint, classify: bool, progress: Progress, writer,
             timings: dict, t_start: float) -> list[dict]:
@@ -138,6 +144,9 @@ class _Attempt:
             self.history.append({"round": r, **metrics})
             self.run_logger.log_metrics(metrics, step=r)
             progress.update(r, stats.train_loss, metrics.get("eval_accuracy"))
+            self.timeline.append({"round": r, "workers": [
+                {name: (a - self.t_train, b - self.t_train) for name, (a, b) in w.items()}
+                for w in stats.phases]})
         if stats.states is not None:
             self.point = Checkpoint(
                 round=r + 1, steps=min((r + 1) * schedule.averaging_frequency,

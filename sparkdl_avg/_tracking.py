@@ -34,6 +34,7 @@ class RunLogger:
         self._stop = threading.Event()
         self.run_id: str = ""
         self.tracking_uri: str = ""
+        self._system_metrics = None
 
     def __enter__(self) -> RunLogger:
         import mlflow
@@ -57,12 +58,18 @@ class RunLogger:
             tags["mlflow.parentRunId"] = active.info.run_id
         run = self._client.create_run(experiment_id, run_name=self._run_name, tags=tags)
         self.run_id = run.info.run_id
+        self._system_metrics = _start_system_metrics(self.run_id, self.tracking_uri)
         self._thread = threading.Thread(target=self._flush_loop, name="sparkdl-avg-mlflow",
                                         daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._system_metrics is not None:
+            try:
+                self._system_metrics.finish()
+            except Exception:  # noqa: BLE001 - never hide the fit's outcome
+                log.warning("could not stop system metrics logging", exc_info=True)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
@@ -101,6 +108,14 @@ class RunLogger:
     def log_dict(self, data: dict, artifact_file: str) -> None:
         self._client.log_dict(self.run_id, data, artifact_file)
 
+    def log_figure(self, make_figure, artifact_file: str) -> None:
+        """Log the figure `make_figure()` draws. A picture that fails is a warning, not a
+        failed fit: the training it shows is done."""
+        try:
+            self._client.log_figure(self.run_id, make_figure(), artifact_file)
+        except Exception:  # noqa: BLE001
+            log.warning("could not log %s", artifact_file, exc_info=True)
+
     def log_model(self, model, input_example) -> None:
         import mlflow
         import torch
@@ -136,3 +151,24 @@ class RunLogger:
                 for metric in batch[start:]:  # keep them for the next flush
                     self._queue.put(metric)
                 raise
+
+
+def _start_system_metrics(run_id: str, tracking_uri: str):
+    """MLflow's system metrics (CPU, memory, disk, network; GPU with pynvml) for the run, as
+    `mlflow.start_run` would do, when `mlflow.enable_system_metrics_logging()` (or
+    MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING) asks and psutil (the `metrics` extra) is there."""
+    import importlib.util
+
+    from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING
+
+    if not MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING.get():
+        return None
+    if importlib.util.find_spec("psutil") is None:
+        log.warning("system metrics logging is enabled but psutil is missing: "
+                    "pip install 'sparkdl-avg[metrics]'")
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor

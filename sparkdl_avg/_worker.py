@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+import sparkdl_avg
 from sparkdl_avg import _wire
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._plan import Schedule, batch_slice, epoch_order
@@ -22,7 +23,7 @@ from sparkdl_avg._ps_client import PSClient
 
 REPORT_SCHEMA = (
     "partition int, host string, pid long, device string, gpu string, warning string, "
-    "train_rows long, eval_rows long, load_s double"
+    "train_rows long, eval_rows long, load_s double, version string, library string"
 )
 _EVAL_CHUNK = 8192
 
@@ -115,7 +116,10 @@ def run_task(spec: WorkerSpec, batches: Iterator) -> Iterator:
     report = {"partition": [rank], "host": [hello["host"]], "pid": [os.getpid()],
               "device": [choice.device], "gpu": [choice.gpu_address],
               "warning": [choice.warning], "train_rows": [hello["train_rows"]],
-              "eval_rows": [hello["eval_rows"]], "load_s": [load_s]}
+              "eval_rows": [hello["eval_rows"]], "load_s": [load_s],
+              # which sparkdl-avg the executor runs (a --py-files zip, a packed environment)
+              "version": [sparkdl_avg.__version__],
+              "library": [os.path.dirname(sparkdl_avg.__file__)]}
     yield pa.RecordBatch.from_pydict(report, schema=_report_schema())
 
 
@@ -125,7 +129,8 @@ def _report_schema():
     return pa.schema([("partition", pa.int32()), ("host", pa.string()), ("pid", pa.int64()),
                       ("device", pa.string()), ("gpu", pa.string()), ("warning", pa.string()),
                       ("train_rows", pa.int64()), ("eval_rows", pa.int64()),
-                      ("load_s", pa.float64())])
+                      ("load_s", pa.float64()), ("version", pa.string()),
+                      ("library", pa.string())])
 
 
 def _load_partition(batches: Iterator, spec: WorkerSpec, device):

@@ -1,5 +1,6 @@
 """Test layers: pure tests need nothing; `spark` tests share one local[2] session; tests marked
-`cluster` start their own cluster. MLflow logs to a throwaway sqlite store per session."""
+`cluster` use the session's standalone cluster or start their own processes. MLflow logs to a
+throwaway sqlite store per session."""
 
 from __future__ import annotations
 
@@ -46,6 +47,16 @@ def spark():
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def standalone(tmp_path_factory):
+    """A Spark standalone cluster on loopback (master + two workers, one fake GPU each),
+    started on first use and stopped at the end of the session, whatever happened."""
+    from standalone_cluster import StandaloneCluster
+
+    with StandaloneCluster(tmp_path_factory.mktemp("standalone"), workers=2) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""GPU scheduling without a GPU: fake GPUs on a local-cluster, and refusal in local mode; on
-the same local-cluster, a fit that survives losing its executor."""
+"""GPU scheduling without a GPU: fake GPUs on the standalone cluster, and refusal in local
+mode; on the same cluster, a fit that survives losing an executor."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from sparkdl_avg import ClusterError, TrainConfig, fit
 
 
 @pytest.fixture(scope="module")
-def cluster_fits(tmp_path_factory):
-    """Runs local_cluster_fits.py once (the cluster takes ~30 s to start) for both tests."""
+def cluster_fits(tmp_path_factory, standalone):
+    """Runs cluster_fits.py once, on the session's standalone cluster, for both tests."""
     out = tmp_path_factory.mktemp("cluster") / "fits.json"
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("local_cluster_fits.py")), str(out)],
-        env=env, capture_output=True, text=True, timeout=400,
+        [sys.executable, str(Path(__file__).with_name("cluster_fits.py")), str(out),
+         standalone.url], env=env, capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -49,7 +49,7 @@ def test_a_fit_survives_losing_its_executor(cluster_fits):
     # a checkpoint round (every 2 of 6): the Python workers outlive their JVM for a moment
     # and may finish more rounds, even all, before Spark reports the executor lost
     assert failure["restart_at"] in ("round 2", "round 4", "round 6")
-    assert failure["executor"] == "0"  # the first executor; its replacement is "1"
+    assert failure["executor"] in ("0", "1")  # partition 1's executor; a new one replaced it
     assert "ExecutorLostFailure" in failure["error"] or "exited" in failure["error"]
     assert cluster_fits["same_parameters"]  # bit-identical to the fit that lost nothing
 

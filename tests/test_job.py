@@ -1,4 +1,4 @@
-"""The main job, run the two ways a user runs it: plain python and spark-submit."""
+"""The main job under plain python (spark-submit to a standalone cluster: test_standalone)."""
 
 from __future__ import annotations
 
@@ -41,10 +41,3 @@ def test_job_runs_with_plain_python(tmp_path, mlflow_store, mlflow_client):
     rounds = sorted(p.name for p in ckpt.glob("round-*"))
     assert len(rounds) == 2  # the newest two are kept
     assert all((ckpt / r / "checkpoint.json").exists() for r in rounds)
-
-
-@pytest.mark.cluster
-def test_job_runs_with_spark_submit(tmp_path, mlflow_store, mlflow_client):
-    submit = Path(sys.executable).with_name("spark-submit")
-    cmd = [str(submit), "--master", "local[2]", "--conf", "spark.ui.enabled=false", str(JOB)]
-    check_output(run_job(cmd, tmp_path, mlflow_store), mlflow_client)

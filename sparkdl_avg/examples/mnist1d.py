@@ -20,29 +20,44 @@ def default_cache_dir() -> Path:
     return Path(root) / "sparkdl_avg"
 
 
-def write_parquet(num_samples: int, seed: int, cache_dir: str | os.PathLike | None) -> Path:
-    """Generate once and return the folder holding train.parquet and test.parquet."""
-    folder = Path(cache_dir or default_cache_dir()) / f"mnist1d-{num_samples}-seed{seed}"
-    if (folder / "test.parquet").exists():
-        return folder
+def tables(num_samples: int, seed: int) -> dict:
+    """{"train": pa.Table, "test": pa.Table} with features list<float> and label int64."""
     import numpy as np
     import pyarrow as pa
-    import pyarrow.parquet as pq
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
     args.num_samples, args.seed = num_samples, seed
     data = make_dataset(args)
-    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
     for name, x, y in (("train", data["x"], data["y"]), ("test", data["x_test"], data["y_test"])):
         x = np.ascontiguousarray(x, dtype=np.float32)
         features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
-        table = pa.table({"features": features.cast(pa.list_(pa.float32())),
-                          "label": pa.array(y.astype(np.int64))})
+        out[name] = pa.table({"features": features.cast(pa.list_(pa.float32())),
+                              "label": pa.array(y.astype(np.int64))})
+    return out
+
+
+def write_parquet(num_samples: int, seed: int, cache_dir: str | os.PathLike | None) -> Path:
+    """Generate once and return the folder holding train.parquet and test.parquet."""
+    folder = Path(cache_dir or default_cache_dir()) / f"mnist1d-{num_samples}-seed{seed}"
+    if (folder / "test.parquet").exists():
+        return folder
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, table in tables(num_samples, seed).items():
         tmp = folder / f".{name}.parquet.tmp"
         pq.write_table(table, tmp)
         tmp.replace(folder / f"{name}.parquet")  # atomic: no half-written cache
     return folder
+
+
+def generate(spark, num_samples: int = 5_000, seed: int = 42):
+    """(train_df, test_df) built in memory on the driver and handed to Spark through Arrow:
+    no shared filesystem needed (a notebook on a cluster)."""
+    made = tables(num_samples, seed)
+    return spark.createDataFrame(made["train"]), spark.createDataFrame(made["test"])
 
 
 def load(spark, num_samples: int = 20_000, seed: int = 42, cache_dir=None):

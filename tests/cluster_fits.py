@@ -1,8 +1,8 @@
-"""Run by test_gpu_assignment in its own process (a local-cluster needs its own SparkContext):
-one executor owning two fake GPUs (a discovery script). Two fits: one that reports which GPU
-each task got, and the same fit whose model kills its executor's JVM once mid-training (a lost
-executor). Writes the task reports, the recovered failures and whether both fits ended with
-the same parameters as JSON."""
+"""Run by test_gpu_assignment in its own process, as the driver of an application on the test
+session's standalone cluster (two workers, one fake GPU each). Two fits: one that reports
+which GPU each task got, and the same fit whose model kills its executor's JVM once
+mid-training (a lost executor; the worker starts a new one). Writes the task reports, the
+recovered failures and whether both fits ended with the same parameters as JSON."""
 
 import json
 import os
@@ -53,20 +53,16 @@ def _executor_pid() -> int:
     raise RuntimeError("no executor JVM above this process")
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, master: str) -> None:
     folder = tempfile.mkdtemp()
-    script = os.path.join(folder, "gpus.sh")
-    with open(script, "w") as f:
-        f.write('#!/bin/sh\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
-    os.chmod(script, 0o755)
     spark = (
-        SparkSession.builder.master("local-cluster[1,2,1024]")
+        SparkSession.builder.master(master)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.host", "127.0.0.1")
-        .config("spark.worker.resource.gpu.amount", "2")
-        .config("spark.worker.resource.gpu.discoveryScript", script)
-        .config("spark.executor.resource.gpu.amount", "2")
+        .config("spark.executor.cores", "1")
+        .config("spark.executor.memory", "1g")
+        .config("spark.executor.resource.gpu.amount", "1")
         .config("spark.task.resource.gpu.amount", "1")
         .getOrCreate()
     )
@@ -87,4 +83,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

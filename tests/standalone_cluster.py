@@ -1,0 +1,138 @@
+"""A Spark standalone cluster on loopback: one master and N workers, each worker owning one
+fake GPU with its own address, started with the launcher pip's pyspark ships
+(`sbin/spark-daemon.sh`; there is no start-master.sh). Everything it starts is stopped on
+leaving, even after a failure.
+
+    python tests/standalone_cluster.py up --dir /tmp/cluster     # prints the master URL
+    python tests/standalone_cluster.py down --dir /tmp/cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pyspark
+
+SPARK_HOME = Path(pyspark.__file__).parent
+DAEMON = SPARK_HOME / "sbin" / "spark-daemon.sh"
+MASTER_CLASS = "org.apache.spark.deploy.master.Master"
+WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StandaloneCluster:
+    def __init__(self, folder: str | os.PathLike, *, workers: int = 2, cores: int = 1,
+                 memory: str = "2g") -> None:
+        self.folder = Path(folder)
+        self.workers, self.cores, self.memory = workers, cores, memory
+        self.port, self.ui_port = _free_port(), _free_port()
+        self.url = f"spark://127.0.0.1:{self.port}"
+
+    def _env(self, worker: int | None = None) -> dict:
+        env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
+               "SPARK_LOG_DIR": str(self.folder / "logs"),
+               "SPARK_PID_DIR": str(self.folder / "pids"),
+               "SPARK_IDENT_STRING": f"sparkdl-avg-{self.port}",
+               "SPARK_WORKER_DIR": str(self.folder / "work"),
+               "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable)}
+        if worker is not None:
+            script = self.folder / f"gpu-{worker}.sh"
+            script.write_text(f'#!/bin/sh\necho \'{{"name": "gpu", "addresses": '
+                              f'["{worker}"]}}\'\n')
+            script.chmod(0o755)
+            env["SPARK_WORKER_OPTS"] = (
+                "-Dspark.worker.resource.gpu.amount=1 "
+                f"-Dspark.worker.resource.gpu.discoveryScript={script}")
+        return env
+
+    def _daemon(self, action: str, cls: str, instance: int, *args: str, env: dict) -> None:
+        subprocess.run(["bash", str(DAEMON), action, cls, str(instance), *args], env=env,
+                       check=action == "start", capture_output=True, timeout=60)
+
+    def start(self, timeout: float = 120.0) -> StandaloneCluster:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "state.json").write_text(json.dumps(
+            {"port": self.port, "ui_port": self.ui_port, "workers": self.workers}))
+        try:
+            self._daemon("start", MASTER_CLASS, 1, "--host", "127.0.0.1", "--port",
+                         str(self.port), "--webui-port", str(self.ui_port), env=self._env())
+            for w in range(self.workers):
+                self._daemon("start", WORKER_CLASS, w + 1, self.url, "--host", "127.0.0.1",
+                             "--cores", str(self.cores), "--memory", self.memory,
+                             "--webui-port", "0", env=self._env(w))
+            self._wait_for_workers(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_for_workers(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/",
+                                            timeout=2) as r:
+                    state = json.load(r)
+                if state.get("aliveworkers", 0) >= self.workers:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                logs = "\n".join(p.read_text()[-1500:] for p in
+                                 sorted((self.folder / "logs").glob("*.out")))
+                raise TimeoutError(f"{self.workers} workers did not register in {timeout}s\n"
+                                   f"{logs}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Stop the workers and the master through their pid files, then kill any left."""
+        for w in range(self.workers):
+            self._daemon("stop", WORKER_CLASS, w + 1, env=self._env())
+        self._daemon("stop", MASTER_CLASS, 1, env=self._env())
+        for pid_file in (self.folder / "pids").glob("*.pid"):  # a daemon that did not stop
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(pid_file.read_text().strip())
+                if b"org.apache.spark.deploy" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+
+    def __enter__(self) -> StandaloneCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("action", choices=["up", "down"])
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    cluster = StandaloneCluster(args.dir, workers=args.workers)
+    if args.action == "up":
+        print(cluster.start().url)
+    else:
+        state = json.loads((Path(args.dir) / "state.json").read_text())
+        cluster.port, cluster.workers = state["port"], state["workers"]
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

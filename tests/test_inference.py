@@ -1,0 +1,97 @@
+"""Scoring DataFrames on the executors with a trained model: `transform`, `predict_udf` (also
+from SQL) and the logged model through `mlflow.pyfunc.spark_udf`, each checked against the
+model run locally."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from pyspark.ml.linalg import Vectors
+
+from sparkdl_avg import DataError, TrainConfig, fit
+
+pytestmark = pytest.mark.spark
+
+CONFIG = TrainConfig(num_workers=2, epochs=2, batch_size=16, optimizer="adam", lr=0.01,
+                     experiment_name="inference")
+
+
+def data(rows: int = 300):
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(rows, 3)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64) + (x[:, 2] > 0.5).astype(np.int64)
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def classifier(spark):
+    x, y = data()
+    df = spark.createDataFrame(pd.DataFrame({"features": list(x), "label": y}))
+    return fit(df, lambda: torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(),
+                                               torch.nn.Linear(16, 3)), CONFIG)
+
+
+def local_classes(model, x: np.ndarray) -> list[int]:
+    with torch.no_grad():
+        return model(torch.from_numpy(x)).argmax(1).tolist()
+
+
+def test_transform_adds_the_class_index_computed_on_the_executors(spark, classifier):
+    x, _ = data(200)
+    df = spark.createDataFrame(pd.DataFrame({"id": range(200), "features": list(x)}))
+    out = classifier.transform(df).orderBy("id").toPandas()
+    assert list(out.columns) == ["id", "features", "prediction"]
+    assert out["prediction"].tolist() == local_classes(classifier.model, x)
+
+
+def test_predict_udf_in_select_and_sql_and_on_other_feature_kinds(spark, classifier):
+    x, _ = data(50)
+    expected = local_classes(classifier.model, x)
+    vectors = spark.createDataFrame([(i, Vectors.dense(r.tolist())) for i, r in enumerate(x)],
+                                    ["id", "v"])
+    got = classifier.transform(vectors, features_col="v", output_col="cls")
+    assert [r.cls for r in got.orderBy("id").collect()] == expected
+    columns = spark.createDataFrame(pd.DataFrame({"id": range(50), "a": x[:, 0],
+                                                  "b": x[:, 1], "c": x[:, 2]}))
+    got = classifier.transform(columns, features_col=["a", "b", "c"])
+    assert [r.prediction for r in got.orderBy("id").collect()] == expected
+    spark.udf.register("predict_cls", classifier.predict_udf())
+    spark.createDataFrame(pd.DataFrame({"id": range(50), "features": list(x)})) \
+        .createOrReplaceTempView("to_score")
+    rows = spark.sql("SELECT id, predict_cls(features) AS p FROM to_score ORDER BY id").collect()
+    assert [r.p for r in rows] == expected
+
+
+def test_a_regressor_predicts_values_and_several_outputs_arrays(spark):
+    x, _ = data()
+    y = x[:, 0] * 2.0 - x[:, 1]
+    df = spark.createDataFrame(pd.DataFrame({"features": list(x), "label": y}))
+    result = fit(df, lambda: torch.nn.Linear(3, 1), CONFIG, loss="mse")
+    out = result.transform(df.limit(20)).toPandas()
+    with torch.no_grad():
+        local = result.model(torch.from_numpy(np.stack(out["features"]).astype(np.float32)))
+    np.testing.assert_allclose(out["prediction"], local.reshape(-1).numpy(), rtol=1e-6)
+    result.model = torch.nn.Linear(3, 2)  # two outputs: an array per row
+    two = result.transform(df.limit(5)).toPandas()
+    assert [len(p) for p in two["prediction"]] == [2] * 5
+
+
+def test_transform_refuses_bad_input_before_running(spark, classifier):
+    df = spark.createDataFrame(pd.DataFrame({"features": [[0.0, 1.0, 2.0]], "prediction": [1]}))
+    with pytest.raises(DataError, match="already has a column 'prediction'"):
+        classifier.transform(df)
+    with pytest.raises(DataError, match="no column 'feature'"):
+        classifier.transform(df, features_col="feature", output_col="p")
+
+
+def test_the_logged_model_scores_through_mlflow_spark_udf(spark, classifier):
+    import mlflow
+
+    x, _ = data(40)
+    udf = mlflow.pyfunc.spark_udf(spark, f"runs:/{classifier.run_id}/model",
+                                  result_type="array<float>", env_manager="local")
+    df = spark.createDataFrame(pd.DataFrame({"id": range(40), "features": list(x)}))
+    rows = df.select("id", udf("features").alias("out")).orderBy("id").collect()
+    assert [int(np.argmax(r.out)) for r in rows] == local_classes(classifier.model, x)

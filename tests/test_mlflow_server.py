@@ -1,0 +1,93 @@
+"""Runs logged over HTTP to a real `mlflow server` on loopback: sync and async fits compare
+column by column (the same param keys, metrics stepped by round), carry their pictures, and
+MLflow's system metrics when they are switched on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from sparkdl_avg import TrainConfig, fit
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def server_uri(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(root / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+         "--artifacts-destination", str(root / "artifacts")],
+        stdout=log, stderr=log, start_new_session=True, cwd=root)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not come up in 90 s"
+            time.sleep(0.5)
+        old = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(uri)
+        yield uri
+        mlflow.set_tracking_uri(old)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_sync_and_async_runs_compare_column_by_column(spark, server_uri):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(400, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    df = spark.createDataFrame(pd.DataFrame({"features": list(x), "label": y}))
+    common = dict(num_workers=2, epochs=2, batch_size=20, optimizer="adam", lr=0.01,
+                  experiment_name="compare-modes", log_model=False)
+    mlflow.enable_system_metrics_logging()
+    mlflow.set_system_metrics_sampling_interval(1)
+    try:
+        runs = [fit(df, lambda: torch.nn.Linear(4, 2), TrainConfig(**common, **extra),
+                    eval_df=df)
+                for extra in ({"mode": "sync", "averaging_frequency": 2},
+                              {"mode": "async", "push_every": 2, "eval_interval_s": 0.5})]
+    finally:
+        mlflow.disable_system_metrics_logging()
+        mlflow.set_system_metrics_sampling_interval(None)
+    client = MlflowClient(server_uri)
+    sync, asynchronous = (client.get_run(r.run_id) for r in runs)
+    assert sync.data.params.keys() == asynchronous.data.params.keys()
+    for run in (sync, asynchronous):
+        assert run.info.status == "FINISHED"
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "eval_accuracy")]
+        assert steps == sorted(steps) and 0 < max(steps) <= 10  # 10 rounds' worth of pushes
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+        assert "plots/learning_curves.png" in artifacts
+        assert any(k.startswith("system/cpu") for k in run.data.metrics), run.data.metrics
+    assert "plots/worker_timeline.png" in {
+        a.path for a in client.list_artifacts(sync.info.run_id, "plots")}
