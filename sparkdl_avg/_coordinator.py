@@ -199,8 +199,8 @@ class Coordinator:
             if all(e.get("correct") is not None for e in evals):  # classifiers only
                 stats.eval["accuracy"] = sum(e["correct"] for e in evals) / max(1, count)
         now = time.perf_counter()
-        stats.phases = _phases(self._round_end, [p["compute_s"] for p in pushes], arrivals,
-                               t_averaged, now)
+        stats.phases = _phases(self._round_end, [p.get("setup_s", 0.0) for p in pushes],
+                               [p["compute_s"] for p in pushes], arrivals, t_averaged, now)
         stats.round_s, self._round_end = now - self._round_end, now
         return stats
 
@@ -229,7 +229,8 @@ class Coordinator:
                                 f"{round_index}")
         samples, loss_sum = meta.get("samples"), meta.get("loss_sum")
         if not isinstance(samples, int) or samples < 1 or not _is_number(loss_sum) \
-                or not _is_number(meta.get("compute_s")):
+                or not _is_number(meta.get("compute_s")) \
+                or not _is_number(meta.get("setup_s", 0.0)):
             raise ProtocolError(f"worker {rank} sent a malformed PUSH: {meta}")
         return meta
 
@@ -292,18 +293,20 @@ class Coordinator:
         raise TrainingError(str(exc)) from exc
 
 
-def _phases(start: float, compute: list[float], arrivals: list[float], averaged: float,
-            end: float) -> list[dict[str, tuple[float, float]]]:
-    """Each worker's round as the driver sees it: computing from the round's start, its push
-    on the way until it arrived, waiting for the last push, the averaging, then the average
-    going back (and evaluation when due) until the round ended."""
+def _phases(start: float, setup: list[float], compute: list[float], arrivals: list[float],
+            averaged: float, end: float) -> list[dict[str, tuple[float, float]]]:
+    """Each worker's round as the driver sees it: setup (the first round's optimizer and
+    warm-up), computing, its push on the way until it arrived, waiting for the last push,
+    the averaging, then the average going back (and evaluation when due) until the round
+    ended. The worker's own durations are clamped into the driver's clock."""
     last = max(arrivals)
     out = []
-    for c, arrived in zip(compute, arrivals, strict=True):
-        computed = min(start + c, arrived)
-        out.append({"compute": (start, computed), "upload": (computed, arrived),
-                    "waiting": (arrived, last), "averaging": (last, averaged),
-                    "return+eval": (averaged, end)})
+    for s, c, arrived in zip(setup, compute, arrivals, strict=True):
+        ready = min(start + max(s, 0.0), arrived)
+        computed = min(ready + c, arrived)
+        out.append({"setup": (start, ready), "compute": (ready, computed),
+                    "upload": (computed, arrived), "waiting": (arrived, last),
+                    "averaging": (last, averaged), "return+eval": (averaged, end)})
     return out
 
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-PHASES = (("compute", "#4C72B0"), ("upload", "#DD8452"), ("waiting", "#C44E52"),
-          ("averaging", "#8172B3"), ("return+eval", "#55A868"))
-"""A worker's round: its local steps, its push reaching the driver, waiting for the slowest
-push, the driver averaging, the average coming back (and evaluation when due)."""
+PHASES = (("setup", "#BBBBBB"), ("compute", "#4C72B0"), ("upload", "#DD8452"),
+          ("waiting", "#C44E52"), ("averaging", "#8172B3"), ("return+eval", "#55A868"))
+"""A worker's round: setup (the first round's optimizer, warm-up), its local steps, its push
+reaching the driver, waiting for the slowest push, the driver averaging, the average coming
+back (and evaluation when due)."""
 
 
 def learning_curves(history: Sequence[dict], x_key: str):
     """Loss (train, eval) and eval accuracy against `x_key` ("round" or "interval")."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import ScalarFormatter
 
     fig = Figure(figsize=(9, 3.6), layout="constrained")
     loss_ax, acc_ax = fig.subplots(1, 2)
@@ -23,8 +25,10 @@ def learning_curves(history: Sequence[dict], x_key: str):
         if points:
             loss_ax.plot(*zip(*points, strict=True), style, markersize=3,
                          label=key.replace("_", " "))
-    loss_ax.set(xlabel=x_key, ylabel="loss", title="Loss")
+    loss_ax.set(xlabel=x_key, ylabel="loss (log scale)", title="Loss")
     loss_ax.set_yscale("log")
+    loss_ax.yaxis.set_major_formatter(ScalarFormatter())
+    loss_ax.yaxis.set_minor_formatter(ScalarFormatter())
     loss_ax.legend()
     points = [(h[x_key], h["eval_accuracy"]) for h in history if "eval_accuracy" in h]
     if points:

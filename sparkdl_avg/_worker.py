@@ -246,14 +246,16 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
     from sparkdl_avg._model import FlatBuffer, averaged_tensors, optimizer_state_tensors
 
     cfg, schedule = spec.config, spec.schedule
+    # Build the replica before connecting: the driver's first round starts once all are in.
+    replica = _Replica(spec, rank, data, device)
+    model, wire_dtype = replica.model, replica.wire_dtype
+    flat = FlatBuffer(averaged_tensors(model), wire_dtype)
     conn = _wire.connect(spec.address, timeout=cfg.round_timeout, max_payload=1 << 20)
     try:
         conn.authenticate_to_server(spec.secret, hello)
-        replica = _Replica(spec, rank, data, device)
-        model, wire_dtype = replica.model, replica.wire_dtype
-        flat = FlatBuffer(averaged_tensors(model), wire_dtype)
         conn.set_timeout(spec.connect_s)  # the first parameters come once every worker is here
         first = conn.expect(_wire.Kind.AVERAGE, into=flat.array)
+        ready = time.perf_counter()  # from here to a round's first step: setup (the picture)
         # The driver times out a hung worker after round_timeout and names it; the others,
         # waiting on that worker's average, must not time out first and take the blame.
         conn.set_timeout(2 * cfg.round_timeout + 30)
@@ -269,6 +271,7 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
         state: list = []
         for round_index in range(start_round, schedule.num_rounds):
             t0 = time.perf_counter()
+            setup_s = t0 - ready
             loss_sum, samples = replica.run_steps(schedule.steps_in_round(round_index))
             compute_s = time.perf_counter() - t0
             if cfg.average_optimizer_state:
@@ -279,7 +282,7 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
                     state = current
                     flat = FlatBuffer(averaged_tensors(model) + state, wire_dtype)
             meta = {"round": round_index, "samples": samples, "loss_sum": loss_sum,
-                    "compute_s": compute_s, "numel": int(flat.array.size)}
+                    "compute_s": compute_s, "setup_s": setup_s, "numel": int(flat.array.size)}
             conn.send(_wire.Kind.PUSH, meta, flat.gather())
             reply = conn.expect(_wire.Kind.AVERAGE, into=flat.array)
             flat.scatter()
@@ -290,6 +293,7 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
                 t_eval = time.perf_counter()
                 stats = replica.evaluate()
                 conn.send(_wire.Kind.EVAL, {**stats, "eval_s": time.perf_counter() - t_eval})
+            ready = time.perf_counter()
         conn.send(_wire.Kind.DONE, {"steps": replica.step})
     except BaseException as exc:
         from sparkdl_avg._errors import SparkdlAvgError
