@@ -6,10 +6,13 @@
 # MAGIC Downpour SGD through a parameter server, and asynchronous with adaptive delay
 # MAGIC compensation (DC-ASGD). Every run logs the same parameters and its metrics by round,
 # MAGIC so MLflow's run comparison lines them up column by column.
+# MAGIC
+# MAGIC Cluster and install: as in the quickstart (Spark 4.1+, dedicated access mode, the wheel
+# MAGIC from a Volume).
 
 # COMMAND ----------
 
-# MAGIC %pip install "sparkdl-avg[examples]"
+# MAGIC %pip install "/Volumes/main/default/libs/sparkdl_avg-0.1.0-py3-none-any.whl[examples]"
 
 # COMMAND ----------
 

@@ -6,13 +6,14 @@
 # MAGIC replica on its partition (on its GPU when it has one), and every few minibatches the
 # MAGIC driver averages the replicas. The run lands in this notebook's MLflow experiment.
 # MAGIC
-# MAGIC The next cell installs the library from PyPI, where it is not published yet: until it
-# MAGIC is, build a wheel (`pip wheel --no-deps . -w dist`), upload it to a Volume and install
-# MAGIC that, e.g. `%pip install /Volumes/main/default/libs/sparkdl_avg-0.1.0-py3-none-any.whl`.
+# MAGIC Needs a cluster with Spark 4.1+ (Databricks Runtime with it) in dedicated (single user)
+# MAGIC access mode, with autoscaling off: training runs as one barrier stage. The next cell
+# MAGIC installs the wheel you built (`pip wheel --no-deps . -w dist`) and uploaded to a
+# MAGIC Volume; change the path to yours.
 
 # COMMAND ----------
 
-# MAGIC %pip install "sparkdl-avg[examples]"
+# MAGIC %pip install "/Volumes/main/default/libs/sparkdl_avg-0.1.0-py3-none-any.whl[examples]"
 
 # COMMAND ----------
 

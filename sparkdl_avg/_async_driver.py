@@ -84,9 +84,10 @@ def train_async(spark, plan, config, classify: bool, loss_fn, run, timings: dict
                             metrics = server.call(lambda ps: _interval_metrics(
                                 ps, plan.model, flat, eval_data, loss_fn, classify, previous),
                                 len(history))
-                            # step = rounds' worth of pushes (one per worker), so sync
-                            # and async runs line up in MLflow's charts
-                            step = int(metrics["updates_applied"]) // config.num_workers
+                            # step = rounds' worth of local steps (averaging_frequency
+                            # per worker), so sync and async runs line up in MLflow
+                            step = int(metrics["updates_applied"]) * config.push_every // (
+                                config.num_workers * config.averaging_frequency)
                             history.append({"interval": len(history), "round": step,
                                             **metrics})
                             run.log_metrics(metrics, step=step)

@@ -47,8 +47,8 @@ class RoundStats:
     states: list[tuple[list, np.ndarray]] | None = None
     """At checkpoint rounds: each worker's optimizer state (layout, bytes)."""
     phases: list[dict[str, tuple[float, float]]] | None = None
-    """Per worker: (start, end) perf_counter times of compute, upload, waiting, averaging and
-    return+eval, as the driver sees them."""
+    """Per worker: (start, end) perf_counter times of setup, compute, transfer, waiting,
+    averaging and return+eval, as the driver sees them."""
 
 
 class Coordinator:
@@ -295,17 +295,17 @@ class Coordinator:
 
 def _phases(start: float, setup: list[float], compute: list[float], arrivals: list[float],
             averaged: float, end: float) -> list[dict[str, tuple[float, float]]]:
-    """Each worker's round as the driver sees it: setup (the first round's optimizer and
-    warm-up), computing, its push on the way until it arrived, waiting for the last push,
-    the averaging, then the average going back (and evaluation when due) until the round
-    ended. The worker's own durations are clamped into the driver's clock."""
+    """Each worker's round as the driver sees it (see `_plots.PHASES`): setup, computing,
+    transfer until its push arrived, waiting for the last push, the averaging, then sending
+    the average (and evaluation when due) until the round ended. The worker's own durations
+    are clamped into the driver's clock."""
     last = max(arrivals)
     out = []
     for s, c, arrived in zip(setup, compute, arrivals, strict=True):
         ready = min(start + max(s, 0.0), arrived)
         computed = min(ready + c, arrived)
         out.append({"setup": (start, ready), "compute": (ready, computed),
-                    "upload": (computed, arrived), "waiting": (arrived, last),
+                    "transfer": (computed, arrived), "waiting": (arrived, last),
                     "averaging": (last, averaged), "return+eval": (averaged, end)})
     return out
 

@@ -45,8 +45,8 @@ class FitResult:
     history: list[dict] = field(default_factory=list)
     """The metrics logged to MLflow: one dict per averaging round in sync mode, per evaluation
     interval (`eval_interval_s`) in async mode. MLflow's step is the round; in async mode the
-    rounds' worth of pushes applied (`updates_applied // num_workers`), so runs of both modes
-    share one x axis."""
+    rounds' worth of local steps applied (`updates_applied * push_every // (num_workers *
+    averaging_frequency)`), so runs of both modes share one x axis."""
     workers: list[dict] = field(default_factory=list)
     """One dict per task: partition, host, device, GPU address, rows."""
     timings: dict[str, float] = field(default_factory=dict)

@@ -6,6 +6,7 @@ tensor without a Python loop over rows."""
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterator
 
@@ -20,11 +21,14 @@ def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: boo
                      device: str = "auto") -> Callable:
     """A column function: features (array<float|double>) -> the class index (classifier),
     the value (one output) or array<double> (several outputs)."""
-    from pyspark.sql.functions import arrow_udf
-
+    try:
+        from pyspark.sql.functions import arrow_udf
+    except ImportError:
+        raise ConfigError("scoring needs pyspark 4.1 or newer (its arrow_udf); this is "
+                          "pyspark " + __import__("pyspark").__version__) from None
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda'")
-    model = model.cpu().eval()
+    model = copy.deepcopy(model).cpu().eval()  # the caller's model stays where it is
     with torch.no_grad():
         probe = model(torch.zeros(1, num_features, dtype=_dtype(model)))
     width = probe.reshape(1, -1).shape[1]
@@ -57,14 +61,16 @@ def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, cl
     dtype = _dtype(model)
     with torch.no_grad():
         for column in batches:
-            if column.null_count:
-                raise ValueError(f"{column.null_count} rows have null features")
+            values = column.flatten()
+            if column.null_count or values.null_count:
+                raise ValueError(f"features hold nulls ({column.null_count} null rows, "
+                                 f"{values.null_count} null values): cannot score them")
             lengths = column.value_lengths().to_numpy(zero_copy_only=False)
             if len(lengths) and (lengths.min() != num_features or lengths.max() != num_features):
                 raise ValueError(f"features must have {num_features} values per row, got "
                                  f"{int(lengths.min())} to {int(lengths.max())}")
-            values = column.flatten().to_numpy(zero_copy_only=False)
-            x = torch.from_numpy(np.ascontiguousarray(values).reshape(-1, num_features))
+            x = torch.from_numpy(np.ascontiguousarray(values.to_numpy(zero_copy_only=False))
+                                 .reshape(-1, num_features))
             if target.type == "cuda":
                 x = x.pin_memory().to(target, non_blocking=True)
             out = model(x.to(dtype))

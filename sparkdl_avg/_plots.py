@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-PHASES = (("setup", "#BBBBBB"), ("compute", "#4C72B0"), ("upload", "#DD8452"),
+PHASES = (("setup", "#BBBBBB"), ("compute", "#4C72B0"), ("transfer", "#DD8452"),
           ("waiting", "#C44E52"), ("averaging", "#8172B3"), ("return+eval", "#55A868"))
-"""A worker's round: setup (the first round's optimizer, warm-up), its local steps, its push
-reaching the driver, waiting for the slowest push, the driver averaging, the average coming
-back (and evaluation when due)."""
+"""A worker's round as the driver's clock sees it: setup (the first round's optimizer,
+warm-up), its local steps, transfer (the previous average still arriving and this push going
+out: without synchronised clocks the two cannot be told apart), waiting for the slowest push,
+the driver averaging, and the average being sent (and evaluation when due)."""
 
 
 def learning_curves(history: Sequence[dict], x_key: str):

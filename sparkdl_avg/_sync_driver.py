@@ -74,7 +74,7 @@ def train_sync(spark, plan, config: TrainConfig, classify: bool, run: RunLogger,
         timings["train_s"] = time.perf_counter() - attempt.t_train
     if writer.errors:
         run.set_tags({"sparkdl_avg.checkpoint_errors": writer.errors})
-    run.log_dict({"rounds": attempt.timeline}, "worker_timeline.json")
+    run.log_dict_quietly({"rounds": attempt.timeline}, "worker_timeline.json")
     run.log_figure(lambda: worker_timeline(attempt.timeline, config.num_workers),
                    "plots/worker_timeline.png")
     return history, workers, restarts.failures

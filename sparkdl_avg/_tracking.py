@@ -58,7 +58,10 @@ class RunLogger:
             tags["mlflow.parentRunId"] = active.info.run_id
         run = self._client.create_run(experiment_id, run_name=self._run_name, tags=tags)
         self.run_id = run.info.run_id
-        self._system_metrics = _start_system_metrics(self.run_id, self.tracking_uri)
+        try:
+            self._system_metrics = _start_system_metrics(self.run_id, self.tracking_uri)
+        except Exception:  # noqa: BLE001 - a monitor must not cost the run its ending
+            log.warning("could not start MLflow system metrics", exc_info=True)
         self._thread = threading.Thread(target=self._flush_loop, name="sparkdl-avg-mlflow",
                                         daemon=True)
         self._thread.start()
@@ -107,6 +110,13 @@ class RunLogger:
 
     def log_dict(self, data: dict, artifact_file: str) -> None:
         self._client.log_dict(self.run_id, data, artifact_file)
+
+    def log_dict_quietly(self, data: dict, artifact_file: str) -> None:
+        """For supporting material (a timeline): a failure is a warning, not a failed fit."""
+        try:
+            self.log_dict(data, artifact_file)
+        except Exception:  # noqa: BLE001
+            log.warning("could not log %s", artifact_file, exc_info=True)
 
     def log_figure(self, make_figure, artifact_file: str) -> None:
         """Log the figure `make_figure()` draws. A picture that fails is a warning, not a

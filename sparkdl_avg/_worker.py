@@ -246,13 +246,20 @@ def _train(spec: WorkerSpec, rank: int, data, device, hello: dict) -> None:
     from sparkdl_avg._model import FlatBuffer, averaged_tensors, optimizer_state_tensors
 
     cfg, schedule = spec.config, spec.schedule
-    # Build the replica before connecting: the driver's first round starts once all are in.
-    replica = _Replica(spec, rank, data, device)
-    model, wire_dtype = replica.model, replica.wire_dtype
-    flat = FlatBuffer(averaged_tensors(model), wire_dtype)
+    # Build the replica before connecting, so the driver's first round starts once all are
+    # ready; a failure here is reported once connected, like any other.
+    setup_error = None
+    try:
+        replica = _Replica(spec, rank, data, device)
+        model, wire_dtype = replica.model, replica.wire_dtype
+        flat = FlatBuffer(averaged_tensors(model), wire_dtype)
+    except Exception as exc:
+        setup_error = exc
     conn = _wire.connect(spec.address, timeout=cfg.round_timeout, max_payload=1 << 20)
     try:
         conn.authenticate_to_server(spec.secret, hello)
+        if setup_error is not None:
+            raise setup_error
         conn.set_timeout(spec.connect_s)  # the first parameters come once every worker is here
         first = conn.expect(_wire.Kind.AVERAGE, into=flat.array)
         ready = time.perf_counter()  # from here to a round's first step: setup (the picture)

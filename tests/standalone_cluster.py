@@ -100,14 +100,22 @@ class StandaloneCluster:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        """Stop the workers and the master through their pid files, then kill any left."""
-        for w in range(self.workers):
-            self._daemon("stop", WORKER_CLASS, w + 1, env=self._env())
-        self._daemon("stop", MASTER_CLASS, 1, env=self._env())
-        for pid_file in (self.folder / "pids").glob("*.pid"):  # a daemon that did not stop
+        """Stop the workers and the master through spark-daemon.sh; SIGKILL any of the
+        daemons it started that is still alive 10 s later."""
+        pids = []
+        for pid_file in (self.folder / "pids").glob("*.pid"):
             with contextlib.suppress(OSError, ValueError):
-                pid = int(pid_file.read_text().strip())
-                if b"org.apache.spark.deploy" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(int(pid_file.read_text().strip()))
+        for cls, instance in [*((WORKER_CLASS, w + 1) for w in range(self.workers)),
+                              (MASTER_CLASS, 1)]:
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                self._daemon("stop", cls, instance, env=self._env())
+        deadline = time.monotonic() + 10
+        for pid in pids:
+            while _is_spark_daemon(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _is_spark_daemon(pid):
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
 
     def __enter__(self) -> StandaloneCluster:
@@ -115,6 +123,13 @@ class StandaloneCluster:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def _is_spark_daemon(pid: int) -> bool:
+    try:
+        return b"org.apache.spark.deploy" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def main(argv: list[str]) -> int:

@@ -84,6 +84,10 @@ def test_transform_refuses_bad_input_before_running(spark, classifier):
         classifier.transform(df)
     with pytest.raises(DataError, match="no column 'feature'"):
         classifier.transform(df, features_col="feature", output_col="p")
+    holes = spark.createDataFrame(pd.DataFrame({"a": [1.0, None], "b": [2.0, 3.0],
+                                                "c": [0.0, 1.0]}))
+    with pytest.raises(Exception, match="features hold nulls"):  # not a guessed class
+        classifier.transform(holes, features_col=["a", "b", "c"]).collect()
 
 
 def test_the_logged_model_scores_through_mlflow_spark_udf(spark, classifier):
