@@ -18,9 +18,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import report  # noqa: E402
 
-from sparkdl_avg._ps_client import PSClient  # noqa: E402
-from sparkdl_avg._ps_server import DRIVER  # noqa: E402
-from sparkdl_avg._sidecar import Sidecar  # noqa: E402
+from sparkdl_avg.ps.client import PSClient  # noqa: E402
+from sparkdl_avg.ps.server import DRIVER  # noqa: E402
+from sparkdl_avg.ps.settings import ServerSettings  # noqa: E402
+from sparkdl_avg.ps.sidecar import Sidecar  # noqa: E402
 
 SECRET = os.urandom(32)
 
@@ -41,11 +42,9 @@ def client_loop(port: int, secret: bytes, worker: int, numel: int, seconds: floa
 
 
 def run(clients: int, numel: int, seconds: float) -> dict:
-    settings = {"algorithm": "downpour", "lr": 0.01, "update_scale": 1.0}
-    with Sidecar(host="127.0.0.1", secret=SECRET, settings=settings, staleness_bound=None,
-                 timeout=120) as ps, PSClient(("127.0.0.1", ps.port), secret=SECRET,
-                                              worker=DRIVER, numel=numel, dtype=np.float32,
-                                              timeout=60) as driver:
+    with Sidecar(ServerSettings(timeout=120), host="127.0.0.1", secret=SECRET) as ps, \
+            PSClient(("127.0.0.1", ps.port), secret=SECRET, worker=DRIVER, numel=numel,
+                     dtype=np.float32, timeout=60) as driver:
         driver.init(np.zeros(numel, np.float32))
         out = mp.get_context("spawn").Queue()
         procs = [mp.get_context("spawn").Process(

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import report  # noqa: E402
 
-from sparkdl_avg._async_rules import ServerState  # noqa: E402
+from sparkdl_avg.ps.rules import ALGORITHMS, make_rule  # noqa: E402
 
 
 def load_mnist1d():
@@ -40,8 +40,7 @@ def run(algorithm: str, workers: int, updates: int, lr: float, data, seed: int =
                                 torch.nn.Linear(256, 10))
     params = list(model.parameters())
     flat = torch.nn.utils.parameters_to_vector(params).detach().double().numpy().copy()
-    server = ServerState(params=flat, algorithm=algorithm, lr=lr,
-                         dc_lambda=2.0 if algorithm == "dcasgd-adaptive" else 0.04)
+    server = make_rule(algorithm, flat, lr=lr)  # each rule's default lambda
     stale = {w: server.pull(w).copy() for w in range(workers)}
     rng = np.random.default_rng(seed)
     for t in range(updates):
@@ -72,7 +71,7 @@ def main() -> None:
     data = load_mnist1d()
     table = {}
     for workers in [int(w) for w in args.workers.split(",")]:
-        for algorithm in ("downpour", "dcasgd", "dcasgd-adaptive"):
+        for algorithm in ALGORITHMS:
             result = run(algorithm, workers, args.updates, args.lr, data)
             table[f"staleness={workers - 1} {algorithm}"] = result
             print(workers - 1, algorithm, result, flush=True)

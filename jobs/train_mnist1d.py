@@ -11,31 +11,34 @@ import logging
 import os
 import sys
 
+from sparkdl_avg.ps.rules import ALGORITHMS
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[N])")
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--mode", choices=["sync", "async"], default="sync")
-    p.add_argument("--algorithm", choices=["downpour", "dcasgd", "dcasgd-adaptive"],
-                   default="downpour", help="async: the parameter server's update rule")
-    p.add_argument("--push-every", type=int, default=8, help="async: steps between pushes")
-    p.add_argument("--staleness-bound", type=int, help="async: max pushes ahead of the slowest")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=50, help="per worker")
-    p.add_argument("--averaging-frequency", type=int, default=8)
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--momentum", type=float, default=0.0)
-    p.add_argument("--average-optimizer-state", action="store_true")
-    p.add_argument("--eval-every", type=int, default=5, help="rounds between evaluations")
+    # one mode's settings: passed on only when given (the other mode's are refused)
+    p.add_argument("--averaging-frequency", type=int, help="sync: steps a round (8)")
+    p.add_argument("--average-optimizer-state", action="store_const", const=True, help="sync")
+    p.add_argument("--eval-every", type=int, help="sync: rounds between evaluations (5)")
+    p.add_argument("--checkpoint-every", type=int, help="sync: rounds between checkpoints")
+    p.add_argument("--algorithm", choices=ALGORITHMS, help="async: the server's update rule")
+    p.add_argument("--push-every", type=int, help="async: steps between pushes (8)")
+    p.add_argument("--staleness-bound", type=int, help="async: max pushes ahead of the slowest")
+    p.add_argument("--ps-checkpoint-every", type=int, help="async: pushes between checkpoints")
     p.add_argument("--hidden", default="1024,1024", help="hidden layer widths")
     p.add_argument("--samples", type=int, default=20_000, help="MNIST-1D samples (80%% train)")
     p.add_argument("--data-dir", help="where the generated Parquet is cached")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--experiment", default="sparkdl-avg-mnist1d")
     p.add_argument("--max-failures", type=int, default=3, help="task failures to recover from")
-    p.add_argument("--checkpoint-every", type=int, default=10, help="rounds between checkpoints")
     p.add_argument("--checkpoint-dir", help="checkpoints here instead of the MLflow run")
     p.add_argument("--resume-from", help="continue a fit whose driver died: run id or directory")
     p.add_argument("--no-log-model", action="store_true")
@@ -52,16 +55,18 @@ def main(argv: list[str]) -> int:
     from sparkdl_avg import TrainConfig, fit
     from sparkdl_avg.examples import mnist1d
 
+    per_mode = {name: getattr(args, name) for name in (
+        "averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
+        "algorithm", "push_every", "staleness_bound", "ps_checkpoint_every")
+        if getattr(args, name) is not None}
+    if args.mode == "sync":  # evaluating 4,000 rows every round would cost ~40% of training
+        per_mode.setdefault("eval_every", 5)
     config = TrainConfig(
-        mode=args.mode, algorithm=args.algorithm, push_every=args.push_every,
-        staleness_bound=args.staleness_bound, num_workers=args.num_workers,
-        epochs=args.epochs, batch_size=args.batch_size,
-        averaging_frequency=args.averaging_frequency, optimizer=args.optimizer, lr=args.lr,
-        momentum=args.momentum, average_optimizer_state=args.average_optimizer_state,
-        eval_every=args.eval_every, seed=args.seed, experiment_name=args.experiment,
+        mode=args.mode, num_workers=args.num_workers, epochs=args.epochs,
+        batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
+        momentum=args.momentum, seed=args.seed, experiment_name=args.experiment,
         log_model=not args.no_log_model, max_failures=args.max_failures,
-        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
-    )
+        checkpoint_dir=args.checkpoint_dir, **per_mode)
     builder = SparkSession.builder.appName("sparkdl-avg-mnist1d")
     if args.master:
         builder = builder.master(args.master)

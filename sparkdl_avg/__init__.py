@@ -1,6 +1,12 @@
-"""Train PyTorch models across a Spark cluster by parameter averaging, logged to MLflow."""
+"""Train PyTorch models across a Spark cluster by parameter averaging, logged to MLflow.
 
-__version__ = "0.1.0"  # first: the modules below read it
+Only the names in `__all__` are public. `fit` and `FitResult` load torch and pyspark, so they
+are imported on first use: the parameter server's command line (`python -m sparkdl_avg ps
+serve`) goes through this module and needs neither."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import (
@@ -12,7 +18,10 @@ from sparkdl_avg._errors import (
     SparkdlAvgError,
     TrainingError,
 )
-from sparkdl_avg._fit import FitResult, fit
+from sparkdl_avg._version import __version__
+
+if TYPE_CHECKING:
+    from sparkdl_avg._fit import FitResult, fit
 
 __all__ = [
     "ClusterError",
@@ -27,3 +36,13 @@ __all__ = [
     "__version__",
     "fit",
 ]
+
+_LAZY = {"fit", "FitResult"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from sparkdl_avg import _fit
+
+        return getattr(_fit, name)
+    raise AttributeError(f"module 'sparkdl_avg' has no attribute {name!r}")

@@ -4,20 +4,43 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from sparkdl_avg._errors import ConfigError
+from sparkdl_avg.ps.rules import ALGORITHMS, RULES
 
 OptimizerName = Literal["sgd", "adam"]
 Mode = Literal["sync", "async"]
-Algorithm = Literal["downpour", "dcasgd", "dcasgd-adaptive"]
 Device = Literal["auto", "cpu", "cuda"]
 
-_OPTIMIZERS = ("sgd", "adam")
-_DEVICES = ("auto", "cpu", "cuda")
-_MODES = ("sync", "async")
-_ALGORITHMS = ("downpour", "dcasgd", "dcasgd-adaptive")
+_OPTIMIZERS = typing.get_args(OptimizerName)
+_DEVICES = typing.get_args(Device)
+_MODES = typing.get_args(Mode)
+
+SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every")
+ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_lambda",
+              "ps_address", "ps_secret_file", "ps_tls_ca", "eval_interval_s",
+              "ps_checkpoint_every", "reconnect_timeout")
+"""Fields of one mode: set to anything but their default in the other mode, a ConfigError."""
+
+
+@dataclass(frozen=True, slots=True)
+class Waits:
+    """Every wait of a fit, in seconds, resolved from a TrainConfig (`TrainConfig.waits`)."""
+
+    round: float
+    """The driver's (sync) or the server's (async) wait for a worker's next message."""
+    connect: float
+    """Workers loading their partitions and connecting."""
+    reply: float
+    """A worker's (and the async driver's) wait for the coordinator's or server's reply."""
+    finish: float
+    """The training job ending after the last round (or the last push)."""
+    reconnect: float
+    """Async: a worker reconnecting to a parameter server being restarted."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,7 +49,8 @@ class TrainConfig:
 
     mode: Mode = "sync"
     """"sync": average every `averaging_frequency` steps. "async": push to and pull from a
-    parameter server on each worker's own schedule (Downpour SGD)."""
+    parameter server on each worker's own schedule (Downpour SGD). Fields of the other mode
+    (`SYNC_ONLY`, `ASYNC_ONLY`) must stay at their defaults."""
 
     num_workers: int = 2
     """Replicas trained in parallel, one Spark task (and one data partition) each."""
@@ -38,7 +62,7 @@ class TrainConfig:
     """Minibatch size *per worker*; the global batch is `num_workers * batch_size`."""
 
     averaging_frequency: int = 8
-    """Local minibatches between two averaging rounds (1 = average after every step)."""
+    """Sync: local minibatches between two averaging rounds (1 = average after every step)."""
 
     optimizer: OptimizerName | Callable[[Any], Any] = "sgd"
     """"sgd", "adam", or a picklable callable `params -> torch.optim.Optimizer`."""
@@ -53,7 +77,7 @@ class TrainConfig:
     """L2 weight decay of the built-in optimizers."""
 
     average_optimizer_state: bool = False
-    """Also average optimizer state (momentum buffers, Adam moments) at every round."""
+    """Sync: also average optimizer state (momentum buffers, Adam moments) at every round."""
 
     shuffle: bool = True
     """Reshuffle each worker's partition every epoch (seeded); False keeps the DataFrame's order."""
@@ -66,11 +90,28 @@ class TrainConfig:
     a GPU; "cpu" ignores any."""
 
     eval_every: int = 1
-    """Evaluate the averaged model on `eval_df` every this many rounds (and after the last)."""
+    """Sync: evaluate the averaged model on `eval_df` every this many rounds (and after the
+    last)."""
 
     round_timeout: float = 600.0
     """Seconds the driver waits for a worker's next message (a push, an evaluation) before it
-    declares the worker hung and restarts the round's training (see max_failures)."""
+    declares the worker hung and restarts the round's training (see max_failures). Async:
+    how long the parameter server waits for a worker's next message, and a push or pull held
+    by the staleness bound waits for slower workers."""
+
+    connect_timeout: float | None = None
+    """Seconds workers may take to load their partitions and connect (to the driver, or the
+    parameter server); None: round_timeout, but at least 300 (large data loads slowly)."""
+
+    reply_timeout: float | None = None
+    """Seconds a worker waits for the driver's next average (sync) or the server's answer
+    (async). None: sync 2 x round_timeout + 30, so that the driver, not a healthy peer
+    waiting on a hung one, reports the hang; async the larger of round_timeout and
+    connect_timeout."""
+
+    finish_timeout: float | None = None
+    """Seconds the driver waits for the training job to end after its last round; None:
+    round_timeout."""
 
     max_failures: int = 3
     """Task failures (an exception, a killed worker, a lost executor, a hang) the fit recovers
@@ -79,8 +120,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     """Sync: every this many rounds (and after the last) the averaged parameters, each worker's
     optimizer state and the position in the data are kept as the restart point and saved to
-    `checkpoint_dir` or the MLflow run. 0: keep none; a failure restarts from round 0.
-    Async: the parameter server saves its state every this many pushes per worker."""
+    `checkpoint_dir` or the MLflow run. 0: keep none; a failure restarts from round 0."""
 
     checkpoint_dir: str | None = None
     """A directory for checkpoints (the newest two are kept); None: the MLflow run's artifacts
@@ -95,9 +135,9 @@ class TrainConfig:
     log_model: bool = True
     """Log the final model with `mlflow.pytorch.log_model` so `mlflow.pyfunc` can load it."""
 
-    algorithm: Algorithm = "downpour"
-    """Async: the server's rule: "downpour", "dcasgd" (delay compensation, constant lambda) or
-    "dcasgd-adaptive"."""
+    algorithm: str = "downpour"
+    """Async: the server's update rule, a name in `ps.rules.RULES`: "downpour", "dcasgd"
+    (delay compensation, constant lambda) or "dcasgd-adaptive"."""
 
     push_every: int = 8
     """Async: local steps between two pushes of a worker's accumulated update."""
@@ -111,7 +151,7 @@ class TrainConfig:
     which reproduces sync averaging); None: unbounded."""
 
     dc_lambda: float | None = None
-    """Async DC-ASGD: lambda (default 0.04) or, adaptive, lambda0 (default 2)."""
+    """Async DC-ASGD: lambda or, adaptive, lambda0; None: the rule's default (0.04; 2)."""
 
     ps_address: str | None = None
     """Async: "host:port" of a running `sparkdl-avg ps serve`; None starts one beside the
@@ -127,16 +167,34 @@ class TrainConfig:
     eval_interval_s: float = 5.0
     """Async: evaluate the server's parameters on `eval_df` every this many seconds."""
 
+    ps_checkpoint_every: int = 10
+    """Async: the parameter server saves its state (to `checkpoint_dir`, else a temporary
+    folder) every this many pushes per worker; 0: only at the start."""
+
+    reconnect_timeout: float | None = None
+    """Async: seconds a worker keeps reconnecting to a parameter server being restarted;
+    None: round_timeout."""
+
     def __post_init__(self) -> None:
-        for name in ("num_workers", "epochs", "batch_size", "averaging_frequency", "eval_every"):
+        if self.mode not in _MODES:
+            raise ConfigError(f"mode={self.mode!r} is not supported; use one of {_MODES}")
+        other = ASYNC_ONLY if self.mode == "sync" else SYNC_ONLY
+        for f in dataclasses.fields(self):
+            if f.name in other and getattr(self, f.name) != f.default:
+                raise ConfigError(
+                    f"{f.name}={getattr(self, f.name)!r} applies to "
+                    f"mode={'async' if self.mode == 'sync' else 'sync'!r} only, and this "
+                    f"config has mode={self.mode!r}; leave {f.name} at its default "
+                    f"({f.default!r})")
+        for name in ("num_workers", "epochs", "batch_size", "averaging_frequency", "eval_every",
+                     "push_every"):
             _require_int(name, getattr(self, name), minimum=1)
-        _require_int("max_failures", self.max_failures, minimum=0)
-        _require_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        for name in ("max_failures", "checkpoint_every", "ps_checkpoint_every", "seed"):
+            _require_int(name, getattr(self, name), minimum=0)
         if self.checkpoint_dir is not None and (
                 not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise ConfigError(f"checkpoint_dir must be a directory path, got "
                               f"{self.checkpoint_dir!r}")
-        _require_int("seed", self.seed, minimum=0)
         if isinstance(self.optimizer, str):
             if self.optimizer not in _OPTIMIZERS:
                 raise ConfigError(
@@ -151,14 +209,20 @@ class TrainConfig:
         if self.momentum >= 1:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
         _require_float("round_timeout", self.round_timeout, positive=True)
+        for name in ("connect_timeout", "reply_timeout", "finish_timeout", "reconnect_timeout"):
+            if getattr(self, name) is not None:
+                _require_float(name, getattr(self, name), positive=True)
         if self.device not in _DEVICES:
             raise ConfigError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
-        if self.mode not in _MODES:
-            raise ConfigError(f"mode={self.mode!r} is not supported; use one of {_MODES}")
-        if self.algorithm not in _ALGORITHMS:
+        self._check_async()
+        for name in ("average_optimizer_state", "shuffle", "log_model"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_async(self) -> None:
+        if self.algorithm not in RULES:
             raise ConfigError(f"algorithm={self.algorithm!r} is not supported; use one of "
-                              f"{_ALGORITHMS}")
-        _require_int("push_every", self.push_every, minimum=1)
+                              f"{ALGORITHMS}")
         if self.fetch_every is not None:
             _require_int("fetch_every", self.fetch_every, minimum=1)
             if self.fetch_every % self.push_every:
@@ -169,6 +233,9 @@ class TrainConfig:
             _require_int("staleness_bound", self.staleness_bound, minimum=0)
         if self.dc_lambda is not None:
             _require_float("dc_lambda", self.dc_lambda)
+            if "dc_lambda" not in RULES[self.algorithm].PARAMETERS:
+                raise ConfigError(f"dc_lambda applies to the DC-ASGD rules, not to "
+                                  f"algorithm={self.algorithm!r}")
         _require_float("eval_interval_s", self.eval_interval_s, positive=True)
         if self.ps_address is not None:
             host, _, port = self.ps_address.rpartition(":")
@@ -176,9 +243,26 @@ class TrainConfig:
                 raise ConfigError(f"ps_address={self.ps_address!r} must be 'host:port'")
             if self.ps_secret_file is None:
                 raise ConfigError("ps_address needs ps_secret_file: the server's secret")
-        for name in ("average_optimizer_state", "shuffle", "log_model"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            # The server's own settings: silently ignoring them would mislead.
+            for name, option in (("dc_lambda", "--dc-lambda"),
+                                 ("ps_checkpoint_every", "--checkpoint-every")):
+                default = TrainConfig.__dataclass_fields__[name].default
+                if getattr(self, name) != default:
+                    raise ConfigError(f"{name} is the parameter server's own setting when "
+                                      f"ps_address is given: start the server with {option}")
+
+    def waits(self) -> Waits:
+        """Every wait of the fit, the unset ones derived from round_timeout."""
+        rt = self.round_timeout
+        connect = self.connect_timeout if self.connect_timeout is not None else max(300.0, rt)
+        if self.reply_timeout is not None:
+            reply = self.reply_timeout
+        else:
+            reply = 2 * rt + 30 if self.mode == "sync" else max(rt, connect)
+        return Waits(round=rt, connect=connect, reply=reply,
+                     finish=self.finish_timeout if self.finish_timeout is not None else rt,
+                     reconnect=self.reconnect_timeout if self.reconnect_timeout is not None
+                     else rt)
 
     def to_dict(self) -> dict[str, str]:
         """Every field as a string, for MLflow params (callables by qualified name)."""

@@ -1,4 +1,5 @@
-"""The errors sparkdl-avg raises. Every message names what is wrong and says what to do."""
+"""The errors sparkdl-avg raises, all of them. Every message names what is wrong and says
+what to do."""
 
 from __future__ import annotations
 
@@ -27,8 +28,45 @@ class TrainingError(SparkdlAvgError, RuntimeError):
     """Training failed on an executor, or a worker stopped answering."""
 
 
+REASONS = ("magic", "version", "kind", "oversized", "malformed", "shape", "auth",
+           "unexpected", "non_finite", "settings", "timeout", "closed")
+"""Why a peer's message was refused. Servers count refusals by these codes, and an ERROR
+reply carries one, so the other side can tell a lost connection from a refusal."""
+
+
 class ProtocolError(SparkdlAvgError, ConnectionError):
-    """A peer sent a frame that is malformed, oversized, unauthenticated or unexpected."""
+    """A peer sent a frame that is malformed, oversized, unauthenticated or unexpected, or
+    refused ours. `reason` is one of `REASONS`."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        if reason not in REASONS:
+            raise ValueError(f"unknown protocol error reason {reason!r}")
+        self.reason = reason
+
+
+class PeerClosed(ProtocolError):
+    """The peer closed the connection (it ended, crashed or was restarted)."""
+
+    def __init__(self, message: str = "connection closed by the peer") -> None:
+        super().__init__(message, "closed")
+
+
+class Unacceptable(ProtocolError):
+    """A whole frame was read but its message is refused: the stream is still in step, so
+    a server may answer with a refusal and go on serving the connection."""
+
+
+class PeerRefused(ProtocolError):
+    """The peer answered with an ERROR frame: it refused our request for `reason`."""
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """A socket-level loss (reset, refused, closed, timed out), not a refusal or a protocol
+    violation: reconnecting may help."""
+    if isinstance(exc, ProtocolError):
+        return isinstance(exc, PeerClosed)
+    return isinstance(exc, OSError)
 
 
 class WorkerLostError(TrainingError):
@@ -43,3 +81,19 @@ class WorkerLostError(TrainingError):
         """The exception the worker itself sent (None: a lost socket, a hang, a crash)."""
         self.details: dict | None = None
         """Filled in by the driver: partition, executor, host, error."""
+        self.resume_at: str | None = None
+        """Where the next attempt takes up, when the failure itself decides it."""
+
+
+class FinalTaskError(TrainingError):
+    """Internal: raised by a training task for an error that a restart would only repeat
+    (our own checks: the device, the data changed, a refused update). The driver recognises
+    it in Spark's report and fails the fit at once instead of restarting."""
+
+
+def is_final(exc: BaseException) -> bool:
+    """Whether a task's error would repeat on a restart: any of our own errors, except a
+    lost connection or a timeout."""
+    if not isinstance(exc, SparkdlAvgError) or isinstance(exc, WorkerLostError):
+        return False
+    return not (isinstance(exc, ProtocolError) and exc.reason in ("closed", "timeout"))

@@ -10,26 +10,18 @@ from dataclasses import dataclass, field
 import torch
 from pyspark.sql import types as T
 
-from sparkdl_avg import __version__
-from sparkdl_avg._async_driver import train_async
-from sparkdl_avg._checkpoint import open_source
-from sparkdl_avg._cluster import check_cluster
 from sparkdl_avg._config import TrainConfig
-from sparkdl_avg._data import PreparedData, features_column, prepare
 from sparkdl_avg._errors import ConfigError, DataError
-from sparkdl_avg._inference import make_predict_udf
-from sparkdl_avg._model import (
-    LossFn,
-    build_model,
-    check_model_fits_data,
-    make_loss,
-    model_dtype,
-    pickle_for_executors,
-)
-from sparkdl_avg._plan import Schedule, make_schedule
-from sparkdl_avg._plots import learning_curves
-from sparkdl_avg._sync_driver import train_sync
-from sparkdl_avg._tracking import RunLogger
+from sparkdl_avg._model import LossFn
+from sparkdl_avg._scoring import make_predict_udf
+from sparkdl_avg._version import __version__
+from sparkdl_avg.data.prepare import features_column
+from sparkdl_avg.driver.asynchronous import train_async
+from sparkdl_avg.driver.checkpoints import open_source
+from sparkdl_avg.driver.plan import FitPlan, Resume, TrainOutcome, make_plan
+from sparkdl_avg.driver.sync import train_sync
+from sparkdl_avg.tracking.plots import learning_curves
+from sparkdl_avg.tracking.run import RunLogger
 
 log = logging.getLogger("sparkdl_avg")
 
@@ -44,9 +36,9 @@ class FitResult:
     """The MLflow run that recorded this fit."""
     history: list[dict] = field(default_factory=list)
     """The metrics logged to MLflow: one dict per averaging round in sync mode, per evaluation
-    interval (`eval_interval_s`) in async mode. MLflow's step is the round; in async mode the
-    rounds' worth of local steps applied (`updates_applied * push_every // (num_workers *
-    averaging_frequency)`), so runs of both modes share one x axis."""
+    interval (`eval_interval_s`) in async mode. MLflow's step is the round; in async mode
+    `updates_applied // num_workers`, a round being `push_every` local steps of each worker,
+    so a sync run averaging every `push_every` steps shares its x axis."""
     workers: list[dict] = field(default_factory=list)
     """One dict per task: partition, host, device, GPU address, rows."""
     timings: dict[str, float] = field(default_factory=dict)
@@ -102,7 +94,6 @@ def fit(
     config = TrainConfig() if config is None else config
     if not isinstance(config, TrainConfig):
         raise ConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
-    loss_fn, classify = make_loss(loss)
     spark = getattr(train_df, "sparkSession", None)
     if spark is None:
         raise DataError(f"train_df must be a pyspark DataFrame, got {type(train_df).__name__}")
@@ -116,85 +107,48 @@ def fit(
             if config.mode != "sync":
                 raise ConfigError("resume_from needs mode='sync'; an async fit restarts its "
                                   "parameter server from the server's own checkpoint")
-            resume = open_source(resume_from, run.tracking_uri)
-        plan = _plan(spark, train_df, eval_df, model_fn, config, features_col, label_col, loss)
+            resume = Resume(*open_source(resume_from, run.tracking_uri))
+        plan = make_plan(spark, train_df, eval_df, model_fn, config, features_col=features_col,
+                         label_col=label_col, loss=loss, resume=resume)
         run.log_params(plan.params)
-        timings = {"validate_s": time.perf_counter() - t_start}
-        failures: list[dict] = []
-        if config.mode == "async":
-            history, workers, failures = train_async(spark, plan, config, classify, loss_fn,
-                                                     run, timings, t_start)
-        else:
-            history, workers, failures = train_sync(spark, plan, config, classify, run,
-                                                    timings, t_start, resume)
-        for w in workers:
-            if w["warning"]:
-                log.warning("partition %d: %s", w["partition"], w["warning"])
-            if w["version"] != __version__:
-                log.warning("partition %d ran sparkdl-avg %s from %s; the driver runs %s",
-                            w["partition"], w["version"], w["library"], __version__)
-        run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
-                      for w in workers})
-        run.log_figure(lambda: learning_curves(history, "round"), "plots/learning_curves.png")
+        validate_s = time.perf_counter() - t_start
+        outcome = _TRAIN[config.mode](spark, plan, run)
+        _report_workers(outcome, run)
+        run.log_figure(lambda: learning_curves(outcome.history, "round"),
+                       "plots/learning_curves.png")
         model = plan.model.eval()  # a trained result predicts: dropout and batch stats off
+        timings = {"validate_s": validate_s, "first_step_s": outcome.first_step_at - t_start,
+                   "train_s": outcome.train_s}
         if config.log_model:
             t_log = time.perf_counter()
-            example = torch.zeros(2, plan.data.num_features, dtype=plan.dtype)
-            run.log_model(model, example.float().numpy() if plan.dtype in (
-                torch.float16, torch.bfloat16) else example.numpy())
+            _log_model(run, plan)
             timings["log_model_s"] = time.perf_counter() - t_log
         timings["total_s"] = time.perf_counter() - t_start
         run.log_metrics({f"time_{k}": v for k, v in timings.items()}, step=0)
-        run.log_dict({"workers": workers, "timings": timings, "failures": failures},
-                     "fit_summary.json")
-        return FitResult(model=model, run_id=run.run_id, history=history, workers=workers,
-                         timings=timings, failures=failures, features_col=features_col,
-                         num_features=plan.data.num_features, classify=classify)
+        run.log_dict({"workers": outcome.workers, "timings": timings,
+                      "failures": outcome.failures}, "fit_summary.json")
+        return FitResult(model=model, run_id=run.run_id, history=outcome.history,
+                         workers=outcome.workers, timings=timings, failures=outcome.failures,
+                         features_col=features_col, num_features=plan.data.num_features,
+                         classify=plan.classify)
 
 
-@dataclass(slots=True)
-class _Plan:
-    """Everything decided and checked on the driver before a task starts."""
-
-    model: torch.nn.Module
-    dtype: torch.dtype
-    data: PreparedData
-    schedule: Schedule
-    pickled: dict[str, bytes]
-    long_labels: bool
-    params: dict[str, object]
+_TRAIN = {"sync": train_sync, "async": train_async}
+"""Each mode's driver: (spark, plan, run) -> TrainOutcome."""
 
 
-def _plan(spark, train_df, eval_df, model_fn, config: TrainConfig, features_col, label_col,
-          loss) -> _Plan:
-    check_cluster(spark, config.num_workers, config.device)
-    torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
-    model = build_model(model_fn)
-    dtype = model_dtype(model)
-    pickled = {"model_fn": pickle_for_executors("model_fn", model_fn),
-               "loss": pickle_for_executors("loss", loss)}
-    if callable(config.optimizer):  # travels as bytes, like model_fn
-        pickled["optimizer"] = pickle_for_executors("optimizer", config.optimizer)
-    data = prepare(train_df, eval_df, features_col=features_col, label_col=label_col,
-                   num_workers=config.num_workers, double_precision=dtype == torch.float64)
-    if loss == "cross_entropy" and data.fractional_labels:
-        raise DataError(
-            f"label column {label_col!r} has {data.fractional_labels} non-integer values; "
-            "cross_entropy needs integer class labels"
-        )
-    check_model_fits_data(model, num_features=data.num_features, loss=loss, dtype=dtype,
-                          label_min=data.label_min, label_max=data.label_max)
-    smallest = min(data.train_sizes)
-    if smallest < config.batch_size:
-        raise DataError(
-            f"train_df has {sum(data.train_sizes)} rows: {smallest} per worker, fewer than "
-            f"batch_size={config.batch_size}; lower batch_size or num_workers"
-        )
-    schedule = make_schedule(smallest, config.batch_size, config.epochs,
-                             config.averaging_frequency)
-    params = {"num_features": data.num_features, "train_rows": sum(data.train_sizes),
-              "eval_rows": sum(data.eval_sizes), "steps_per_epoch": schedule.steps_per_epoch,
-              "num_rounds": schedule.num_rounds, "dtype": str(dtype),
-              "model_parameters": sum(p.numel() for p in model.parameters())}
-    return _Plan(model, dtype, data, schedule, pickled,
-                 long_labels=data.integral_labels or loss == "cross_entropy", params=params)
+def _report_workers(outcome: TrainOutcome, run: RunLogger) -> None:
+    for w in outcome.workers:
+        if w["warning"]:
+            log.warning("partition %d: %s", w["partition"], w["warning"])
+        if w["version"] != __version__:
+            log.warning("partition %d ran sparkdl-avg %s from %s; the driver runs %s",
+                        w["partition"], w["version"], w["library"], __version__)
+    run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
+                  for w in outcome.workers})
+
+
+def _log_model(run: RunLogger, plan: FitPlan) -> None:
+    example = torch.zeros(2, plan.data.num_features, dtype=plan.dtype)
+    half = plan.dtype in (torch.float16, torch.bfloat16)  # numpy has neither
+    run.log_model(plan.model, example.float().numpy() if half else example.numpy())

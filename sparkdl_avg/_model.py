@@ -1,8 +1,9 @@
-"""The replica: building the model, its optimizer and loss, and moving its tensors in and out
-of one flat host buffer (pinned when on a GPU) for the wire."""
+"""What the user gives, built and checked: the model (`model_fn`), its optimizer and its loss,
+and the callables pickled for the executors. Used on the driver and in the tasks."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -12,11 +13,11 @@ from types import ModuleType
 from typing import Any
 
 import cloudpickle
-import numpy as np
 import torch
 
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import ConfigError, ModelError
+from sparkdl_avg.averaging.flat_buffer import averaged_tensors
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -54,8 +55,8 @@ def pickle_for_executors(name: str, value: object) -> bytes:
 
 
 def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
-    """The modules a callable comes from: its own, its class's, and for a
-    `functools.partial` those of the function and of its arguments."""
+    """The modules a callable comes from: its own, its class's, for a `functools.partial`
+    those of the function and of its arguments, for a dataclass those of its callables."""
     found = set()
     for obj in (value, type(value)):
         module = sys.modules.get(getattr(obj, "__module__", None) or "")
@@ -64,6 +65,10 @@ def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
     if isinstance(value, functools.partial) and depth < 3:
         for part in (value.func, *value.args, *value.keywords.values()):
             found |= _modules_of(part, depth + 1)
+    if dataclasses.is_dataclass(value) and depth < 3:  # a TrainConfig's optimizer factory
+        for f in dataclasses.fields(value):
+            if callable(getattr(value, f.name)):
+                found |= _modules_of(getattr(value, f.name), depth + 1)
     return found
 
 
@@ -75,13 +80,6 @@ def _is_user_module(module: ModuleType) -> bool:
                                                     "platlib")}
     path = os.path.realpath(path)
     return not any(path.startswith(os.path.realpath(p) + os.sep) for p in installed)
-
-
-def averaged_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters and floating buffers (e.g. BatchNorm statistics), in a fixed order."""
-    tensors = [p for p in model.parameters()]
-    tensors += [b for b in model.buffers() if b.is_floating_point()]
-    return tensors
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -99,81 +97,11 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return dtype
 
 
-def optimizer_state_tensors(
-    optimizer: torch.optim.Optimizer, dtype: torch.dtype
-) -> list[torch.Tensor]:
-    """Averageable optimizer state (momentum buffers, Adam moments): per parameter, by key."""
-    out = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            for key in sorted(state):
-                value = state[key]
-                if key != "step" and isinstance(value, torch.Tensor) and value.dtype == dtype \
-                        and value.shape == p.shape:
-                    out.append(value)
-    return out
-
-
-def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Parameters travel and are averaged in float64 for float64 models, else float32
-    (numpy, and so the wire, has no bfloat16)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class FlatBuffer:
-    """The tensors re-homed into one contiguous tensor, and its host copy for the wire.
-
-    Each tensor's storage becomes a view of `flat` (`t.data = view`), so the module and the
-    optimizer keep working on the same objects while the whole set moves as one block. On the
-    CPU with the wire's dtype, `flat` *is* the wire buffer: no copies at all. On a GPU, one
-    pinned host buffer takes one non-blocking copy each way."""
-
-    def __init__(self, tensors: list[torch.Tensor], wire_dtype: torch.dtype) -> None:
-        first = tensors[0]
-        numel = sum(t.numel() for t in tensors)
-        self.flat = torch.empty(numel, dtype=first.dtype, device=first.device)
-        offset = 0
-        with torch.no_grad():
-            for t in tensors:
-                n = t.numel()
-                view = self.flat[offset:offset + n]
-                view.copy_(t.reshape(-1))
-                t.data = view.view_as(t)
-                offset += n
-        if first.device.type == "cpu" and first.dtype == wire_dtype:
-            self.host = self.flat
-        else:
-            self.host = torch.empty(numel, dtype=wire_dtype,
-                                    pin_memory=first.device.type == "cuda")
-        self.array = self.host.numpy()
-
-    def gather(self) -> np.ndarray:
-        """The tensors' current values in `array`."""
-        if self.host is not self.flat:
-            self.host.copy_(self.flat, non_blocking=True)
-            _sync(self.flat)
-        return self.array
-
-    def scatter(self) -> None:
-        """`array`'s values (e.g. a received average) into the tensors."""
-        if self.host is not self.flat:
-            self.flat.copy_(self.host, non_blocking=True)
-            _sync(self.flat)
-
-
-def _sync(tensor: torch.Tensor) -> None:
-    if tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
-
-
-def make_optimizer(
-    config: TrainConfig, params: Any, factory: Callable[[Any], Any] | None = None
-) -> torch.optim.Optimizer:
-    """The built-in optimizer named in `config`, or `factory(params)` for a user callable."""
-    factory = factory or (config.optimizer if callable(config.optimizer) else None)
-    if factory is not None:
-        opt = factory(params)
+def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
+    """The built-in optimizer named in `config`, or `config.optimizer(params)` for a user
+    callable."""
+    if callable(config.optimizer):
+        opt = config.optimizer(params)
         if not isinstance(opt, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer callable returned {type(opt).__name__}, not a torch.optim.Optimizer"

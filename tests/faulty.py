@@ -59,6 +59,21 @@ def _first(marker: str) -> bool:
         return False
 
 
+def diverges() -> torch.nn.Module:
+    """Its outputs (and so its gradients and updates) are NaN from the first step."""
+    return _NaNOutputs()
+
+
+class _NaNOutputs(FaultyMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * float("nan")
+
+
+def latest_run(client, experiment: str):
+    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id],
+                              order_by=["attributes.start_time DESC"], max_results=1)[0]
+
+
 def always_fails() -> torch.nn.Module:
     return FaultyMLP(fault="raise", at_call=1)
 

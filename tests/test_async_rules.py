@@ -3,11 +3,12 @@
 import numpy as np
 import pytest
 
-from sparkdl_avg._async_rules import ServerState, may_apply, may_read
+from sparkdl_avg.ps.rules import RULES, make_rule
+from sparkdl_avg.ps.staleness import may_apply, may_read
 
 
 def test_downpour_subtracts_the_pushed_update():
-    s = ServerState(params=np.array([1.0, 2.0]), algorithm="downpour")
+    s = make_rule("downpour", np.array([1.0, 2.0]))
     s.pull(0)
     s.apply(0, np.array([0.5, -1.0]))
     assert s.params.tolist() == [0.5, 3.0]
@@ -15,7 +16,7 @@ def test_downpour_subtracts_the_pushed_update():
 
 def test_dcasgd_constant_lambda_by_hand():
     # lr 0.1, lambda 0.04. Worker 0 pulls w=[1, 2]; meanwhile the server moved to [1.5, 1.0].
-    s = ServerState(params=np.array([1.0, 2.0]), algorithm="dcasgd", lr=0.1, dc_lambda=0.04)
+    s = make_rule("dcasgd", np.array([1.0, 2.0]), lr=0.1, dc_lambda=0.04)
     s.pull(0)
     s.params[:] = [1.5, 1.0]
     s.apply(0, np.array([0.2, -0.1]))  # g = update / lr = [2, -1]
@@ -24,7 +25,7 @@ def test_dcasgd_constant_lambda_by_hand():
 
 
 def test_dcasgd_keeps_one_backup_per_worker():
-    s = ServerState(params=np.array([0.0]), algorithm="dcasgd", lr=1.0, dc_lambda=1.0)
+    s = make_rule("dcasgd", np.array([0.0]), lr=1.0, dc_lambda=1.0)
     s.pull(0)                 # worker 0's backup: 0
     s.params[:] = [1.0]
     s.pull(1)                 # worker 1's backup: 1 (worker 0's stays 0)
@@ -35,8 +36,8 @@ def test_dcasgd_keeps_one_backup_per_worker():
 
 
 def test_dcasgd_adaptive_scales_lambda_by_the_mean_square():
-    s = ServerState(params=np.array([1.0]), algorithm="dcasgd-adaptive", lr=0.5, dc_lambda=2.0,
-                    momentum=0.95, eps=1e-7)
+    s = make_rule("dcasgd-adaptive", np.array([1.0]), lr=0.5, dc_lambda=2.0)
+    assert (s.MOMENTUM, s.EPS) == (0.95, 1e-7)  # the paper's defaults, owned by the rule
     s.pull(0)
     s.params[:] = [2.0]
     s.apply(0, np.array([1.0]))  # g = 2; ms = 0.05*4 = 0.2; lam = 2/sqrt(0.2 + 1e-7)
@@ -46,14 +47,21 @@ def test_dcasgd_adaptive_scales_lambda_by_the_mean_square():
 
 
 def test_push_before_pull_is_refused_for_dcasgd():
-    s = ServerState(params=np.zeros(1), algorithm="dcasgd")
+    s = make_rule("dcasgd", np.zeros(1))
     with pytest.raises(ValueError, match="pushed before it pulled"):
         s.apply(3, np.ones(1))
 
 
 def test_unknown_algorithm():
     with pytest.raises(ValueError, match="algorithm='hogwild'"):
-        ServerState(params=np.zeros(1), algorithm="hogwild")
+        make_rule("hogwild", np.zeros(1))
+
+
+def test_each_rule_owns_its_defaults():
+    assert make_rule("dcasgd", np.zeros(1)).settings() == {"dc_lambda": 0.04}
+    assert make_rule("dcasgd-adaptive", np.zeros(1)).settings() == {"dc_lambda": 2.0}
+    assert make_rule("downpour", np.zeros(1)).settings() == {}
+    assert list(RULES) == ["downpour", "dcasgd", "dcasgd-adaptive"]
 
 
 def test_ssp_read_rule():

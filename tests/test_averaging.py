@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from sparkdl_avg._averaging import mean_distance, non_finite_replicas, weighted_average
+from sparkdl_avg.averaging.arithmetic import mean_distance, non_finite_replicas, weighted_average
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

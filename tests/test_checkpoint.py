@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sparkdl_avg import ConfigError
-from sparkdl_avg._checkpoint import Checkpoint, DirStore, check_resumable
+from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, check_resumable
 
 FINGERPRINT = {"averaging_frequency": 2, "lr": 0.1}
 

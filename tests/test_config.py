@@ -1,8 +1,11 @@
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
 from sparkdl_avg import ConfigError, TrainConfig
+from sparkdl_avg._config import ASYNC_ONLY, SYNC_ONLY, Waits
 
 
 @pytest.mark.parametrize(
@@ -47,3 +50,74 @@ def test_frozen():
     cfg = TrainConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.num_workers = 3
+
+
+def _non_default(name: str):
+    """A valid value other than the field's default."""
+    return {"averaging_frequency": 3, "average_optimizer_state": True, "eval_every": 2,
+            "checkpoint_every": 4, "algorithm": "dcasgd", "push_every": 4, "fetch_every": 16,
+            "staleness_bound": 2, "dc_lambda": 0.1, "ps_address": "h:1",
+            "ps_secret_file": "s", "ps_tls_ca": "ca.pem", "eval_interval_s": 1.0,
+            "ps_checkpoint_every": 3, "reconnect_timeout": 5.0}[name]
+
+
+@pytest.mark.parametrize("name", ASYNC_ONLY)
+def test_an_async_field_set_in_sync_mode_is_refused_naming_field_and_mode(name):
+    with pytest.raises(ConfigError, match=rf"{name}=.* applies to mode='async' only.*"
+                                          r"mode='sync'"):
+        TrainConfig(**{name: _non_default(name)})
+
+
+@pytest.mark.parametrize("name", SYNC_ONLY)
+def test_a_sync_field_set_in_async_mode_is_refused_naming_field_and_mode(name):
+    with pytest.raises(ConfigError, match=rf"{name}=.* applies to mode='sync' only.*"
+                                          r"mode='async'"):
+        TrainConfig(mode="async", **{name: _non_default(name)})
+
+
+def test_fields_left_at_their_defaults_never_fail_so_replace_is_safe():
+    sync = TrainConfig(num_workers=3, lr=0.1)
+    assert dataclasses.replace(sync, mode="async").mode == "async"
+    both = {f.name for f in dataclasses.fields(TrainConfig)} - set(SYNC_ONLY) - set(ASYNC_ONLY)
+    assert "round_timeout" in both and "checkpoint_dir" in both and "mode" in both
+
+
+def test_with_ps_address_the_servers_own_settings_are_refused_not_ignored():
+    for name, option in (("dc_lambda", "--dc-lambda"), ("ps_checkpoint_every",
+                                                        "--checkpoint-every")):
+        with pytest.raises(ConfigError, match=f"start the server with {option}"):
+            TrainConfig(mode="async", algorithm="dcasgd", ps_address="h:1",
+                        ps_secret_file="s", **{name: _non_default(name)})
+
+
+def test_dc_lambda_belongs_to_the_rules_that_read_it():
+    with pytest.raises(ConfigError, match="not to algorithm='downpour'"):
+        TrainConfig(mode="async", dc_lambda=0.1)
+    with pytest.raises(ConfigError, match="algorithm='hogwild' is not supported"):
+        TrainConfig(mode="async", algorithm="hogwild")
+
+
+def test_waits_derive_from_round_timeout_unless_set():
+    assert TrainConfig(round_timeout=10).waits() == Waits(
+        round=10, connect=300, reply=50, finish=10, reconnect=10)
+    assert TrainConfig(mode="async", round_timeout=400).waits() == Waits(
+        round=400, connect=400, reply=400, finish=400, reconnect=400)
+    assert TrainConfig(round_timeout=10, connect_timeout=5, reply_timeout=7,
+                       finish_timeout=8).waits() == Waits(
+        round=10, connect=5, reply=7, finish=8, reconnect=10)
+    with pytest.raises(ConfigError, match="reply_timeout must be positive"):
+        TrainConfig(reply_timeout=0)
+
+
+def test_the_readme_table_lists_every_field_with_its_mode():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("### TrainConfig", 1)[1].split("\n\n", 2)[1]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for name in re.findall(r"`(\w+)`", cells[0]):
+            rows[name] = cells[1]
+    assert set(rows) == {f.name for f in dataclasses.fields(TrainConfig)}
+    for name, mode in rows.items():
+        expected = "sync" if name in SYNC_ONLY else "async" if name in ASYNC_ONLY else "both"
+        assert mode == expected, name

@@ -1,7 +1,7 @@
 import pytest
 
 from sparkdl_avg import ClusterError
-from sparkdl_avg._device import check_gpu_scheduling, choose_device, cuda_index
+from sparkdl_avg.task.device import check_gpu_scheduling, choose_device, cuda_index
 
 
 def test_gpu_address_is_the_cuda_index_without_visible_devices():

@@ -13,7 +13,7 @@ import time
 from functools import partial
 
 import pytest
-from faulty import FaultyMLP, always_fails, dataset, same_parameters
+from faulty import FaultyMLP, always_fails, dataset, latest_run, same_parameters
 
 from sparkdl_avg import ConfigError, TrainConfig, TrainingError, fit
 
@@ -141,3 +141,20 @@ def _wait_for_checkpoint(client, experiment: str, *, at_least_round: int, proc, 
                 return run.info.run_id
         time.sleep(0.1)
     raise AssertionError(f"no checkpoint in {timeout}s: {log.read_text()[-3000:]}")
+
+
+def test_a_dataframe_that_changes_under_the_fit_fails_at_once_not_retried(spark,
+                                                                          mlflow_client):
+    """A task's own check (here: it got other rows than validation counted) would fail the
+    same way on every restart: the fit fails at once, naming the partition and the cause."""
+    import random
+
+    from pyspark.sql import functions as F
+
+    keep = F.udf(lambda _: random.random() < 0.7, "boolean").asNondeterministic()
+    changing = dataset(spark).filter(keep(F.col("label")))
+    with pytest.raises(TrainingError, match=r"partition \d failed: DataError: partition \d "
+                                            r"received .* the DataFrame changed"):
+        fit(changing, FaultyMLP, TrainConfig(**{**BASE, "experiment_name": "final-sync"}))
+    run = latest_run(mlflow_client, "final-sync")
+    assert run.info.status == "FAILED" and "restarts" not in run.data.metrics

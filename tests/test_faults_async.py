@@ -12,9 +12,9 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from faulty import FaultyMLP, dataset
+from faulty import FaultyMLP, dataset, diverges, latest_run
 
-from sparkdl_avg import TrainConfig, fit
+from sparkdl_avg import TrainConfig, TrainingError, fit
 
 pytestmark = pytest.mark.spark
 
@@ -53,7 +53,7 @@ def test_a_killed_parameter_server_is_restarted_from_its_checkpoint(data, tmp_pa
                               daemon=True)
     killer.start()
     result = fit(data, partial(FaultyMLP, delay_s=0.03),
-                 TrainConfig(**BASE, checkpoint_every=2, checkpoint_dir=str(tmp_path)))
+                 TrainConfig(**BASE, ps_checkpoint_every=2, checkpoint_dir=str(tmp_path)))
     killer.join(timeout=5)
     assert getattr(killer, "killed", False), "the server was not killed mid-fit"
     assert mlflow_client.get_metric_history(result.run_id, "ps_restarts")[-1].value == 1
@@ -97,3 +97,12 @@ def _server_pid(checkpoint: str) -> int | None:
         if b"serve" in cmdline and checkpoint.encode() in cmdline:
             return int(entry)
     return None
+
+
+def test_a_refused_update_fails_the_fit_at_once_not_retried(data, mlflow_client):
+    """The async loop's final-error path: the server refuses a NaN update, and a restart would
+    only diverge again, so the fit fails at once naming the partition."""
+    with pytest.raises(TrainingError, match=r"partition \d failed: PeerRefused: .*NaN or Inf"):
+        fit(data, diverges, TrainConfig(**BASE, experiment_name="final-async"))
+    run = latest_run(mlflow_client, "final-async")
+    assert run.info.status == "FAILED" and "restarts" not in run.data.metrics

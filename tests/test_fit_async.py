@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_fit_sync import frame, make_data, make_model_f32, make_model_f64, max_param_diff
 
-from sparkdl_avg import TrainConfig, fit
+from sparkdl_avg import ConfigError, TrainConfig, fit
 
 pytestmark = pytest.mark.spark
 
@@ -47,22 +47,34 @@ def test_async_learns_and_logs_the_servers_view(spark, mlflow_client, algorithm)
         assert mlflow_client.get_metric_history(result.run_id, key), key
 
 
-def test_fit_uses_a_standalone_server_given_by_address(spark, tmp_path):
+def test_fit_uses_a_standalone_server_given_by_address(spark, tmp_path, mlflow_client):
     import os
 
-    from sparkdl_avg._sidecar import Sidecar
+    from sparkdl_avg.ps.settings import ServerSettings
+    from sparkdl_avg.ps.sidecar import Sidecar
 
     secret = os.urandom(32)
     (tmp_path / "secret").write_text(secret.hex())
     x, y = make_data(400, seed=3)
-    settings = {"algorithm": "downpour", "lr": 0.01, "update_scale": 0.5}
-    with Sidecar(host="127.0.0.1", secret=secret, settings=settings, staleness_bound=None,
-                 timeout=60) as server:  # stands in for `sparkdl-avg ps serve` run by a user
+    settings = ServerSettings(algorithm="downpour", lr=0.05, update_scale=0.5, timeout=60)
+    with Sidecar(settings, host="127.0.0.1", secret=secret) as server:  # a user's server
         result = fit(frame(spark, x, y), make_model_f64, TrainConfig(
             mode="async", num_workers=2, epochs=2, batch_size=8, push_every=2, lr=0.05,
             ps_address=f"127.0.0.1:{server.port}", ps_secret_file=str(tmp_path / "secret"),
             log_model=False))
         assert result.history[-1]["updates_applied"] == 2 * (2 * 25) // 2
+        tags = mlflow_client.get_run(result.run_id).data.tags  # the server's own report
+        assert tags["sparkdl_avg.ps.lr"] == "0.05"
+        assert tags["sparkdl_avg.ps.update_scale"] == "0.5"
+        # A fit that needs other settings than the server has is refused before any task.
+        with pytest.raises(ConfigError, match="lr: the fit has 0.01, the server 0.05"):
+            fit(frame(spark, x, y), make_model_f64, TrainConfig(
+                mode="async", num_workers=2, batch_size=8, lr=0.01,
+                ps_address=f"127.0.0.1:{server.port}", ps_secret_file=str(tmp_path / "secret"),
+                log_model=False, experiment_name="ps-mismatch"))
+    failed = mlflow_client.search_runs(
+        [mlflow_client.get_experiment_by_name("ps-mismatch").experiment_id])
+    assert [r.info.status for r in failed] == ["FAILED"]
 
 
 def test_async_with_a_user_optimizer_factory(spark):

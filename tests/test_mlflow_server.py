@@ -53,6 +53,7 @@ def server_uri(tmp_path_factory):
         mlflow.set_tracking_uri(uri)
         yield uri
         mlflow.set_tracking_uri(old)
+        mlflow.set_experiment("Default")  # not the server's active experiment id
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -68,13 +69,13 @@ def test_sync_and_async_runs_compare_column_by_column(spark, server_uri):
     y = (x[:, 0] > 0).astype(np.int64)
     df = spark.createDataFrame(pd.DataFrame({"features": list(x), "label": y}))
     common = dict(num_workers=2, epochs=2, batch_size=20, optimizer="adam", lr=0.01,
-                  averaging_frequency=2, experiment_name="compare-modes", log_model=False)
+                  experiment_name="compare-modes", log_model=False)
     mlflow.enable_system_metrics_logging()
     mlflow.set_system_metrics_sampling_interval(1)
     try:
         runs = [fit(df, lambda: torch.nn.Linear(4, 2), TrainConfig(**common, **extra),
                     eval_df=df)
-                for extra in ({"mode": "sync"},
+                for extra in ({"mode": "sync", "averaging_frequency": 2},
                               {"mode": "async", "push_every": 2, "eval_interval_s": 0.5})]
     finally:
         mlflow.disable_system_metrics_logging()

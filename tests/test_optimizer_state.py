@@ -8,7 +8,7 @@ import torch
 
 from sparkdl_avg import ModelError, ProtocolError, TrainConfig
 from sparkdl_avg._model import make_optimizer
-from sparkdl_avg._optimizer_state import pack, restore
+from sparkdl_avg.task.worker_state import pack, restore
 
 
 def model() -> torch.nn.Module:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pyspark.sql import functions as F
 
-from sparkdl_avg._data import INDEX, prepare, spark_hash_int
+from sparkdl_avg.data.columns import INDEX
+from sparkdl_avg.data.prepare import prepare, spark_hash_int
 
 pytestmark = pytest.mark.spark
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from sparkdl_avg._plan import batch_slice, epoch_order, make_schedule, partition_sizes
+from sparkdl_avg.data.order import batch_slice, epoch_order, partition_sizes
+from sparkdl_avg.task.schedule import make_schedule
 
 
 @pytest.mark.parametrize(("rows", "workers"), [(10, 3), (9, 3), (1, 1), (1000, 7)])

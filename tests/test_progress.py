@@ -1,6 +1,6 @@
 import logging
 
-from sparkdl_avg._progress import Progress
+from sparkdl_avg.tracking.progress import Progress
 
 
 def test_non_interactive_progress_logs_lines_with_loss_and_accuracy(caplog):

@@ -9,18 +9,22 @@ import time
 import numpy as np
 import pytest
 
-from sparkdl_avg import ProtocolError, _wire
-from sparkdl_avg._async_rules import ServerState
-from sparkdl_avg._ps_client import PSClient
-from sparkdl_avg._ps_server import ParameterServer
+from sparkdl_avg import ProtocolError
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.frames import VERSION
+from sparkdl_avg.ps.client import PSClient
+from sparkdl_avg.ps.rules import make_rule
+from sparkdl_avg.ps.server import ParameterServer
+from sparkdl_avg.ps.settings import ServerSettings
 
 SECRET = b"s" * 32
 
 
-def server(n: int = 4, **kw) -> ParameterServer:
-    state = ServerState(params=np.zeros(n, np.float32), algorithm=kw.pop("algorithm", "downpour"),
-                        lr=0.1)
-    return ParameterServer(state, secret=SECRET, timeout=10, **kw)
+def server(n: int = 4, algorithm: str = "downpour", **kw) -> ParameterServer:
+    """A server that already holds zero parameters (as if INITed)."""
+    settings = ServerSettings(algorithm=algorithm, lr=0.1, timeout=10, **kw)
+    rule = make_rule(algorithm, np.zeros(n, np.float32), lr=0.1)
+    return ParameterServer(settings, secret=SECRET, rule=rule)
 
 
 def client(ps: ParameterServer, worker: int, n: int = 4) -> PSClient:
@@ -32,7 +36,7 @@ def test_pull_push_pull_applies_the_update():
     with server() as ps, client(ps, 0) as c:
         assert c.pull() == 0
         ack = c.push(np.array([1, 2, 3, 4], np.float32))
-        assert ack["applied"] == 1 and ack["staleness"] == 0
+        assert ack.applied == 1 and ack.staleness == 0
         assert c.pull() == 1
         assert c.params.tolist() == [-1, -2, -3, -4]
 
@@ -56,6 +60,22 @@ def test_bad_input_is_refused_counted_and_the_server_stays_up():
         assert stats["refused"] == {"auth": 1, "non_finite": 1, "shape": 1}
 
 
+def test_init_reports_the_settings_and_refuses_a_fit_that_needs_others():
+    ps = ParameterServer(ServerSettings(algorithm="dcasgd", lr=0.1, timeout=10), secret=SECRET)
+    with ps, PSClient(ps.address, secret=SECRET, worker=-1, numel=2, dtype=np.float32,
+                      timeout=10) as driver:
+        with pytest.raises(ProtocolError, match="algorithm: the fit has 'downpour', the "
+                           "server 'dcasgd'; staleness_bound: the fit has 0") as info:
+            driver.init(np.ones(2, np.float32), expect={
+                "algorithm": "downpour", "lr": 0.1, "staleness_bound": 0})
+        assert info.value.reason == "settings"
+        assert ps.rule is None  # refused before it touched anything
+        settings = driver.init(np.ones(2, np.float32), expect={
+            "algorithm": "dcasgd", "lr": 0.1, "staleness_bound": None})
+        assert settings["dc_lambda"] == 0.04  # the rule's default, filled in
+        assert ps.stats()["refused"] == {"settings": 1}
+
+
 def test_concurrent_clients_lose_no_update():
     workers, pushes = 8, 40
     with server(n=1000) as ps:
@@ -73,7 +93,7 @@ def test_concurrent_clients_lose_no_update():
         for t in threads:
             t.join(60)
         assert len(acks) == workers * pushes == ps.applied
-        np.testing.assert_allclose(ps.state.params, -0.5 * workers * pushes)
+        np.testing.assert_allclose(ps.rule.params, -0.5 * workers * pushes)
 
 
 def test_staleness_bound_holds_a_fast_worker_back():
@@ -142,18 +162,17 @@ def test_oversized_or_garbage_frames_do_not_stop_the_server():
         import struct
 
         with socket.create_connection(ps.address, timeout=5) as s:
-            s.sendall(struct.pack("!4sBBHIQ", b"SDLA", 1, 2, 0, 1 << 30, 0))
+            s.sendall(struct.pack("!4sBBHIQ", b"SDLA", VERSION, 2, 0, 1 << 30, 0))
         time.sleep(0.2)
         with client(ps, 0) as c:
             assert c.pull() == 0
-        assert ps.stats()["refused"]["auth"] >= 1
+        assert ps.stats()["refused"]["oversized"] >= 1
 
 
 def test_announced_workers_hold_pushes_until_their_first_read():
     # Lockstep with a late joiner: worker 0's first push must not land before worker 1 has
     # read the initial parameters, or worker 1 would start from the wrong point.
-    ps = ParameterServer(secret=SECRET, timeout=10, staleness_bound=0,
-                         settings={"algorithm": "downpour"})
+    ps = ParameterServer(ServerSettings(timeout=10, staleness_bound=0), secret=SECRET)
     with ps:
         with PSClient(ps.address, secret=SECRET, worker=-1, numel=4, dtype=np.float32,
                       timeout=10) as driver:
@@ -174,9 +193,9 @@ def test_announced_workers_hold_pushes_until_their_first_read():
 
 def test_an_update_without_payload_is_refused_not_a_crash():
     with server() as ps, client(ps, 0) as c:
-        c._conn.send(_wire.Kind.UPDATE, {})  # first frame, no bytes
+        msg.send(c._conn, msg.Update())  # first frame, no bytes
         with pytest.raises(ProtocolError, match="UPDATE without a payload"):
-            c._conn.expect(_wire.Kind.ACK)
+            msg.expect(c._conn, msg.Ack)
         c.pull()  # the connection is still served
         assert ps.stats()["refused"] == {"malformed": 1}
 
@@ -185,8 +204,8 @@ def test_a_restarted_server_takes_up_its_checkpoint(tmp_path):
     """The state saved every k updates comes back: parameters, counters, each worker's
     progress (where it resumes), and the announced workers of the staleness bound."""
     path = str(tmp_path / "ps.npz")
-    first = ParameterServer(secret=SECRET, timeout=10, checkpoint_path=path, checkpoint_every=2,
-                            settings={"algorithm": "downpour", "lr": 0.1})
+    first = ParameterServer(ServerSettings(lr=0.1, timeout=10, checkpoint_every=2),
+                            secret=SECRET, checkpoint_path=path)
     with first, PSClient(first.address, secret=SECRET, worker=-1, numel=4,
                          dtype=np.float32, timeout=10) as driver:
         driver.init(np.zeros(4, np.float32), workers=2)
@@ -194,8 +213,8 @@ def test_a_restarted_server_takes_up_its_checkpoint(tmp_path):
             c.pull()
             for steps in (8, 16, 24):  # the third push comes after the last checkpoint
                 c.push(np.ones(4, np.float32), samples=10, steps=steps)
-    second = ParameterServer(secret=SECRET, timeout=10, staleness_bound=0,
-                             settings={"algorithm": "downpour", "lr": 0.1})
+    second = ParameterServer(ServerSettings(lr=0.1, timeout=10, staleness_bound=0),
+                             secret=SECRET)
     second.restore(path)
     assert second.applied == 2 and second.samples == 20
     assert second.progress == {0: 16}

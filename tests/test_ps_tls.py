@@ -12,8 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from sparkdl_avg._ps_client import PSClient
-from sparkdl_avg._ps_server import DRIVER, ParameterServer
+from sparkdl_avg.ps.client import PSClient
+from sparkdl_avg.ps.server import DRIVER, ParameterServer
+from sparkdl_avg.ps.settings import ServerSettings
 
 SECRET = os.urandom(32)
 
@@ -47,8 +48,7 @@ def test_tls_server_serves_trusting_clients_and_refuses_others(tmp_path):
     cert, key, pem = self_signed(tmp_path)
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls.load_cert_chain(cert, key)
-    server = ParameterServer(secret=SECRET, tls=tls, timeout=10,
-                             settings={"algorithm": "downpour"})
+    server = ParameterServer(ServerSettings(timeout=10), secret=SECRET, tls=tls)
     with server:
         with PSClient(server.address, secret=SECRET, worker=DRIVER, numel=2,
                       dtype=np.float32, timeout=10, tls_ca_pem=pem) as driver:

@@ -3,6 +3,7 @@ watchdog when the owner dies, refusing to start without a secret."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -12,17 +13,17 @@ import time
 import numpy as np
 import pytest
 
-from sparkdl_avg._ps_client import PSClient
-from sparkdl_avg._ps_server import DRIVER
-from sparkdl_avg._sidecar import Sidecar
+from sparkdl_avg.ps.client import PSClient
+from sparkdl_avg.ps.server import DRIVER
+from sparkdl_avg.ps.settings import ServerSettings
+from sparkdl_avg.ps.sidecar import Sidecar
 
 SECRET = os.urandom(32)
-SETTINGS = {"algorithm": "downpour", "lr": 0.1, "update_scale": 0.5}
+SETTINGS = ServerSettings(algorithm="downpour", lr=0.1, update_scale=0.5, timeout=30)
 
 
 def test_sidecar_serves_and_stops_with_its_block():
-    with Sidecar(host="127.0.0.1", secret=SECRET, settings=SETTINGS, staleness_bound=None,
-                 timeout=30) as ps:
+    with Sidecar(SETTINGS, host="127.0.0.1", secret=SECRET) as ps:
         address = ("127.0.0.1", ps.port)
         with PSClient(address, secret=SECRET, worker=DRIVER, numel=3, dtype=np.float64,
                       timeout=10) as driver:
@@ -69,9 +70,8 @@ def test_serve_refuses_to_start_without_a_secret():
 
 @pytest.mark.parametrize("algorithm", ["dcasgd", "dcasgd-adaptive"])
 def test_sidecar_runs_the_delay_compensated_rules(algorithm):
-    settings = {**SETTINGS, "algorithm": algorithm, "update_scale": 1.0}
-    with Sidecar(host="127.0.0.1", secret=SECRET, settings=settings, staleness_bound=None,
-                 timeout=30) as ps:
+    settings = dataclasses.replace(SETTINGS, algorithm=algorithm, update_scale=1.0)
+    with Sidecar(settings, host="127.0.0.1", secret=SECRET) as ps:
         address = ("127.0.0.1", ps.port)
         with PSClient(address, secret=SECRET, worker=DRIVER, numel=2, dtype=np.float32,
                       timeout=10) as driver, PSClient(address, secret=SECRET, worker=0, numel=2,

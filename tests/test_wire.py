@@ -10,9 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from sparkdl_avg import ProtocolError, _wire
-from sparkdl_avg._coordinator import Coordinator
-from sparkdl_avg._wire import Connection, Kind
+from sparkdl_avg import ProtocolError
+from sparkdl_avg.averaging.coordinator import Coordinator
+from sparkdl_avg.net import auth
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.frames import VERSION, Connection, Kind, connect
 
 
 @pytest.fixture
@@ -44,7 +46,7 @@ def test_payload_of_the_wrong_size_is_refused(pair):
 
 def test_oversized_payload_is_refused_before_reading_it(pair):
     a, b = pair
-    a.sock.sendall(struct.pack("!4sBBHIQ", b"SDLA", 1, Kind.PUSH, 0, 0, 1 << 40))
+    a.sock.sendall(struct.pack("!4sBBHIQ", b"SDLA", VERSION, Kind.PUSH, 0, 0, 1 << 40))
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         b.recv()
 
@@ -54,10 +56,10 @@ def test_oversized_payload_is_refused_before_reading_it(pair):
     [
         (struct.pack("!4sBBHIQ", b"HTTP", 1, 4, 0, 0, 0), "bad magic"),
         (struct.pack("!4sBBHIQ", b"SDLA", 9, 4, 0, 0, 0), "version 9"),
-        (struct.pack("!4sBBHIQ", b"SDLA", 1, 99, 0, 0, 0), "unknown frame kind"),
-        (struct.pack("!4sBBHIQ", b"SDLA", 1, 4, 0, 1 << 30, 0), "metadata of"),
-        (struct.pack("!4sBBHIQ", b"SDLA", 1, 4, 0, 3, 0) + b"{x}", "not JSON"),
-        (struct.pack("!4sBBHIQ", b"SDLA", 1, 4, 0, 2, 0) + b"[]", "JSON object"),
+        (struct.pack("!4sBBHIQ", b"SDLA", VERSION, 99, 0, 0, 0), "unknown frame kind"),
+        (struct.pack("!4sBBHIQ", b"SDLA", VERSION, 4, 0, 1 << 30, 0), "metadata of"),
+        (struct.pack("!4sBBHIQ", b"SDLA", VERSION, 4, 0, 3, 0) + b"{x}", "not JSON"),
+        (struct.pack("!4sBBHIQ", b"SDLA", VERSION, 4, 0, 2, 0) + b"[]", "JSON object"),
     ],
 )
 def test_malformed_frames_are_refused(pair, header, message):
@@ -69,7 +71,7 @@ def test_malformed_frames_are_refused(pair, header, message):
 
 def test_truncated_frame_is_a_protocol_error(pair):
     a, b = pair
-    a.sock.sendall(struct.pack("!4sBBHIQ", b"SDLA", 1, Kind.PUSH, 0, 0, 8) + b"1234")
+    a.sock.sendall(struct.pack("!4sBBHIQ", b"SDLA", VERSION, Kind.PUSH, 0, 0, 8) + b"1234")
     a.sock.shutdown(socket.SHUT_WR)
     with pytest.raises(ProtocolError, match="closed by the peer"):
         b.recv(np.zeros(2, np.float32))
@@ -94,14 +96,14 @@ def _handshake(server_secret: bytes, client_secret: bytes):
 
     def serve():
         try:
-            result["hello"] = server.authenticate_client(server_secret)
+            result["hello"] = auth.authenticate_client(server, server_secret)
         except ProtocolError as exc:
             result["server_error"] = exc
 
     t = threading.Thread(target=serve)
     t.start()
     try:
-        client.authenticate_to_server(client_secret, {"rank": 1})
+        auth.authenticate_to_server(client, client_secret, msg.ServerHello(worker=1))
     except ProtocolError as exc:
         result["client_error"] = exc
     t.join(5)
@@ -111,18 +113,21 @@ def _handshake(server_secret: bytes, client_secret: bytes):
 
 
 def test_mutual_authentication_with_the_shared_secret():
-    secret = _wire.new_secret()
-    assert _handshake(secret, secret) == {"hello": {"rank": 1}}
+    secret = auth.new_secret()
+    assert _handshake(secret, secret) == {"hello": {"worker": 1}}
 
 
 def test_wrong_secret_is_refused_on_both_sides():
-    result = _handshake(_wire.new_secret(), _wire.new_secret())
+    result = _handshake(auth.new_secret(), auth.new_secret())
     assert "wrong secret" in str(result["server_error"])
     assert "authentication failed" in str(result["client_error"])
 
 
+HELLO = {"rank": 0, "host": "h"}
+
+
 def test_coordinator_refuses_intruders_and_keeps_serving_its_workers():
-    secret = _wire.new_secret()
+    secret = auth.new_secret()
     with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1, secret=secret,
                      timeout=5, dtype=np.float32, model_numel=4,
                      check_job=lambda wait: None) as coord:
@@ -136,20 +141,26 @@ def test_coordinator_refuses_intruders_and_keeps_serving_its_workers():
             nested = b"[" * 4000
             with socket.create_connection(coord.address, timeout=5) as s:
                 s.recv(4096)  # the challenge
-                s.sendall(struct.pack("!4sBBHIQ", b"SDLA", 1, Kind.AUTH, 0, len(nested), 0)
+                s.sendall(struct.pack("!4sBBHIQ", b"SDLA", VERSION, Kind.AUTH, 0, len(nested), 0)
                           + nested)
-            odd = _wire.connect(coord.address, timeout=5, max_payload=64)
-            odd.expect(Kind.CHALLENGE)
-            odd.send(Kind.AUTH, {"nonce": "00", "mac": "\u00e9t\u00e9", "hello": {"rank": 0}})
+            odd = connect(coord.address, timeout=5, max_payload=64)
+            msg.expect(odd, msg.Challenge)
+            odd.send(Kind.AUTH, {"nonce": "00", "mac": "\u00e9t\u00e9", "hello": HELLO})
             odd.close()
-            bad = _wire.connect(coord.address, timeout=5, max_payload=64)
+            bad = connect(coord.address, timeout=5, max_payload=64)
             with pytest.raises(ProtocolError):
-                bad.authenticate_to_server(_wire.new_secret(), {"rank": 0})
+                auth.authenticate_to_server(bad, auth.new_secret(), msg.WorkerHello(**HELLO))
             bad.close()
-            worker = _wire.connect(coord.address, timeout=5, max_payload=64)
-            worker.authenticate_to_server(secret, {"rank": 0})
+            stranger = connect(coord.address, timeout=5, max_payload=64)  # no rank of ours
+            with pytest.raises(ProtocolError, match="rank 7 is unknown"):
+                auth.authenticate_to_server(stranger, secret,
+                                            msg.WorkerHello(**{**HELLO, "rank": 7}))
+                msg.expect(stranger, msg.Average)
+            stranger.close()
+            worker = connect(coord.address, timeout=5, max_payload=64)
+            auth.authenticate_to_server(worker, secret, msg.WorkerHello(**HELLO))
             into = np.zeros(4, np.float32)
-            received["frame"] = worker.expect(Kind.AVERAGE, into)
+            received["frame"] = msg.expect(worker, msg.Average, into)
             received["params"] = into
             worker.close()
 
@@ -158,3 +169,28 @@ def test_coordinator_refuses_intruders_and_keeps_serving_its_workers():
         coord.accept_workers(np.arange(4, dtype=np.float32), deadline_s=20)
         t.join(10)
     assert received["params"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_idle_strangers_do_not_hold_up_the_workers():
+    """Handshakes run concurrently: connections that never authenticate (each may take the
+    10 s handshake deadline) delay nobody."""
+    secret = auth.new_secret()
+    with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1, secret=secret,
+                     timeout=5, dtype=np.float32, model_numel=2,
+                     check_job=lambda wait: None) as coord:
+        idle = [socket.create_connection(coord.address, timeout=5) for _ in range(3)]
+
+        def worker():
+            conn = connect(coord.address, timeout=5, max_payload=64)
+            auth.authenticate_to_server(conn, secret, msg.WorkerHello(**HELLO))
+            msg.expect(conn, msg.Average, np.zeros(2, np.float32))
+            conn.close()
+
+        t = threading.Thread(target=worker)
+        started = time.monotonic()
+        t.start()
+        coord.accept_workers(np.zeros(2, np.float32), deadline_s=20)
+        assert time.monotonic() - started < 3
+        t.join(5)
+        for s in idle:
+            s.close()

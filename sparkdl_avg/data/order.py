@@ -1,4 +1,4 @@
-"""Pure planning: how rows map to workers, how many steps an epoch has, which rows a step uses.
+"""Pure data order: how rows map to workers, and which rows each step of an epoch uses.
 
 Rows are numbered 0..N-1 in the DataFrame's order. Row g goes to worker `g % num_workers`, so
 partitions differ in size by at most one row, and worker w's j-th row is global row
@@ -9,9 +9,6 @@ order, which is what the correctness tests compare against.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 
 
@@ -19,35 +16,6 @@ def partition_sizes(total_rows: int, num_workers: int) -> list[int]:
     """Rows each worker gets under `g % num_workers` assignment."""
     base, extra = divmod(total_rows, num_workers)
     return [base + (1 if w < extra else 0) for w in range(num_workers)]
-
-
-@dataclass(frozen=True, slots=True)
-class Schedule:
-    """The step and round structure every worker follows in lockstep."""
-
-    steps_per_epoch: int
-    epochs: int
-    averaging_frequency: int
-
-    @property
-    def total_steps(self) -> int:
-        return self.steps_per_epoch * self.epochs
-
-    @property
-    def num_rounds(self) -> int:
-        return math.ceil(self.total_steps / self.averaging_frequency)
-
-    def steps_in_round(self, round_index: int) -> int:
-        start = round_index * self.averaging_frequency
-        return min(self.averaging_frequency, self.total_steps - start)
-
-
-def make_schedule(
-    smallest_partition: int, batch_size: int, epochs: int, averaging_frequency: int
-) -> Schedule:
-    """Every worker runs as many steps per epoch as the smallest partition allows (a final
-    partial batch included), so all replicas reach each averaging point together."""
-    return Schedule(math.ceil(smallest_partition / batch_size), epochs, averaging_frequency)
 
 
 def epoch_order(num_rows: int, *, epoch: int, worker: int, seed: int, shuffle: bool) -> np.ndarray:

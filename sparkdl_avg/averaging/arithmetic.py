@@ -1,4 +1,5 @@
-"""Pure averaging arithmetic on flat parameter buffers (numpy in, numpy out)."""
+"""Pure averaging arithmetic on flat parameter buffers (numpy in, numpy out, torch's threads
+under the hood)."""
 
 from __future__ import annotations
 

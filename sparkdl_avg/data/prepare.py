@@ -17,10 +17,9 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sparkdl_avg._errors import DataError
-from sparkdl_avg._plan import partition_sizes
+from sparkdl_avg.data.columns import EVAL, FEATURES, INDEX, LABEL, SPLIT, TRAIN
+from sparkdl_avg.data.order import partition_sizes
 
-FEATURES, LABEL, INDEX, SPLIT = "features", "label", "_row", "_split"
-TRAIN, EVAL = 0, 1
 _NUMERIC = (T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.FloatType, T.DoubleType,
             T.DecimalType)
 _INTEGRAL = (T.ByteType, T.ShortType, T.IntegerType, T.LongType)
@@ -270,3 +269,17 @@ def spark_hash_int(value: int, seed: int = 42) -> int:
     h1 = h1 * 0xC2B2AE35 & mask
     h1 ^= h1 >> 16
     return h1 - (1 << 32) if h1 & 0x80000000 else h1
+
+
+def collect_eval(data: PreparedData, *, dtype, long_labels: bool):
+    """The evaluation rows as (features, labels) tensors on the driver (async mode evaluates
+    the server's parameters there); None without eval_df."""
+    import torch
+
+    if data.eval_sizes[0] == 0:
+        return None
+    table = data.frame.filter(F.col(SPLIT) == EVAL).select(FEATURES, LABEL).toArrow()
+    x = table.column(FEATURES).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    x = torch.from_numpy(x.reshape(len(table), data.num_features).copy()).to(dtype)
+    y = torch.from_numpy(table.column(LABEL).to_numpy(zero_copy_only=False).copy())
+    return x, (y.long() if long_labels else y.to(dtype))

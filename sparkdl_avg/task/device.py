@@ -83,3 +83,20 @@ def check_gpu_scheduling(master: str, task_gpu_amount: float, device: str) -> No
         )
     if device == "cuda" and task_gpu_amount <= 0:
         raise ClusterError(f"device='cuda' but tasks are not given GPUs: {GPU_SETTINGS_HINT}")
+
+
+def task_device(preference: str) -> DeviceChoice:
+    """The device of the running Spark task (training or scoring): the GPU Spark assigned it
+    (`TaskContext.resources()`), under this executor's CUDA_VISIBLE_DEVICES, when torch can
+    use CUDA; else the CPU."""
+    import os
+
+    import torch
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    resources = ctx.resources() if ctx is not None else {}
+    gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
+    return choose_device(preference, gpus,
+                         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                         cuda_available=bool(gpus) and torch.cuda.is_available())

@@ -1,4 +1,5 @@
-"""The Spark side of a fit: cluster checks, and the barrier job run in a background thread."""
+"""The barrier job that runs the training tasks, in a background thread the driver owns; what
+Spark says about its tasks (which failed, where, why); and which failures are final."""
 
 from __future__ import annotations
 
@@ -8,75 +9,32 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame
 
-from sparkdl_avg._device import check_gpu_scheduling
-from sparkdl_avg._errors import ClusterError, TrainingError, WorkerLostError
+from sparkdl_avg._errors import TrainingError, WorkerLostError
 
 log = logging.getLogger("sparkdl_avg")
-_SLOT_WAIT_S = 10.0
-_CONNECT_DEADLINE_S = 300.0
 _TASKS_END_S = 60.0
 """After a failure, how long the driver waits for the aborted job's tasks to leave their slots."""
-_REPLACE_EXECUTOR_S = 120.0
-"""How long a restart waits for the cluster to have enough slots again (a lost executor)."""
-
-
-def connect_deadline_s(round_timeout: float) -> float:
-    """How long workers may take to load their partitions and connect: loading large data is
-    slow, so never less than 5 minutes."""
-    return max(_CONNECT_DEADLINE_S, round_timeout)
-
-
-def driver_addresses(spark: SparkSession) -> tuple[str, str]:
-    """(bind, advertise): the coordinator listens where the driver binds and tells the executors
-    the host they already reach the driver at (they differ in containers: 0.0.0.0 vs a name)."""
-    conf = spark.sparkContext.getConf()
-    advertise = conf.get("spark.driver.host", "127.0.0.1")
-    return conf.get("spark.driver.bindAddress", None) or advertise, advertise
-
-
-def check_cluster(spark: SparkSession, num_workers: int, device: str,
-                  wait_s: float = _SLOT_WAIT_S) -> int:
-    """Fail in seconds, with the numbers, where Spark would retry for minutes or hang. Waits
-    up to `wait_s` for executors still registering (or replacing a lost one)."""
-    sc = spark.sparkContext
-    conf = sc.getConf()
-    gpu_amount = float(conf.get("spark.task.resource.gpu.amount", "0"))
-    check_gpu_scheduling(sc.master, gpu_amount, device)
-    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
-        raise ClusterError("spark.dynamicAllocation.enabled=true: the training tasks run as one "
-                           "barrier stage, which Spark refuses under dynamic allocation; "
-                           "disable it for training")
-    deadline = time.monotonic() + wait_s
-    while True:
-        slots = _concurrent_slots(spark)
-        if slots >= num_workers or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)  # executors of a just-started cluster are still registering
-    if slots < num_workers:
-        cpus = conf.get("spark.task.cpus", "1")
-        raise ClusterError(
-            f"num_workers={num_workers} but the cluster runs only {slots} tasks at once "
-            f"(master {sc.master}, spark.task.cpus={cpus}, "
-            f"spark.task.resource.gpu.amount={gpu_amount:g}); all workers must run "
-            f"together, so lower num_workers to {max(slots, 1)} or add executors/cores"
-        )
-    return slots
-
-
-def _concurrent_slots(spark: SparkSession) -> int:
-    jsc = spark.sparkContext._jsc.sc()
-    profile = jsc.resourceProfileManager().defaultResourceProfile()
-    return int(jsc.maxNumConcurrentTasks(profile))
 
 
 class BarrierJob:
     """Runs `frame.mapInArrow(fn, schema, barrier=True).collect()` in a thread it owns.
 
-    `check(wait_s)` raises the job's error if it failed (waiting up to wait_s for it to end);
-    `cancel()` stops the job's tasks. Use as a context manager: leaving cancels and joins."""
+    `check(wait_s)` raises the job's error if it failed (waiting up to wait_s for it to end):
+    a `WorkerLostError` for a failure a restart may cure, a `TrainingError` for one it cannot.
+    Use as a context manager: leaving cancels and joins; leaving on a `WorkerLostError` also
+    fills in which task failed, where and why (`explain`)."""
+
+    @classmethod
+    def training(cls, frame: DataFrame, spec, description: str) -> BarrierJob:
+        """The job of a fit's training tasks (`task.entry.run_task` on every partition)."""
+        from sparkdl_avg.task import report
+        from sparkdl_avg.task.entry import run_task
+
+        return cls(frame, partial(run_task, spec), report.DDL, description)
 
     def __init__(self, frame: DataFrame, fn: Callable, schema: str, description: str) -> None:
         self._frame, self._fn, self._schema = frame, fn, schema
@@ -93,6 +51,8 @@ class BarrierJob:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, WorkerLostError):
+            self.explain(exc)
         if not self._done.is_set():
             self.cancel()
         if self._thread is not None:
@@ -117,6 +77,11 @@ class BarrierJob:
                 raise TrainingError(f"the training job was stopped: {_spark_reason(text)}") \
                     from self.error
             match = _FAILED_TASK.search(text)
+            final = _FINAL_TASK.search(text)
+            if final:  # the task's own check failed: a restart would fail the same way
+                where = f"partition {match.group(1)}" if match else "a training task"
+                raise TrainingError(f"{where} failed: {final.group(1)[:2000]}") \
+                    from self.error
             raise WorkerLostError(f"the training tasks failed: {_spark_reason(text)}",
                                   partition=int(match.group(1)) if match else None) \
                 from self.error
@@ -194,36 +159,13 @@ class BarrierJob:
         self._frame.sparkSession.sparkContext.cancelJobGroup(self._group)
 
 
-class Restarts:
-    """Task failures against `max_failures`: each one is logged (a warning, the MLflow metric
-    `restarts`), and the one past the limit raises a TrainingError naming the task."""
-
-    def __init__(self, spark: SparkSession, config, run) -> None:
-        self._spark, self._config, self._run = spark, config, run
-        self.failures: list[dict] = []
-
-    def record(self, exc: WorkerLostError, resume_at: str, *, step: int) -> None:
-        failure = dict(exc.details or {"error": str(exc)}, restart_at=resume_at)
-        self.failures.append(failure)
-        self._run.log_metrics({"restarts": len(self.failures)}, step=step)
-        where = failure["error"]
-        if failure.get("partition") is not None:
-            where = (f"partition {failure['partition']} on executor {failure.get('executor')} "
-                     f"(host {failure.get('host')}): {where}")
-        limit = self._config.max_failures
-        if len(self.failures) > limit:
-            raise TrainingError(f"training failed {len(self.failures)} time(s), more than "
-                                f"max_failures={limit}; the last failure: {where}") from exc
-        log.warning("restart %d of at most %d, from %s, after a failure: %s",
-                    len(self.failures), limit, resume_at, where)
-        check_cluster(self._spark, self._config.num_workers, self._config.device,
-                      wait_s=_REPLACE_EXECUTOR_S)
-
-
 _NOT_RETRYABLE = re.compile(r"cancelled job group|Job \d+ cancelled|SparkContext was shut down|"
                             r"killed via the Web UI")
 _FAILED_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)")
-_PYTHON_ERROR = re.compile(r"^[A-Z]\w*(Error|Exception|Exit|Interrupt)(: .*)?$")
+_PYTHON_ERROR = re.compile(  # a Python error, module-qualified or not; no JVM class
+    r"^(?!(?:org|java|javax|scala|py4j)\.)(?:[a-z_]\w*\.)*[A-Z]\w*"
+    r"(Error|Exception|Exit|Interrupt)(: .*)?$")
+_FINAL_TASK = re.compile(r"FinalTaskError: (.*)")
 _JVM_ERROR = re.compile(r"^:?\s*(?:org\.apache|java)\.[\w.$]*(?:Exception|Error): (.*)$")
 
 

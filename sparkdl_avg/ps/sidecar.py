@@ -11,7 +11,8 @@ import tempfile
 import time
 
 from sparkdl_avg._errors import TrainingError
-from sparkdl_avg._ps_server import SECRET_ENV
+from sparkdl_avg.ps.server import SECRET_ENV
+from sparkdl_avg.ps.settings import ServerSettings
 
 _START_TIMEOUT_S = 60.0
 
@@ -19,24 +20,14 @@ _START_TIMEOUT_S = 60.0
 class Sidecar:
     """`python -m sparkdl_avg ps serve` beside the driver. Leaving the block stops it; if the
     driver dies instead, the server's watchdog sees the parent gone and exits. It saves its
-    state every `checkpoint_every` updates; `restart()` brings a dead one back from that
-    state on the same port, where its workers reconnect."""
+    state every `settings.checkpoint_every` updates; `restart()` brings a dead one back from
+    that state on the same port, where its workers reconnect."""
 
-    def __init__(self, *, host: str, secret: bytes, settings: dict,
-                 staleness_bound: int | None, timeout: float, checkpoint_every: int = 0,
+    def __init__(self, settings: ServerSettings, *, host: str, secret: bytes,
                  checkpoint_dir: str | None = None) -> None:
-        self._checkpoint_every = checkpoint_every
         self._checkpoint_dir = checkpoint_dir
         self.restarts = 0
-        self._args = [
-            "--host", host, "--algorithm", settings["algorithm"], "--lr", str(settings["lr"]),
-            "--update-scale", repr(settings["update_scale"]), "--timeout", str(timeout),
-            "--parent-pid", str(os.getpid()),
-        ]
-        if settings.get("dc_lambda") is not None:
-            self._args += ["--dc-lambda", str(settings["dc_lambda"])]
-        if staleness_bound is not None:
-            self._args += ["--staleness-bound", str(staleness_bound)]
+        self._args = ["--host", host, "--parent-pid", str(os.getpid()), *settings.to_argv()]
         self._secret = secret
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -49,8 +40,7 @@ class Sidecar:
         self.checkpoint_file = os.path.join(folder, "parameter-server.npz")
         with contextlib.suppress(FileNotFoundError):  # a previous fit's: never to be resumed
             os.remove(self.checkpoint_file)
-        self._args += ["--checkpoint-file", self.checkpoint_file,
-                       "--checkpoint-every", str(self._checkpoint_every)]
+        self._args += ["--checkpoint-file", self.checkpoint_file]
         self._launch([])
         return self
 

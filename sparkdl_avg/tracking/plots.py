@@ -47,7 +47,7 @@ def learning_curves(history: Sequence[dict], x_key: str):
 def worker_timeline(timeline: Sequence[dict], num_workers: int):
     """One row per worker; each round's phases as coloured spans on the time axis.
 
-    `timeline`: per round {"round", "start", "workers": [{phase: (start, end)}]} with times
+    `timeline`: per round {"round", "workers": [{phase: (start, end)}, ...]} with times
     in seconds since training began."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

@@ -7,7 +7,6 @@ tensor without a Python loop over rows."""
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable, Iterator
 
 import pyarrow as pa
@@ -46,17 +45,10 @@ def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, cl
                      width: int, device: str) -> Iterator:
     import cloudpickle
     import numpy as np
-    from pyspark import TaskContext
 
-    from sparkdl_avg._device import choose_device
+    from sparkdl_avg.task.device import task_device
 
-    ctx = TaskContext.get()
-    resources = ctx.resources() if ctx is not None else {}
-    gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
-    choice = choose_device(device, gpus,
-                           cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                           cuda_available=bool(gpus) and torch.cuda.is_available())
-    target = torch.device(choice.device)
+    target = torch.device(task_device(device).device)
     model = cloudpickle.loads(payload).to(target).eval()
     dtype = _dtype(model)
     with torch.no_grad():

@@ -19,13 +19,12 @@ import os
 import re
 import shutil
 import tempfile
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from sparkdl_avg._background import BackgroundWriter
 from sparkdl_avg._errors import ConfigError
 
 log = logging.getLogger("sparkdl_avg")
@@ -44,7 +43,8 @@ class Checkpoint:
     params: np.ndarray
     """The averaged parameters, flat, in the wire dtype."""
     states: list[tuple[list, np.ndarray]] | None
-    """Per worker: its optimizer state as `_optimizer_state.pack` made it; None before any step."""
+    """Per worker: its optimizer state as `task.worker_state.pack` made it; None before any
+    step."""
     fingerprint: dict
     """What a fit must match to continue from here (see `fingerprint`)."""
     history: list[dict] = field(default_factory=list)
@@ -309,51 +309,10 @@ def _found(checkpoint: Checkpoint | None, store) -> Checkpoint:
     return checkpoint
 
 
-class Writer:
-    """Saves in a background thread with `save(item)`; when saving lags, only the newest item
-    waits (an older one is superseded). Failures are logged and counted, never raised."""
-
-    def __init__(self, save: Callable[[object], None], what: str) -> None:
-        self._save, self._what = save, what
-        self.errors = 0
-        self._pending: object | None = None
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="sparkdl-avg-ckpt",
-                                        daemon=True)
-        self._thread.start()
-
-    def submit(self, item: object) -> None:
-        with self._cond:
-            self._pending = item
-            self._cond.notify_all()
-
-    def close(self, timeout: float = 600.0) -> None:
-        """Save what is pending, then stop."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._pending is None and not self._closed:
-                    self._cond.wait()
-                item, self._pending = self._pending, None
-            if item is None:
-                return
-            try:
-                self._save(item)
-            except Exception:  # training goes on; the next save may succeed
-                self.errors += 1
-                log.warning("could not save %s", self._what, exc_info=True)
-
-
 @contextlib.contextmanager
 def writing(store):
-    """A checkpoint `Writer` to `store`, closed (pending checkpoint saved) on leaving."""
-    writer = Writer(store.save, f"a checkpoint to {store.description}")
+    """A checkpoint `BackgroundWriter` to `store`, closed (pending checkpoint saved) on leaving."""
+    writer = BackgroundWriter(store.save, f"a checkpoint to {store.description}")
     try:
         yield writer
     finally:

@@ -1,0 +1,286 @@
+"""The driver's side of the "driver" transport: a TCP server the fit's workers connect to.
+
+Each round every worker pushes its flat parameters; the coordinator averages them weighted by
+the samples each saw, measures how far the replicas drifted, and sends the average back. One
+thread per worker moves bytes (socket calls release the GIL), so transfers overlap. Listening,
+concurrent handshakes and refusals come from `net.server.Server`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparkdl_avg._errors import ProtocolError, TrainingError, WorkerLostError
+from sparkdl_avg.averaging.arithmetic import (
+    is_finite,
+    mean_distance,
+    non_finite_replicas,
+    weighted_average,
+)
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.frames import Connection
+from sparkdl_avg.net.server import Server
+
+log = logging.getLogger("sparkdl_avg")
+_POLL_S = 0.25
+MAX_STATE_FACTOR = 4
+"""A push may carry the parameters plus optimizer state of up to 3x their size (Adam)."""
+_JOB_FAILURE_WAIT_S = 5.0
+"""After losing a worker's socket, how long to wait for Spark to say why the task died."""
+
+
+@dataclass(slots=True)
+class RoundStats:
+    samples: int
+    train_loss: float
+    compute_s: float
+    round_s: float
+    averaging_s: float
+    divergence: float
+    eval: dict | None = None
+    states: list[tuple[list, np.ndarray]] | None = None
+    """At checkpoint rounds: each worker's optimizer state (layout, bytes)."""
+    phases: list[dict[str, tuple[float, float]]] | None = None
+    """Per worker: (start, end) perf_counter times of setup, compute, transfer, waiting,
+    averaging and return+eval, as the driver sees them."""
+
+
+class Coordinator(Server):
+    """Owns the workers' connections and the averaging buffers; `close()` releases all."""
+
+    def __init__(self, *, host: str, advertise: str, num_workers: int, secret: bytes,
+                 timeout: float, dtype: np.dtype, model_numel: int,
+                 check_job: Callable[[float], None]) -> None:
+        super().__init__(secret=secret, host=host, backlog=num_workers * 2,
+                         name="coordinator")
+        self.num_workers = num_workers
+        self._timeout = timeout
+        self._check_job = check_job
+        self._workers: dict[int, Connection] = {}
+        self.hellos: dict[int, msg.WorkerHello] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._advertise = advertise
+        self._dtype = np.dtype(dtype)
+        self._buffers = [np.empty(model_numel, self._dtype) for _ in range(num_workers)]
+        self.average = np.empty(model_numel, self._dtype)
+        # optimizer state at checkpoints: at most 3x the parameters (Adam), in any dtype
+        self._max_state_bytes = MAX_STATE_FACTOR * model_numel * 8 + (1 << 20)
+        self._round_end = time.perf_counter()
+
+    def start(self) -> None:
+        super().start()
+        self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="sparkdl-avg-io")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where the executors connect: the driver's advertised host and our port."""
+        return self._advertise, self._port
+
+    def close(self) -> None:
+        super().close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # --- setup ----------------------------------------------------------------------------
+
+    def serve(self, conn: Connection, hello: dict) -> bool:
+        """A worker connected and authenticated: keep its connection under its rank."""
+        try:
+            worker = msg.WorkerHello.from_meta(hello)
+        except ProtocolError as exc:
+            self.refuse(exc.reason, exc, hello, conn)
+            return False
+        conn.set_timeout(self._timeout)
+        conn.max_payload = self._max_state_bytes
+        with self._lock:
+            taken = worker.rank in self._workers
+            if worker.rank < self.num_workers and not taken:
+                self._workers[worker.rank] = conn
+                self.hellos[worker.rank] = worker
+                self._lock.notify_all()
+                return True
+        # answered outside the lock, which the driver's loop polls under
+        self.refuse("unexpected", f"worker rank {worker.rank} is "
+                    f"{'taken' if taken else 'unknown'}", worker.host, conn)
+        return False
+
+    def accept_workers(self, initial: np.ndarray, deadline_s: float, *, start_round: int = 0,
+                       states: list[tuple[list, np.ndarray]] | None = None) -> None:
+        """Wait for every worker to connect and authenticate, then send the parameters to
+        start from: before `start_round`, with each worker's optimizer state when restarting."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            self._check_job(0)
+            with self._lock:
+                if len(self._workers) == self.num_workers:
+                    break
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.num_workers)) - set(self._workers))
+                    raise TrainingError(
+                        f"workers for partitions {missing} did not connect within "
+                        f"{deadline_s:.0f}s (connect_timeout); is the driver reachable from "
+                        "the executors (spark.driver.host)?")
+                self._lock.wait(_POLL_S)
+        self.stop_accepting()  # everyone is here: nobody else may connect
+        self.average[:initial.size] = initial  # the result if no round is left to run
+        start = msg.Average(round=start_round - 1, state_follows=states is not None)
+
+        def send_start(rank: int, conn: Connection) -> None:
+            msg.send(conn, start, initial)
+            if states is not None:
+                layout, payload = states[rank]
+                msg.send(conn, msg.State(layout=layout), payload)
+
+        self._all(send_start)
+        self._round_end = time.perf_counter()
+
+    # --- rounds ---------------------------------------------------------------------------
+
+    def run_round(self, round_index: int, *, model_numel: int, allow_state: bool,
+                  evaluate: bool, checkpoint: bool = False) -> RoundStats:
+        pushes = self._all(lambda rank, conn: self._recv_push(rank, conn, round_index,
+                                                              model_numel, allow_state))
+        sizes = {push.numel for push, _ in pushes}
+        if len(sizes) != 1:
+            raise TrainingError(f"workers pushed buffers of different sizes {sorted(sizes)} "
+                                f"in round {round_index}")
+        if self.average.size != sizes.pop():
+            self.average = np.empty(self._buffers[0].size, self._dtype)
+        t_avg = time.perf_counter()
+        weights = [push.samples for push, _ in pushes]
+        weighted_average(self._buffers, weights, self.average)
+        if not is_finite(self.average):  # one scan; find the culprits only when needed
+            raise TrainingError(
+                f"worker(s) {non_finite_replicas(self._buffers)} pushed NaN/Inf parameters in "
+                f"round {round_index}: training diverged; lower the learning rate or check "
+                "the loss"
+            )
+        divergence = mean_distance([b[:model_numel] for b in self._buffers],
+                                   self.average[:model_numel])
+        t_averaged = time.perf_counter()
+        reply = msg.Average(round=round_index, evaluate=evaluate, checkpoint=checkpoint)
+        self._all(lambda rank, conn: msg.send(conn, reply, self.average))
+        stats = RoundStats(
+            samples=sum(weights),
+            train_loss=sum(push.loss_sum for push, _ in pushes) / max(1, sum(weights)),
+            compute_s=max(push.compute_s for push, _ in pushes),
+            round_s=0.0,
+            averaging_s=t_averaged - t_avg,
+            divergence=divergence,
+        )
+        if checkpoint:
+            stats.states = self._all(self._recv_state)
+        if evaluate:
+            evals = self._all(lambda rank, conn: self._expect(rank, conn, msg.Eval)[0])
+            count = sum(e.count for e in evals)
+            stats.eval = {"loss": sum(e.loss_sum for e in evals) / max(1, count),
+                          "time_s": max(e.eval_s for e in evals)}
+            if all(e.correct is not None for e in evals):  # classifiers only
+                stats.eval["accuracy"] = sum(e.correct for e in evals) / max(1, count)
+        now = time.perf_counter()
+        stats.phases = _phases(self._round_end, [push.setup_s for push, _ in pushes],
+                               [push.compute_s for push, _ in pushes],
+                               [arrival for _, arrival in pushes], t_averaged, now)
+        stats.round_s, self._round_end = now - self._round_end, now
+        return stats
+
+    def finish(self) -> None:
+        self._all(lambda rank, conn: self._expect(rank, conn, msg.Done))
+
+    def _recv_push(self, rank: int, conn: Connection, round_index: int, model_numel: int,
+                   allow_state: bool) -> tuple[msg.Push, float]:
+        def target(message: msg.Message) -> np.ndarray | None:
+            if not isinstance(message, msg.Push):
+                return None
+            numel = message.numel
+            if numel < model_numel or (numel != model_numel and not allow_state) \
+                    or numel > MAX_STATE_FACTOR * model_numel:
+                raise ProtocolError(f"worker {rank} pushed {numel} values; the model has "
+                                    f"{model_numel}", "shape")
+            if self._buffers[rank].size != numel:  # grows once when optimizer state joins
+                self._buffers[rank] = np.empty(numel, self._dtype)
+            return self._buffers[rank]
+
+        push, _ = self._expect(rank, conn, msg.Push, into=target)
+        if push.round != round_index:
+            raise ProtocolError(f"worker {rank} sent round {push.round} during round "
+                                f"{round_index}", "unexpected")
+        return push, time.perf_counter()
+
+    def _recv_state(self, rank: int, conn: Connection) -> tuple[list, np.ndarray]:
+        state, payload = self._expect(rank, conn, msg.State)
+        data = np.frombuffer(payload, np.uint8) if payload is not None \
+            else np.zeros(0, np.uint8)
+        return state.layout, data
+
+    def _expect(self, rank: int, conn: Connection, cls: type[msg.M],
+                into=None) -> tuple[msg.M, memoryview | None]:
+        host = self.hellos[rank].host
+        try:
+            message, payload = msg.receive(conn, into)
+        except TimeoutError:
+            raise WorkerLostError(
+                f"partition {rank} (host {host}) sent nothing for {self._timeout:g}s "
+                "(round_timeout): the task hangs or its executor is stuck",
+                partition=rank) from None
+        except (ProtocolError, OSError) as exc:
+            raise WorkerLostError(f"lost the worker of partition {rank} (host {host}): {exc}",
+                                  partition=rank) from exc
+        if isinstance(message, msg.WorkerFailed):
+            if message.final:
+                raise TrainingError(f"partition {rank} failed: {message.message}")
+            raise WorkerLostError(f"partition {rank} failed: {message.message}",
+                                  partition=rank, reported=message.message)
+        if not isinstance(message, cls):
+            raise TrainingError(f"worker {rank} sent {message.KIND.name}, expected "
+                                f"{cls.KIND.name}")
+        return message, payload
+
+    def _all(self, fn: Callable[[int, Connection], object]) -> list:
+        """Run fn for every worker in parallel; fail fast (checking the Spark job) on errors."""
+        futures = [self._pool.submit(fn, rank, self._workers[rank])
+                   for rank in range(self.num_workers)]
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=_POLL_S, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    self._fail(f.exception())
+            if pending:
+                self._check_job(0)
+        return [f.result() for f in futures]
+
+    def _fail(self, exc: BaseException) -> None:
+        if isinstance(exc, TrainingError) and not isinstance(exc, WorkerLostError):
+            raise exc  # our own diagnosis (a final worker error, a NaN): final
+        # A lost worker usually means its task failed: give Spark a moment to say why,
+        # unless the worker told us itself.
+        reported = isinstance(exc, WorkerLostError) and exc.reported is not None
+        self._check_job(0 if reported else _JOB_FAILURE_WAIT_S)
+        if isinstance(exc, TrainingError):
+            raise exc
+        raise TrainingError(str(exc)) from exc
+
+
+def _phases(start: float, setup: list[float], compute: list[float], arrivals: list[float],
+            averaged: float, end: float) -> list[dict[str, tuple[float, float]]]:
+    """Each worker's round as the driver sees it (see `tracking.plots.PHASES`): setup, computing,
+    transfer until its push arrived, waiting for the last push, the averaging, then sending
+    the average (and evaluation when due) until the round ended. The worker's own durations
+    are clamped into the driver's clock."""
+    last = max(arrivals)
+    out = []
+    for s, c, arrived in zip(setup, compute, arrivals, strict=True):
+        ready = min(start + max(s, 0.0), arrived)
+        computed = min(ready + c, arrived)
+        out.append({"setup": (start, ready), "compute": (ready, computed),
+                    "transfer": (computed, arrived), "waiting": (arrived, last),
+                    "averaging": (last, averaged), "return+eval": (averaged, end)})
+    return out

@@ -1,0 +1,65 @@
+"""A task's side of the "driver" transport: one authenticated TCP connection to the driver's
+`coordinator`, every wait bounded."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from sparkdl_avg.averaging.coordinator import MAX_STATE_FACTOR
+from sparkdl_avg.averaging.transport import RoundReply, StartPoint, Transport
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.auth import authenticate_to_server
+from sparkdl_avg.net.frames import Connection, connect
+
+
+class DriverChannel(Transport):
+    def __init__(self, address: tuple[str, int], secret: bytes, *, connect_timeout: float,
+                 reply_timeout: float) -> None:
+        """`connect_timeout`: for connecting and for the first parameters, which come once
+        every worker has loaded its partition. `reply_timeout`: for each later average."""
+        self._address, self._secret = address, secret
+        self._connect_timeout, self._reply_timeout = connect_timeout, reply_timeout
+        self._conn: Connection | None = None
+
+    def open(self, hello: msg.WorkerHello) -> None:
+        self._conn = connect(self._address, timeout=self._connect_timeout,
+                             max_payload=1 << 20)
+        authenticate_to_server(self._conn, self._secret, hello)
+
+    def receive_start(self, params: np.ndarray) -> StartPoint:
+        start, _ = msg.expect(self._conn, msg.Average, into=params)
+        # The driver times out a hung worker after round_timeout and names it; the others,
+        # waiting on that worker's average, must not time out first and take the blame.
+        self._conn.set_timeout(self._reply_timeout)
+        # optimizer state (at checkpoints, and on restart) may be up to 3x the parameters
+        self._conn.max_payload = MAX_STATE_FACTOR * params.nbytes + (1 << 20)
+        state = None
+        if start.state_follows:
+            frame, payload = msg.expect(self._conn, msg.State)
+            state = (frame.layout, payload)
+        return StartPoint(round=start.round + 1, state=state)
+
+    def exchange(self, push: msg.Push, params: np.ndarray) -> RoundReply:
+        msg.send(self._conn, push, params)
+        reply, _ = msg.expect(self._conn, msg.Average, into=params)
+        return RoundReply(evaluate=reply.evaluate, checkpoint=reply.checkpoint)
+
+    def send_state(self, layout: list, payload: np.ndarray) -> None:
+        msg.send(self._conn, msg.State(layout=layout), payload)
+
+    def send_eval(self, result: msg.Eval) -> None:
+        msg.send(self._conn, result)
+
+    def done(self) -> None:
+        msg.send(self._conn, msg.Done())
+
+    def fail(self, message: str, final: bool) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                msg.send(self._conn, msg.WorkerFailed(message=message[:4000], final=final))
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()

@@ -1,0 +1,65 @@
+"""A replica's averaged tensors in one flat buffer, and its host copy for the wire."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def averaged_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and floating buffers (e.g. BatchNorm statistics), in a fixed order."""
+    tensors = [p for p in model.parameters()]
+    tensors += [b for b in model.buffers() if b.is_floating_point()]
+    return tensors
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Parameters travel and are averaged in float64 for float64 models, else float32
+    (numpy, and so the wire, has no bfloat16)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class FlatBuffer:
+    """The tensors re-homed into one contiguous tensor, and its host copy for the wire.
+
+    Each tensor's storage becomes a view of `flat` (`t.data = view`), so the module and the
+    optimizer keep working on the same objects while the whole set moves as one block. On the
+    CPU with the wire's dtype, `flat` *is* the wire buffer: no copies at all. On a GPU, one
+    pinned host buffer takes one non-blocking copy each way."""
+
+    def __init__(self, tensors: list[torch.Tensor], wire_dtype: torch.dtype) -> None:
+        first = tensors[0]
+        numel = sum(t.numel() for t in tensors)
+        self.flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel()
+                view = self.flat[offset:offset + n]
+                view.copy_(t.reshape(-1))
+                t.data = view.view_as(t)
+                offset += n
+        if first.device.type == "cpu" and first.dtype == wire_dtype:
+            self.host = self.flat
+        else:
+            self.host = torch.empty(numel, dtype=wire_dtype,
+                                    pin_memory=first.device.type == "cuda")
+        self.array = self.host.numpy()
+
+    def gather(self) -> np.ndarray:
+        """The tensors' current values in `array`."""
+        if self.host is not self.flat:
+            self.host.copy_(self.flat, non_blocking=True)
+            _sync(self.flat)
+        return self.array
+
+    def scatter(self) -> None:
+        """`array`'s values (e.g. a received average) into the tensors."""
+        if self.host is not self.flat:
+            self.flat.copy_(self.host, non_blocking=True)
+            _sync(self.flat)
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)

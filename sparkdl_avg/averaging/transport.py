@@ -1,0 +1,65 @@
+"""What a sync task needs from an averaging transport, whatever moves the bytes.
+
+The task's loop (`task.sync_loop`) talks only to this interface. The "driver" transport
+(`driver_channel` here, `coordinator` on the driver) is today's; a collective one (an
+all-reduce among the tasks) is a new class beside it, and the loop does not change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparkdl_avg.net import messages as msg
+
+
+@dataclass(frozen=True, slots=True)
+class StartPoint:
+    round: int
+    """The first round to run (after a restart: the round after the checkpoint)."""
+    state: tuple[list, memoryview | None] | None
+    """After a restart: this worker's optimizer state (layout, bytes) to restore."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundReply:
+    """What the driver wants after this round's average."""
+
+    evaluate: bool
+    checkpoint: bool
+
+
+class Transport(ABC):
+    """One task's side of averaging. `close()` is safe on every path."""
+
+    @abstractmethod
+    def open(self, hello: msg.WorkerHello) -> None:
+        """Join the fit (authenticated)."""
+
+    @abstractmethod
+    def receive_start(self, params: np.ndarray) -> StartPoint:
+        """Wait for every worker; the parameters to start from go into `params`."""
+
+    @abstractmethod
+    def exchange(self, push: msg.Push, params: np.ndarray) -> RoundReply:
+        """Send this replica's `params` (parameters, then averaged optimizer state) and
+        receive the average into the same array."""
+
+    @abstractmethod
+    def send_state(self, layout: list, payload: np.ndarray) -> None:
+        """This worker's optimizer state, for the driver's checkpoint."""
+
+    @abstractmethod
+    def send_eval(self, result: msg.Eval) -> None: ...
+
+    @abstractmethod
+    def done(self) -> None: ...
+
+    @abstractmethod
+    def fail(self, message: str, final: bool) -> None:
+        """Tell the driver why this worker stops (best effort)."""
+
+    @abstractmethod
+    def close(self) -> None: ...

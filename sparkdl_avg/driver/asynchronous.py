@@ -1,0 +1,216 @@
+"""Async mode on the driver: a parameter server beside it (or the user's), the workers'
+barrier job, and every `eval_interval_s` the server's parameters evaluated and logged.
+
+A failed task makes Spark abort the barrier job; the restart loop relaunches it and each
+worker takes up its data where the server's count of its applied steps says. A sidecar that
+dies is restarted from its checkpoint on the same port; the workers reconnect and redo the
+steps it lost."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from sparkdl_avg._errors import ConfigError, PeerRefused, TrainingError, WorkerLostError
+from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
+from sparkdl_avg.data.prepare import collect_eval
+from sparkdl_avg.driver.barrier import BarrierJob
+from sparkdl_avg.driver.cluster import driver_addresses
+from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
+from sparkdl_avg.driver.restarts import Restarts
+from sparkdl_avg.net.auth import new_secret
+from sparkdl_avg.ps.client import PSClient
+from sparkdl_avg.ps.server import DRIVER
+from sparkdl_avg.ps.settings import COMPARED, ServerSettings
+from sparkdl_avg.ps.sidecar import Sidecar
+from sparkdl_avg.task.evaluate import evaluate
+from sparkdl_avg.tracking.run import RunLogger
+
+log = logging.getLogger("sparkdl_avg")
+
+
+def server_settings(config, num_workers: int) -> ServerSettings:
+    """The settings of a fit's own parameter server."""
+    return ServerSettings(
+        algorithm=config.algorithm, lr=config.lr, dc_lambda=config.dc_lambda,
+        # each push counts 1/n: with staleness_bound=0 this is exactly sync averaging
+        update_scale=1.0 / num_workers, staleness_bound=config.staleness_bound,
+        timeout=config.waits().round,
+        checkpoint_every=config.ps_checkpoint_every * num_workers)
+
+
+def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
+    config = plan.config
+    flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
+    waits = config.waits()
+    tls_ca_pem = None
+    if config.ps_address is not None:
+        host, _, port = config.ps_address.rpartition(":")
+        secret = bytes.fromhex(Path(config.ps_secret_file).read_text().strip())
+        if config.ps_tls_ca:
+            tls_ca_pem = Path(config.ps_tls_ca).read_text()
+        sidecar_or_none = contextlib.nullcontext(None)
+        user_address = (host, int(port))
+    else:
+        secret = new_secret()
+        bind, _ = driver_addresses(spark)
+        sidecar_or_none = Sidecar(server_settings(config, config.num_workers), host=bind,
+                                  secret=secret, checkpoint_dir=config.checkpoint_dir)
+    eval_data = collect_eval(plan.data, dtype=plan.dtype, long_labels=plan.long_labels)
+    history: list[dict] = []
+    restarts = Restarts(spark, config, run)
+    with sidecar_or_none as sidecar:
+        address = user_address if sidecar is None else (driver_addresses(spark)[1],
+                                                          sidecar.port)
+
+        def connect() -> PSClient:
+            return PSClient(address, secret=secret, worker=DRIVER, numel=flat.array.size,
+                            dtype=flat.array.dtype, timeout=waits.round,
+                            tls_ca_pem=tls_ca_pem)
+
+        server = _ServerConnection(sidecar, connect, restarts, run)
+        try:
+            _init(server, flat, config, run)
+            spec = plan.worker_spec(address, secret, tls_ca_pem)
+            t_train = time.perf_counter()  # tasks start training as they load
+            intervals = _Intervals(plan, flat, eval_data, run, history)
+
+            def attempt() -> list[dict]:
+                server.revive(len(history))
+                with BarrierJob.training(plan.data.frame, spec, "sparkdl-avg: async "
+                                         f"training, {config.num_workers} workers") as job:
+                    finished = False
+                    while not finished:
+                        finished = job.done(config.eval_interval_s)
+                        server.call(intervals.log, len(history))
+                    rows = job.wait(waits.finish)
+                _check_complete(server.call(lambda ps: ps.stats()["progress"], len(history)),
+                                config.num_workers, plan.schedule.total_steps)
+                return rows
+
+            rows = restarts.run(
+                attempt, resume_at=lambda exc: exc.resume_at or "each worker's last applied push",
+                step=lambda: len(history))
+            workers = sorted((row.asDict() for row in rows), key=lambda w: w["partition"])
+            train_s = time.perf_counter() - t_train
+            run.log_dict(server.call(lambda ps: ps.stats(), len(history)), "server_stats.json")
+        finally:
+            server.close()
+    return TrainOutcome(history=history, workers=workers, failures=restarts.failures,
+                        first_step_at=t_train, train_s=train_s)
+
+
+def _init(server: _ServerConnection, flat: FlatBuffer, config, run: RunLogger) -> None:
+    """Start the server from the initial parameters. A server of the user's whose algorithm,
+    lr or staleness bound differ from the fit's refuses, and the fit stops before any task."""
+    expect = {key: getattr(config, key) for key in COMPARED}
+    try:
+        settings = server.ps.init(flat.gather(), workers=config.num_workers, expect=expect)
+    except PeerRefused as exc:
+        if exc.reason == "settings":
+            raise ConfigError(f"{exc}; set the fit's TrainConfig to match, or start the "
+                              f"server ({config.ps_address}) with the fit's values") from None
+        raise
+    # tags, not params: runs of both modes keep one set of param keys to compare by
+    run.set_tags({f"sparkdl_avg.ps.{key}": value for key, value in settings.items()})
+
+
+def _check_complete(progress: dict, num_workers: int, total: int) -> None:
+    """After the job: a server restarted from a checkpoint older than some finished workers'
+    last pushes lacks their last steps. Run the job again; those workers redo only those."""
+    behind = {w: progress.get(str(w), 0) for w in range(num_workers)
+              if progress.get(str(w), 0) < total}
+    if behind:
+        exc = WorkerLostError(f"the restarted parameter server lacks the last steps of "
+                              f"finished workers (steps applied: {behind} of {total})")
+        exc.resume_at = "the steps the server has"
+        raise exc
+
+
+class _ServerConnection:
+    """The driver's connection to the parameter server. A sidecar found dead is restarted
+    from its checkpoint (on the same port, where the workers reconnect); each restart counts
+    against max_failures."""
+
+    def __init__(self, sidecar: Sidecar | None, connect, restarts: Restarts, run) -> None:
+        self.sidecar, self._connect, self._restarts, self._run = sidecar, connect, restarts, run
+        self.ps = connect()
+
+    def call(self, fn, step: int):
+        try:
+            return fn(self.ps)
+        except (OSError, ConnectionError) as exc:
+            if not self.revive(step, grace_s=2.0):
+                raise TrainingError(f"lost the parameter server: {exc}") from exc
+            return fn(self.ps)
+
+    def revive(self, step: int, grace_s: float = 0.0) -> bool:
+        """Restart the sidecar if it died; True if it did."""
+        if self.sidecar is None or self.sidecar.alive(grace_s):
+            return False
+        self.ps.close()
+        self._restarts.record(WorkerLostError(
+            f"the parameter server process died (exit code {self.sidecar.returncode})"),
+            "the server's last checkpoint", step=step)
+        self.sidecar.restart()
+        self._run.log_metrics({"ps_restarts": self.sidecar.restarts}, step=step)
+        self.ps = self._connect()
+        return True
+
+    def close(self) -> None:
+        self.ps.close()
+
+
+class _Intervals:
+    """Every `eval_interval_s`: the server's parameters into the driver's model, evaluated,
+    and the server's counters as rates since the last interval, logged to MLflow."""
+
+    def __init__(self, plan: FitPlan, flat: FlatBuffer, eval_data, run: RunLogger,
+                 history: list[dict]) -> None:
+        self.plan, self.flat, self.eval_data = plan, flat, eval_data
+        self.run, self.history = run, history
+        self.previous = {"t": time.perf_counter(), "applied": 0, "samples": 0, "loss_sum": 0.0}
+
+    def log(self, ps: PSClient) -> None:
+        metrics = self._metrics(ps)
+        # one "round" = push_every local steps of every worker: a sync run averaging every
+        # push_every steps lines up with this one in MLflow
+        step = int(metrics["updates_applied"]) // self.plan.config.num_workers
+        self.history.append({"interval": len(self.history), "round": step, **metrics})
+        self.run.log_metrics(metrics, step=step)
+
+    def _metrics(self, ps: PSClient) -> dict[str, float]:
+        ps.pull()
+        np.copyto(self.flat.array, ps.params)
+        self.flat.scatter()
+        stats = ps.stats()
+        previous, now = self.previous, time.perf_counter()
+        elapsed = max(now - previous["t"], 1e-9)
+        metrics = {"updates_applied": stats["applied"],
+                   "updates_per_s": (stats["applied"] - previous["applied"]) / elapsed}
+        samples = stats["samples"] - previous["samples"]
+        if samples > 0:
+            metrics["train_loss"] = (stats["loss_sum"] - previous["loss_sum"]) / samples
+            metrics["samples_per_s"] = samples / elapsed
+        all_staleness = [s for s in stats["staleness"].values() if s["count"]]
+        if all_staleness:
+            metrics["staleness_mean"] = float(np.average(
+                [s["mean"] for s in all_staleness], weights=[s["count"] for s in all_staleness]))
+            metrics["staleness_max"] = max(s["max"] for s in all_staleness)
+        for worker, s in stats["staleness"].items():
+            metrics[f"staleness_mean_worker_{worker}"] = s["mean"]
+        for reason, count in stats["refused"].items():
+            metrics[f"refused_{reason}"] = count
+        if self.eval_data is not None:
+            result = evaluate(self.plan.model, *self.eval_data, self.plan.loss_fn,
+                              self.plan.classify)
+            metrics["eval_loss"] = result["loss_sum"] / max(1, result["count"])
+            if result["correct"] is not None:
+                metrics["eval_accuracy"] = result["correct"] / max(1, result["count"])
+        self.previous = {"t": now, "applied": stats["applied"], "samples": stats["samples"],
+                         "loss_sum": stats["loss_sum"]}
+        return metrics

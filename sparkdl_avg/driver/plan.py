@@ -1,0 +1,113 @@
+"""The plan of a fit: everything decided and checked on the driver before a task starts, and
+what training hands back (`TrainOutcome`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sparkdl_avg._config import TrainConfig
+from sparkdl_avg._errors import DataError
+from sparkdl_avg._model import (
+    LossFn,
+    build_model,
+    check_model_fits_data,
+    make_loss,
+    model_dtype,
+    pickle_for_executors,
+)
+from sparkdl_avg.data.prepare import PreparedData, prepare
+from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
+from sparkdl_avg.driver.cluster import check_cluster
+from sparkdl_avg.task.schedule import Schedule, make_schedule
+from sparkdl_avg.task.spec import WorkerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A sync fit continuing another's newest checkpoint (`fit(resume_from=...)`)."""
+
+    point: Checkpoint
+    source: DirStore | MlflowStore
+
+
+@dataclass(frozen=True, slots=True)
+class FitPlan:
+    config: TrainConfig
+    model: torch.nn.Module
+    """Holds the initial parameters every replica gets; the drivers leave the result here."""
+    dtype: torch.dtype
+    data: PreparedData
+    schedule: Schedule
+    loss_fn: LossFn
+    classify: bool
+    long_labels: bool
+    pickled: dict[str, bytes]
+    """model_fn, loss and config, cloudpickled for the executors."""
+    params: dict[str, object]
+    """What the plan learned, for the MLflow run's params."""
+    resume: Resume | None = None
+
+    def worker_spec(self, address: tuple[str, int], secret: bytes,
+                    tls_ca_pem: str | None = None) -> WorkerSpec:
+        return WorkerSpec(
+            address=address, secret=secret, config=self.pickled["config"],
+            model_fn=self.pickled["model_fn"], loss=self.pickled["loss"],
+            schedule=self.schedule, num_features=self.data.num_features,
+            double_precision=self.dtype == torch.float64, long_labels=self.long_labels,
+            classify=self.classify, train_rows=self.data.train_sizes,
+            eval_rows=self.data.eval_sizes, ps_tls_ca_pem=tls_ca_pem)
+
+
+@dataclass(slots=True)
+class TrainOutcome:
+    """What a mode's driver returns; the final parameters are in `FitPlan.model`."""
+
+    history: list[dict]
+    """The metrics logged per round (sync) or per evaluation interval (async)."""
+    workers: list[dict]
+    """One report per task (`task.report.FIELDS`)."""
+    failures: list[dict] = field(default_factory=list)
+    first_step_at: float = 0.0
+    """perf_counter() when the workers started training."""
+    train_s: float = 0.0
+
+
+def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, features_col,
+              label_col: str, loss, resume: Resume | None = None) -> FitPlan:
+    loss_fn, classify = make_loss(loss)
+    check_cluster(spark, config.num_workers, config.device)
+    torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
+    model = build_model(model_fn)
+    dtype = model_dtype(model)
+    if callable(config.optimizer):  # fails naming the optimizer, not the whole config
+        pickle_for_executors("optimizer", config.optimizer)
+    pickled = {"model_fn": pickle_for_executors("model_fn", model_fn),
+               "loss": pickle_for_executors("loss", loss),
+               "config": pickle_for_executors("config", config)}
+    data = prepare(train_df, eval_df, features_col=features_col, label_col=label_col,
+                   num_workers=config.num_workers, double_precision=dtype == torch.float64)
+    if loss == "cross_entropy" and data.fractional_labels:
+        raise DataError(
+            f"label column {label_col!r} has {data.fractional_labels} non-integer values; "
+            "cross_entropy needs integer class labels"
+        )
+    check_model_fits_data(model, num_features=data.num_features, loss=loss, dtype=dtype,
+                          label_min=data.label_min, label_max=data.label_max)
+    smallest = min(data.train_sizes)
+    if smallest < config.batch_size:
+        raise DataError(
+            f"train_df has {sum(data.train_sizes)} rows: {smallest} per worker, fewer than "
+            f"batch_size={config.batch_size}; lower batch_size or num_workers"
+        )
+    schedule = make_schedule(smallest, config.batch_size, config.epochs,
+                             config.averaging_frequency)
+    params = {"num_features": data.num_features, "train_rows": sum(data.train_sizes),
+              "eval_rows": sum(data.eval_sizes), "steps_per_epoch": schedule.steps_per_epoch,
+              "num_rounds": schedule.num_rounds, "dtype": str(dtype),
+              "model_parameters": sum(p.numel() for p in model.parameters())}
+    return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,
+                   loss_fn=loss_fn, classify=classify,
+                   long_labels=data.integral_labels or loss == "cross_entropy",
+                   pickled=pickled, params=params, resume=resume)

@@ -1,0 +1,161 @@
+"""Sync mode on the driver: a coordinator and a barrier job per attempt, every round averaged,
+every `checkpoint_every` rounds a restart point kept (and saved). When a task fails, hangs or
+disconnects, Spark aborts the whole barrier job; the restart loop starts a new one from the
+last restart point. The workers take up the data where that point left off, so with a fixed
+seed the result is bit-identical to a run without the failure."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from sparkdl_avg._errors import WorkerLostError
+from sparkdl_avg.averaging.coordinator import Coordinator, RoundStats
+from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
+from sparkdl_avg.driver.barrier import BarrierJob
+from sparkdl_avg.driver.checkpoints import (
+    Checkpoint,
+    MlflowStore,
+    check_resumable,
+    end_source_run,
+    fingerprint,
+    target_store,
+    writing,
+)
+from sparkdl_avg.driver.cluster import driver_addresses
+from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
+from sparkdl_avg.driver.restarts import Restarts
+from sparkdl_avg.net.auth import new_secret
+from sparkdl_avg.tracking.plots import worker_timeline
+from sparkdl_avg.tracking.progress import Progress
+from sparkdl_avg.tracking.run import RunLogger
+
+log = logging.getLogger("sparkdl_avg")
+
+
+def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
+    """Train to the end, restarting after task failures; the final average ends up in
+    `plan.model`."""
+    config = plan.config
+    flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
+    expected = fingerprint(config, train_rows=plan.data.train_sizes,
+                           num_features=plan.data.num_features, model_numel=flat.array.size,
+                           dtype=str(plan.dtype))
+    resume = plan.resume
+    store = target_store(config, run.run_id, run.tracking_uri,
+                         resume.source if resume is not None else None)
+    if resume is not None:
+        point = resume.point
+        check_resumable(point, expected, total_steps=plan.schedule.total_steps,
+                        source=resume.source.description)
+        run.log_params({"resumed_from": resume.source.description,
+                        "resumed_at_round": point.round})
+        if isinstance(resume.source, MlflowStore):
+            end_source_run(run.tracking_uri, resume.source.run_id)
+    else:
+        point = Checkpoint(round=0, steps=0, params=flat.gather().copy(), states=None,
+                           fingerprint=expected)
+    attempt = _Attempt(spark, plan, flat, run, point, expected)
+    restarts = Restarts(spark, config, run)
+    with contextlib.closing(attempt.progress), writing(store) as attempt.writer:
+        workers = restarts.run(attempt.run, resume_at=lambda exc: f"round {attempt.point.round}",
+                               step=lambda: attempt.point.round)
+        train_s = time.perf_counter() - attempt.t_train
+    if attempt.writer.errors:
+        run.set_tags({"sparkdl_avg.checkpoint_errors": attempt.writer.errors})
+    run.log_dict_quietly({"rounds": attempt.timeline}, "worker_timeline.json")
+    run.log_figure(lambda: worker_timeline(attempt.timeline, config.num_workers),
+                   "plots/worker_timeline.png")
+    return TrainOutcome(history=attempt.history, workers=workers, failures=restarts.failures,
+                        first_step_at=attempt.t_train, train_s=train_s)
+
+
+class _Attempt:
+    """One barrier job's worth of rounds, from the restart point `point`; each checkpoint
+    round moves `point` on."""
+
+    def __init__(self, spark, plan: FitPlan, flat: FlatBuffer, run: RunLogger,
+                 point: Checkpoint, expected: dict) -> None:
+        self.spark, self.plan, self.flat, self.run_logger = spark, plan, flat, run
+        self.point, self.expected = point, expected
+        self.history: list[dict] = list(point.history)
+        self.progress = Progress(plan.schedule.num_rounds)
+        self.writer = None
+        self.t_train = 0.0
+        self.timeline: list[dict] = []
+        """Per round: each worker's phases, seconds since training began (for the picture)."""
+
+    def run(self) -> list[dict]:
+        plan, config, flat, point = self.plan, self.plan.config, self.flat, self.point
+        waits = config.waits()
+        secret = new_secret()
+        bind, advertise = driver_addresses(self.spark)
+        with Coordinator(
+            host=bind, advertise=advertise, num_workers=config.num_workers, secret=secret,
+            timeout=waits.round, dtype=flat.array.dtype, model_numel=flat.array.size,
+            check_job=lambda wait_s: job.check(wait_s),
+        ) as coord, BarrierJob.training(
+            plan.data.frame, plan.worker_spec(coord.address, secret),
+            f"sparkdl-avg: train {config.num_workers} replicas from round {point.round}",
+        ) as job:
+            try:
+                coord.accept_workers(point.params, waits.connect, start_round=point.round,
+                                     states=point.states)
+                self.t_train = self.t_train or time.perf_counter()
+                for r in range(point.round, plan.schedule.num_rounds):
+                    self._round(coord, r)
+                coord.finish()
+                flat.array[:] = coord.average[:flat.array.size]
+                flat.scatter()
+                rows = job.wait(waits.finish)
+            except WorkerLostError:
+                coord.close()  # the surviving workers stop waiting for the next average
+                raise
+        return sorted((row.asDict() for row in rows), key=lambda w: w["partition"])
+
+    def _round(self, coord: Coordinator, r: int) -> None:
+        config, schedule = self.plan.config, self.plan.schedule
+        last = r == schedule.num_rounds - 1
+        every = config.checkpoint_every
+        stats = coord.run_round(
+            r, model_numel=self.flat.array.size, allow_state=config.average_optimizer_state,
+            evaluate=self.plan.data.eval_sizes[0] > 0 and (
+                last or (r + 1) % config.eval_every == 0),
+            checkpoint=every > 0 and (last or (r + 1) % every == 0),
+        )
+        if r >= len(self.history):  # a round redone after a restart is logged once
+            metrics = round_metrics(stats)
+            self.history.append({"round": r, **metrics})
+            self.run_logger.log_metrics(metrics, step=r)
+            self.progress.update(r, stats.train_loss, metrics.get("eval_accuracy"))
+            self.timeline.append({"round": r, "workers": [
+                {name: (a - self.t_train, b - self.t_train) for name, (a, b) in w.items()}
+                for w in stats.phases]})
+        if stats.states is not None:
+            self.point = Checkpoint(
+                round=r + 1, steps=min((r + 1) * schedule.averaging_frequency,
+                                       schedule.total_steps),
+                params=coord.average[:self.flat.array.size].copy(), states=stats.states,
+                fingerprint=self.expected, history=list(self.history[:r + 1]))
+            self.writer.submit(self.point)
+
+
+def round_metrics(stats: RoundStats) -> dict[str, float]:
+    eval_s = stats.eval["time_s"] if stats.eval is not None else 0.0
+    communication = max(0.0, stats.round_s - stats.compute_s - stats.averaging_s - eval_s)
+    metrics = {
+        "train_loss": stats.train_loss,
+        "samples_per_s": stats.samples / stats.round_s if stats.round_s > 0 else 0.0,
+        "time_round_s": stats.round_s,
+        "time_compute_s": stats.compute_s,
+        "time_communication_s": communication,
+        "time_averaging_s": stats.averaging_s,
+        "replica_divergence": stats.divergence,
+    }
+    if stats.eval is not None:
+        metrics["eval_loss"] = stats.eval["loss"]
+        metrics["time_eval_s"] = eval_s
+        if "accuracy" in stats.eval:
+            metrics["eval_accuracy"] = stats.eval["accuracy"]
+    return metrics

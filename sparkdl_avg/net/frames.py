@@ -1,0 +1,170 @@
+"""Frames: the binary wire between the driver, the workers and the parameter server.
+
+A frame is a fixed header, a small JSON object (`meta`) and an optional raw payload:
+
+    magic "SDLA" | version u8 | kind u8 | reserved u16 | meta_len u32 | payload_len u64
+
+Tensors travel as raw bytes in the payload; their dtype and size are checked against what
+the receiver expects before a byte is read into its buffer. Nothing on the wire is ever
+unpickled. What `meta` may hold is defined per kind in `messages`; authentication in `auth`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sparkdl_avg._errors import PeerClosed, ProtocolError
+
+MAGIC = b"SDLA"
+VERSION = 2
+"""2: typed messages (`messages`), SETTINGS and FAILED frames."""
+HEADER = struct.Struct("!4sBBHIQ")
+MAX_META_BYTES = 1 << 20
+
+
+class Kind(enum.IntEnum):
+    CHALLENGE = 1
+    AUTH = 2
+    WELCOME = 3
+    PUSH = 4
+    AVERAGE = 5
+    EVAL = 6
+    DONE = 7
+    ERROR = 8
+    # the asynchronous parameter server
+    PULL = 9
+    PARAMS = 10
+    UPDATE = 11
+    ACK = 12
+    STATS = 13
+    INIT = 14
+    # checkpoints of synchronous fits
+    STATE = 15
+    # the parameter server's answer to INIT; a worker's own failure
+    SETTINGS = 16
+    FAILED = 17
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    kind: Kind
+    meta: dict[str, Any]
+    payload: memoryview | None = None
+
+
+Into = np.ndarray | Callable[[Kind, dict], np.ndarray | None] | None
+
+
+class Connection:
+    """One peer: framed messages over a socket, every call bounded by `timeout` seconds."""
+
+    def __init__(self, sock: socket.socket, *, timeout: float, max_payload: int,
+                 max_meta: int = MAX_META_BYTES) -> None:
+        self.max_meta = max_meta
+        self.deadline: float | None = None
+        """If set (time.monotonic()), reads past it fail: a slow drip cannot hold us."""
+        sock.settimeout(timeout)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.max_payload = max_payload
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+    def set_timeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+    def send(self, kind: Kind, meta: dict[str, Any] | None = None, payload: Any = None) -> None:
+        body = json.dumps(meta or {}, separators=(",", ":")).encode()
+        view = memoryview(payload).cast("B") if payload is not None else None
+        size = view.nbytes if view is not None else 0
+        self.sock.sendall(HEADER.pack(MAGIC, VERSION, kind, 0, len(body), size) + body)
+        if view is not None:
+            self.sock.sendall(view)
+
+    def recv(self, into: Into = None) -> Frame:
+        """Read one frame. The payload goes into `into` (an array, or a function of the frame's
+        kind and metadata returning one) whose size it must match exactly; without a target
+        it goes into a fresh buffer of at most `max_payload` bytes."""
+        magic, version, kind, _, meta_len, payload_len = HEADER.unpack(
+            self._read_exact(HEADER.size))
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {magic!r}: the peer does not speak this protocol",
+                                "magic")
+        if version != VERSION:
+            raise ProtocolError(f"protocol version {version} is not supported (want "
+                                f"{VERSION})", "version")
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise ProtocolError(f"unknown frame kind {kind}", "kind") from None
+        if meta_len > self.max_meta:
+            raise ProtocolError(f"metadata of {meta_len} bytes exceeds {self.max_meta}",
+                                "oversized")
+        try:
+            meta = json.loads(self._read_exact(meta_len)) if meta_len else {}
+        except (ValueError, RecursionError) as exc:
+            raise ProtocolError(f"metadata is not JSON: {exc}") from None
+        if not isinstance(meta, dict):
+            raise ProtocolError("metadata must be a JSON object")
+        if kind is Kind.ERROR or payload_len == 0:
+            return Frame(kind, meta)
+        if callable(into):
+            into = into(kind, meta)
+        if into is not None:
+            if payload_len != into.nbytes:
+                raise ProtocolError(f"payload of {payload_len} bytes where {into.nbytes} were "
+                                    "expected (a different model or dtype on the other side?)",
+                                    "shape")
+            target = memoryview(into).cast("B")
+        else:
+            if payload_len > self.max_payload:
+                raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of "
+                                    f"{self.max_payload}", "oversized")
+            target = memoryview(bytearray(payload_len))
+        self._read_into(target)
+        return Frame(kind, meta, target)
+
+    def _read_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self._read_into(memoryview(buf))
+        return bytes(buf)
+
+    def _read_into(self, view: memoryview) -> None:
+        pos = 0
+        while pos < len(view):
+            if self.deadline is not None:  # a total deadline: each read gets what is left
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the peer is too slow")
+                self.sock.settimeout(left)
+            got = self.sock.recv_into(view[pos:], len(view) - pos)
+            if got == 0:
+                raise PeerClosed()
+            pos += got
+
+
+def connect(address: tuple[str, int], *, timeout: float, max_payload: int,
+            tls: ssl.SSLContext | None = None) -> Connection:
+    sock = socket.create_connection(address, timeout=timeout)
+    if tls is not None:
+        try:
+            sock = tls.wrap_socket(sock, server_hostname=address[0])
+        except BaseException:
+            sock.close()
+            raise
+    return Connection(sock, timeout=timeout, max_payload=max_payload)

@@ -1,0 +1,378 @@
+"""One dataclass per message kind. Each checks its own fields when built, so whatever a peer
+sends is validated once, in one place, before anyone acts on it; a frame that does not fit is
+refused with a `ProtocolError` whose reason is "malformed".
+
+`send`, `receive` and `expect` move messages over a `frames.Connection`. A payload (raw
+tensor bytes) travels beside a message; `PAYLOAD` says whether a kind must carry one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, ClassVar, TypeVar, Union
+
+import numpy as np
+
+from sparkdl_avg._errors import REASONS, PeerRefused, ProtocolError, Unacceptable
+from sparkdl_avg.net.frames import Connection, Kind
+
+M = TypeVar("M", bound="Message")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Fields are checked against their annotations (int, float, bool, str, dict, list and
+    `| None`), then by the kind's own `check`."""
+
+    KIND: ClassVar[Kind | None] = None
+    PAYLOAD: ClassVar[bool | None] = False
+    """True: must carry a payload; False: must not; None: may."""
+
+    def __post_init__(self) -> None:
+        for name, expected in _hints(type(self)).items():
+            value = getattr(self, name)
+            if not _matches(value, expected):
+                raise ProtocolError(f"{type(self).__name__}.{name} must be {_name(expected)}, "
+                                    f"got {value!r}"[:500])
+        self.check()
+
+    def check(self) -> None:
+        """Checks beyond the types (ranges, codes); raise `invalid(...)`."""
+
+    def invalid(self, why: str) -> ProtocolError:
+        return ProtocolError(f"malformed {type(self).__name__}: {why}"[:500])
+
+    def to_meta(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_meta(cls: type[M], meta: dict[str, Any]) -> M:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(meta) - names)
+        if unknown:
+            raise ProtocolError(f"{cls.__name__} has no fields {unknown}"[:500])
+        try:
+            return cls(**meta)
+        except TypeError as exc:  # a required field is missing
+            raise ProtocolError(f"malformed {cls.__name__}: {exc}"[:500]) from None
+
+
+# --- the handshake (see `auth`) ----------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Challenge(Message):
+    KIND = Kind.CHALLENGE
+    nonce: str
+
+    def check(self) -> None:
+        _hex("nonce", self.nonce, self)
+
+
+@dataclass(frozen=True, slots=True)
+class Auth(Message):
+    KIND = Kind.AUTH
+    nonce: str
+    mac: str
+    hello: dict
+    """The client's introduction (`WorkerHello`, `ServerHello`), covered by the MAC."""
+
+    def check(self) -> None:
+        _hex("nonce", self.nonce, self)
+        _hex("mac", self.mac, self)
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    KIND = Kind.WELCOME
+    mac: str
+
+    def check(self) -> None:
+        _hex("mac", self.mac, self)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal(Message):
+    """A request refused: why, and a code from `_errors.REASONS`."""
+
+    KIND = Kind.ERROR
+    message: str
+    reason: str = "malformed"
+
+    def check(self) -> None:
+        if self.reason not in REASONS:
+            raise self.invalid(f"unknown reason {self.reason!r}")
+
+
+# --- synchronous averaging: a worker and the driver's coordinator ------------------------
+
+@dataclass(frozen=True, slots=True)
+class WorkerHello(Message):
+    """A sync worker introduces itself in its AUTH: its partition, and its host for the
+    driver's messages about it (the task's full report comes with the job's result)."""
+
+    rank: int
+    host: str
+
+    def check(self) -> None:
+        if self.rank < 0:
+            raise self.invalid(f"rank {self.rank}")
+
+
+@dataclass(frozen=True, slots=True)
+class Push(Message):
+    """A worker's parameters (and optimizer state, when averaged) after a round's steps."""
+
+    KIND = Kind.PUSH
+    PAYLOAD = True
+    round: int
+    samples: int
+    loss_sum: float
+    compute_s: float
+    setup_s: float
+    numel: int
+
+    def check(self) -> None:
+        if self.round < 0 or self.samples < 1 or self.numel < 1:
+            raise self.invalid("round >= 0, samples >= 1 and numel >= 1 are required")
+        _seconds(self, "compute_s", "setup_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Average(Message):
+    """The driver's average. The first one (round = the round before the first to run) is
+    where training starts; `state_follows`: a STATE with the worker's optimizer state
+    follows (a restart). Later ones say what the worker sends after it."""
+
+    KIND = Kind.AVERAGE
+    PAYLOAD = True
+    round: int
+    evaluate: bool = False
+    checkpoint: bool = False
+    state_follows: bool = False
+
+    def check(self) -> None:
+        if self.round < -1:
+            raise self.invalid(f"round {self.round}")
+
+
+@dataclass(frozen=True, slots=True)
+class State(Message):
+    """A worker's optimizer state and integer buffers (`task.worker_state`), either way."""
+
+    KIND = Kind.STATE
+    PAYLOAD = None
+    layout: list
+
+
+@dataclass(frozen=True, slots=True)
+class Eval(Message):
+    KIND = Kind.EVAL
+    loss_sum: float
+    correct: int | None
+    count: int
+    eval_s: float
+
+    def check(self) -> None:
+        if self.count < 0 or (self.correct is not None and not 0 <= self.correct <= self.count):
+            raise self.invalid(f"count {self.count}, correct {self.correct}")
+        _seconds(self, "eval_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Done(Message):
+    """The worker ran its last round."""
+
+    KIND = Kind.DONE
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailed(Message):
+    """A worker's own error. `final`: a restart would repeat it (our own checks)."""
+
+    KIND = Kind.FAILED
+    message: str
+    final: bool = False
+
+
+# --- the parameter server ----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ServerHello(Message):
+    """A parameter-server client introduces itself in its AUTH; -1 is the driver."""
+
+    worker: int
+
+    def check(self) -> None:
+        if self.worker < -1:
+            raise self.invalid(f"worker id {self.worker}")
+
+
+@dataclass(frozen=True, slots=True)
+class Init(Message):
+    """The driver (re)starts the server from the payload's parameters, expecting workers
+    0..workers-1, and names the settings the fit needs the server to have."""
+
+    KIND = Kind.INIT
+    PAYLOAD = True
+    dtype: str
+    workers: int
+    expect: dict
+
+    def check(self) -> None:
+        if self.dtype not in ("float32", "float64") or self.workers < 0:
+            raise self.invalid(f"dtype {self.dtype!r}, workers {self.workers}")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings(Message):
+    """The server's answer to INIT: its settings (`ps.settings.ServerSettings.to_dict`)."""
+
+    KIND = Kind.SETTINGS
+    settings: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Pull(Message):
+    KIND = Kind.PULL
+
+
+@dataclass(frozen=True, slots=True)
+class Params(Message):
+    """The server's parameters; `progress`: the puller's steps the server has applied."""
+
+    KIND = Kind.PARAMS
+    PAYLOAD = True
+    version: int
+    progress: int
+
+
+@dataclass(frozen=True, slots=True)
+class Update(Message):
+    """A worker's accumulated update (w <- w - update by the server's rule). `steps`: the
+    worker's local steps including this update (where it resumes after a restart)."""
+
+    KIND = Kind.UPDATE
+    PAYLOAD = True
+    samples: int = 0
+    loss_sum: float = 0.0
+    steps: int | None = None
+
+    def check(self) -> None:
+        if self.samples < 0 or (self.steps is not None and self.steps < 0):
+            raise self.invalid(f"samples {self.samples}, steps {self.steps}")
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    KIND = Kind.ACK
+    applied: int
+    staleness: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Message):
+    """Asked for with no report; answered with the server's counters."""
+
+    KIND = Kind.STATS
+    report: dict | None = None
+
+
+MESSAGES: dict[Kind, type[Message]] = {
+    cls.KIND: cls for cls in Message.__subclasses__() if cls.KIND is not None}
+
+
+# --- over a connection -------------------------------------------------------------------
+
+def send(conn: Connection, message: Message, payload: Any = None) -> None:
+    conn.send(message.KIND, message.to_meta(), payload)
+
+
+def receive(conn: Connection, into=None) -> tuple[Message, memoryview | None]:
+    """The next message and its payload. `into`: an array for the payload, or a function of
+    the decoded message returning one (None: a fresh buffer within the connection's limit).
+    The message is validated before a byte of its payload is read."""
+    decoded: list[Message] = []
+
+    def target(kind: Kind, meta: dict) -> np.ndarray | None:
+        decoded.append(decode(kind, meta))
+        return into(decoded[0]) if callable(into) else into
+
+    frame = conn.recv(target)
+    if decoded:
+        message = decoded[0]
+    else:
+        try:
+            message = decode(frame.kind, frame.meta)
+        except ProtocolError as exc:
+            raise Unacceptable(str(exc), exc.reason) from None
+    if message.PAYLOAD is True and frame.payload is None:
+        raise Unacceptable(f"{message.KIND.name} without a payload")
+    if message.PAYLOAD is False and frame.payload is not None:
+        raise Unacceptable(f"{message.KIND.name} with an unexpected payload")
+    return message, frame.payload
+
+
+def expect(conn: Connection, cls: type[M], into=None) -> tuple[M, memoryview | None]:
+    """Receive a `cls`; a `Refusal` raises `PeerRefused` with its reason."""
+    message, payload = receive(conn, into)
+    if isinstance(message, Refusal):
+        raise PeerRefused(f"the peer refused: {message.message}", message.reason)
+    if not isinstance(message, cls):
+        raise ProtocolError(f"expected {cls.KIND.name}, got {message.KIND.name}", "unexpected")
+    return message, payload
+
+
+def decode(kind: Kind, meta: dict) -> Message:
+    cls = MESSAGES.get(kind)
+    if cls is None:
+        raise ProtocolError(f"no message of kind {kind.name}", "kind")
+    return cls.from_meta(meta)
+
+
+# --- field checks ------------------------------------------------------------------------
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _matches(value: object, expected: Any) -> bool:
+    origin = typing.get_origin(expected)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(expected))
+    if expected is type(None):
+        return value is None
+    if expected is float:  # a diverging loss is news, not a malformed message
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or expected)
+
+
+def _name(expected: Any) -> str:
+    args = typing.get_args(expected)
+    if args:
+        return " or ".join(_name(a) for a in args)
+    return "null" if expected is type(None) else getattr(expected, "__name__", str(expected))
+
+
+def _seconds(message: Message, *names: str) -> None:
+    for name in names:
+        value = getattr(message, name)
+        if not math.isfinite(value) or value < 0:
+            raise message.invalid(f"{name}={value!r} is no duration")
+
+
+def _hex(name: str, value: str, message: Message) -> None:
+    if len(value) > 256 or len(value) % 2:
+        raise message.invalid(f"{name} is not hex")
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        raise message.invalid(f"{name} is not hex") from None

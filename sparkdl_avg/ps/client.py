@@ -1,0 +1,67 @@
+"""A connection to the parameter server: pull parameters, push updates; the driver also
+INITs the server and reads its counters."""
+
+from __future__ import annotations
+
+import ssl
+
+import numpy as np
+
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.auth import authenticate_to_server
+from sparkdl_avg.net.frames import connect
+
+
+class PSClient:
+    def __init__(self, address: tuple[str, int], *, secret: bytes, worker: int, numel: int,
+                 dtype: np.dtype, timeout: float, tls_ca_pem: str | None = None) -> None:
+        """`worker`: the worker id (-1: the driver). `tls_ca_pem`: PEM text of a CA (or the
+        server's self-signed certificate): speak TLS and verify the server with it."""
+        tls = ssl.create_default_context(cadata=tls_ca_pem) if tls_ca_pem else None
+        self._conn = connect(address, timeout=timeout, max_payload=0, tls=tls)
+        try:
+            authenticate_to_server(self._conn, secret, msg.ServerHello(worker=worker))
+        except BaseException:
+            self._conn.close()
+            raise
+        self.params = np.empty(numel, dtype)
+        self.progress = 0
+        """After a pull: the local steps of this worker the server has applied."""
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def pull(self) -> int:
+        """Fetch the server's parameters into `self.params` (and this worker's `progress`);
+        returns the server's version."""
+        msg.send(self._conn, msg.Pull())
+        params, _ = msg.expect(self._conn, msg.Params, into=self.params)
+        self.progress = params.progress
+        return params.version
+
+    def push(self, update: np.ndarray, *, samples: int = 0, loss_sum: float = 0.0,
+             steps: int | None = None) -> msg.Ack:
+        """Send an update (the server applies w <- w - update by its rule). `steps`: the
+        worker's local steps including this update (its progress)."""
+        msg.send(self._conn, msg.Update(samples=samples, loss_sum=loss_sum, steps=steps),
+                 update)
+        return msg.expect(self._conn, msg.Ack)[0]
+
+    def init(self, params: np.ndarray, workers: int = 0,
+             expect: dict | None = None) -> dict:
+        """Driver only: (re)start the server from these parameters, expecting workers
+        0..workers-1 (they count for the staleness bound from now on). `expect`: settings
+        the server must have (it refuses otherwise). Returns the server's settings."""
+        msg.send(self._conn, msg.Init(dtype=str(params.dtype), workers=workers,
+                                      expect=expect or {}), params)
+        return msg.expect(self._conn, msg.Settings)[0].settings
+
+    def stats(self) -> dict:
+        msg.send(self._conn, msg.Stats())
+        return msg.expect(self._conn, msg.Stats)[0].report or {}

@@ -1,0 +1,148 @@
+"""Update rules of the asynchronous parameter server, in a registry (no sockets, no Spark).
+
+A worker pushes `update` = the sum of its local optimizer steps since its last push
+(w_at_last_push - w_now, so the server applies w <- w - update). Every push is first scaled
+by `update_scale` (1/num_workers in a fit's own server). The rules:
+
+- downpour (DistBelief): w <- w - update.
+- dcasgd (Zheng et al., ICML 2017): with g = update / lr the worker's gradient,
+  w <- w - lr * (g + lambda * g*g*(w - w_backup[m])), where w_backup[m] is the copy of w that
+  worker m last pulled. One backup *per worker*: MXNet's single shared copy is a known error.
+- dcasgd-adaptive: lambda_t = lambda0 / sqrt(meansquare + eps) elementwise, with
+  meansquare <- m * meansquare + (1 - m) * g*g updated before it is used.
+
+A new rule is one class here, decorated with `@register`: its name, its defaults and its
+`_step`. Everything else (TrainConfig's check, the command line's choices) reads `RULES`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+RULES: dict[str, type[UpdateRule]] = {}
+
+
+def register(cls: type[UpdateRule]) -> type[UpdateRule]:
+    RULES[cls.name] = cls
+    return cls
+
+
+class UpdateRule:
+    """The parameters and what the rule remembers about each worker."""
+
+    name: ClassVar[str]
+    PARAMETERS: ClassVar[tuple[str, ...]] = ()
+    """The optional settings the rule reads (beyond lr and update_scale)."""
+
+    def __init__(self, params: np.ndarray, *, lr: float = 0.01, update_scale: float = 1.0,
+                 dc_lambda: float | None = None) -> None:
+        self.params = params
+        self.lr = lr
+        self.update_scale = update_scale
+
+    def settings(self) -> dict[str, float]:
+        """The rule's own settings with its defaults filled in (reported on INIT)."""
+        return {}
+
+    def pull(self, worker: int) -> np.ndarray:
+        """The parameters a worker fetches."""
+        return self.params
+
+    def apply(self, worker: int, update: np.ndarray) -> None:
+        """Apply a worker's update. `update` is scratch: it may be scaled in place. Raises
+        ValueError for an update the rule cannot take."""
+        if self.update_scale != 1.0:
+            update *= self.update_scale
+        self._step(worker, update)
+
+    def _step(self, worker: int, update: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Arrays to checkpoint beside the parameters."""
+        return {}
+
+    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Take up what `state` saved."""
+
+
+@register
+class Downpour(UpdateRule):
+    name = "downpour"
+
+    def _step(self, worker: int, update: np.ndarray) -> None:
+        self.params -= update
+
+
+@register
+class DcAsgd(UpdateRule):
+    name = "dcasgd"
+    PARAMETERS = ("dc_lambda",)
+    DEFAULT_LAMBDA: ClassVar[float] = 0.04
+    """MXNet's default for constant lambda."""
+
+    def __init__(self, params: np.ndarray, *, lr: float = 0.01, update_scale: float = 1.0,
+                 dc_lambda: float | None = None) -> None:
+        super().__init__(params, lr=lr, update_scale=update_scale)
+        self.dc_lambda = self.DEFAULT_LAMBDA if dc_lambda is None else dc_lambda
+        self.backups: dict[int, np.ndarray] = {}
+
+    def settings(self) -> dict[str, float]:
+        return {"dc_lambda": self.dc_lambda}
+
+    def pull(self, worker: int) -> np.ndarray:
+        backup = self.backups.get(worker)  # remembered as what this worker computes from
+        if backup is None or backup.shape != self.params.shape:
+            self.backups[worker] = self.params.copy()
+        else:
+            np.copyto(backup, self.params)
+        return self.params
+
+    def _step(self, worker: int, update: np.ndarray) -> None:
+        backup = self.backups.get(worker)
+        if backup is None:  # never pulled: it trained from the initial parameters it was sent
+            raise ValueError(f"worker {worker} pushed before it pulled")
+        g = update / self.lr
+        self.params -= self.lr * (g + self._lambda(g) * g * g * (self.params - backup))
+
+    def _lambda(self, g: np.ndarray) -> float | np.ndarray:
+        return self.dc_lambda
+
+
+@register
+class AdaptiveDcAsgd(DcAsgd):
+    name = "dcasgd-adaptive"
+    DEFAULT_LAMBDA = 2.0
+    """lambda0 of the paper."""
+    MOMENTUM: ClassVar[float] = 0.95
+    EPS: ClassVar[float] = 1e-7
+
+    def __init__(self, params: np.ndarray, *, lr: float = 0.01, update_scale: float = 1.0,
+                 dc_lambda: float | None = None) -> None:
+        super().__init__(params, lr=lr, update_scale=update_scale, dc_lambda=dc_lambda)
+        self.meansquare: np.ndarray | None = None
+
+    def _lambda(self, g: np.ndarray) -> np.ndarray:
+        if self.meansquare is None:
+            self.meansquare = np.zeros_like(self.params)
+        self.meansquare *= self.MOMENTUM
+        self.meansquare += (1 - self.MOMENTUM) * g * g
+        return self.dc_lambda / np.sqrt(self.meansquare + self.EPS)
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {} if self.meansquare is None else {"meansquare": self.meansquare.copy()}
+
+    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
+        self.meansquare = arrays.get("meansquare")
+
+
+ALGORITHMS = tuple(RULES)
+
+
+def make_rule(algorithm: str, params: np.ndarray, *, lr: float = 0.01,
+              update_scale: float = 1.0, dc_lambda: float | None = None) -> UpdateRule:
+    if algorithm not in RULES:
+        raise ValueError(f"algorithm={algorithm!r}; use one of {ALGORITHMS}")
+    return RULES[algorithm](params, lr=lr, update_scale=update_scale, dc_lambda=dc_lambda)

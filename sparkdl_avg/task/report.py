@@ -1,0 +1,24 @@
+"""The row each training task returns to the driver, defined once: the DDL string Spark needs
+for `mapInArrow` and the Arrow schema the task writes are both derived from `FIELDS`."""
+
+from __future__ import annotations
+
+FIELDS = (
+    ("partition", "int"), ("host", "string"), ("pid", "long"), ("device", "string"),
+    ("gpu", "string"), ("warning", "string"), ("train_rows", "long"), ("eval_rows", "long"),
+    ("load_s", "double"), ("version", "string"), ("library", "string"),
+)
+"""What the task ran on and where its library came from (a --py-files zip, an environment)."""
+
+DDL = ", ".join(f"{name} {kind}" for name, kind in FIELDS)
+
+
+def record_batch(values: dict):
+    """One Arrow row of `values` (keyed by FIELDS' names) under the derived schema."""
+    import pyarrow as pa
+
+    arrow = {"int": pa.int32(), "long": pa.int64(), "double": pa.float64(),
+             "string": pa.string()}
+    schema = pa.schema([(name, arrow[kind]) for name, kind in FIELDS])
+    return pa.RecordBatch.from_pydict({name: [values[name]] for name, _ in FIELDS},
+                                      schema=schema)

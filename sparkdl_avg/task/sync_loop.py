@@ -1,0 +1,74 @@
+"""Sync mode in a task: k local steps, push the parameters, take the average, repeat; send
+optimizer state at checkpoints and evaluation results when the driver asks."""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+from sparkdl_avg._config import TrainConfig
+from sparkdl_avg._errors import is_final
+from sparkdl_avg.averaging.transport import Transport
+from sparkdl_avg.data.partition import Partition
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.task.spec import WorkerSpec
+
+
+def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition, device,
+               transport: Transport, hello: msg.WorkerHello) -> None:
+    from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
+    from sparkdl_avg.averaging.optimizer_state import averaged_state_tensors
+    from sparkdl_avg.task import worker_state
+    from sparkdl_avg.task.replica import Replica
+
+    schedule = spec.schedule
+    # Build the replica before connecting, so the driver's first round starts once all are
+    # ready; a failure here is reported once connected, like any other.
+    setup_error = None
+    try:
+        replica = Replica(spec, config, rank, data, device)
+        model = replica.model
+        flat = FlatBuffer(averaged_tensors(model), replica.wire_dtype)
+    except Exception as exc:
+        setup_error = exc
+    try:
+        transport.open(hello)
+        if setup_error is not None:
+            raise setup_error
+        start = transport.receive_start(flat.array)
+        ready = time.perf_counter()  # from here to a round's first step: setup (the picture)
+        flat.scatter()
+        replica.start(step=start.round * schedule.averaging_frequency)
+        if start.state is not None:
+            worker_state.restore(replica.optimizer, model, *start.state)
+        state: list = []
+        for round_index in range(start.round, schedule.num_rounds):
+            t0 = time.perf_counter()
+            setup_s = t0 - ready
+            loss_sum, samples = replica.run_steps(schedule.steps_in_round(round_index))
+            compute_s = time.perf_counter() - t0
+            if config.average_optimizer_state:
+                # Optimizer state appears lazily (after a parameter's first step): re-home it
+                # into the wire buffer whenever the set of state tensors changes.
+                current = averaged_state_tensors(replica.optimizer, replica.dtype)
+                if [id(t) for t in current] != [id(t) for t in state]:
+                    state = current
+                    flat = FlatBuffer(averaged_tensors(model) + state, replica.wire_dtype)
+            push = msg.Push(round=round_index, samples=samples, loss_sum=loss_sum,
+                            compute_s=compute_s, setup_s=setup_s, numel=int(flat.array.size))
+            reply = transport.exchange(push, flat.gather())
+            flat.scatter()
+            if reply.checkpoint:
+                transport.send_state(*worker_state.pack(replica.optimizer, model))
+            if reply.evaluate:
+                t_eval = time.perf_counter()
+                result = replica.evaluate()
+                transport.send_eval(msg.Eval(**result, eval_s=time.perf_counter() - t_eval))
+            ready = time.perf_counter()
+        transport.done()
+    except BaseException as exc:
+        message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        transport.fail(message, final=is_final(exc))
+        raise
+    finally:
+        transport.close()

@@ -1,0 +1,127 @@
+"""Every message kind validates itself: what a peer sends is checked once, when decoded, and a
+frame that does not fit is refused with reason "malformed" before anyone acts on it."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from sparkdl_avg import ProtocolError
+from sparkdl_avg._errors import PeerRefused, Unacceptable
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.frames import Connection, Kind
+
+VALID = {
+    msg.Challenge: {"nonce": "ab" * 32},
+    msg.Auth: {"nonce": "ab" * 32, "mac": "cd" * 32, "hello": {"worker": 0}},
+    msg.Welcome: {"mac": "cd" * 32},
+    msg.Refusal: {"message": "no", "reason": "shape"},
+    msg.Push: {"round": 0, "samples": 8, "loss_sum": 1.5, "compute_s": 0.1, "setup_s": 0.0,
+               "numel": 10},
+    msg.Average: {"round": -1, "state_follows": True},
+    msg.State: {"layout": []},
+    msg.Eval: {"loss_sum": 3.0, "correct": 2, "count": 4, "eval_s": 0.01},
+    msg.Done: {},
+    msg.WorkerFailed: {"message": "ValueError: boom", "final": False},
+    msg.Init: {"dtype": "float32", "workers": 2, "expect": {"lr": 0.1}},
+    msg.Settings: {"settings": {"algorithm": "downpour"}},
+    msg.Pull: {},
+    msg.Params: {"version": 3, "progress": 16},
+    msg.Update: {"samples": 8, "loss_sum": 2.0, "steps": 16},
+    msg.Ack: {"applied": 4, "staleness": 1},
+    msg.Stats: {"report": {"applied": 4}},
+}
+
+INVALID = [
+    (msg.Push, {"samples": 0}, "samples >= 1"),
+    (msg.Push, {"round": True}, "Push.round must be int"),
+    (msg.Push, {"numel": "10"}, "Push.numel must be int"),
+    (msg.Push, {"compute_s": float("nan")}, "compute_s=nan is no duration"),
+    (msg.Average, {"round": -2}, "round -2"),
+    (msg.Eval, {"correct": 5}, "count 4, correct 5"),
+    (msg.Init, {"dtype": "int8"}, "dtype 'int8'"),
+    (msg.Update, {"steps": -1}, "steps -1"),
+    (msg.Refusal, {"reason": "because"}, "unknown reason 'because'"),
+    (msg.Challenge, {"nonce": "zz"}, "nonce is not hex"),
+    (msg.Auth, {"hello": []}, "Auth.hello must be dict"),
+    (msg.Ack, {"extra": 1}, r"Ack has no fields \['extra'\]"),
+]
+
+
+def test_every_kind_has_one_message():
+    assert set(msg.MESSAGES) == set(Kind)
+    assert set(VALID) == set(msg.MESSAGES.values())
+
+
+@pytest.mark.parametrize("cls", list(VALID), ids=lambda c: c.__name__)
+def test_valid_messages_round_trip(cls):
+    message = cls.from_meta(VALID[cls])
+    assert cls.from_meta(message.to_meta()) == message
+
+
+@pytest.mark.parametrize(("cls", "change", "match"), INVALID)
+def test_invalid_fields_are_refused_naming_the_field(cls, change, match):
+    with pytest.raises(ProtocolError, match=match) as info:
+        cls.from_meta({**VALID[cls], **change})
+    assert info.value.reason == "malformed"
+
+
+def test_a_missing_field_is_refused():
+    meta = dict(VALID[msg.Push])
+    del meta["numel"]
+    with pytest.raises(ProtocolError, match="numel"):
+        msg.Push.from_meta(meta)
+
+
+def test_hellos_validate_what_the_servers_act_on():
+    with pytest.raises(ProtocolError, match="worker id -2"):
+        msg.ServerHello.from_meta({"worker": -2})
+    with pytest.raises(ProtocolError, match="WorkerHello.rank must be int"):
+        msg.WorkerHello.from_meta({"rank": "0", "host": "h"})
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    ca, cb = Connection(a, timeout=5, max_payload=1024), Connection(b, timeout=5,
+                                                                    max_payload=1024)
+    yield ca, cb
+    ca.close()
+    cb.close()
+
+
+def test_a_message_is_validated_before_its_payload_is_read(pair):
+    a, b = pair
+    bad = {**VALID[msg.Push], "samples": 0}
+    a.send(Kind.PUSH, bad, np.zeros(10, np.float32))
+    target_called = []
+    with pytest.raises(ProtocolError, match="samples >= 1"):
+        msg.receive(b, into=lambda m: target_called.append(m))
+    assert target_called == []
+
+
+def test_payload_presence_is_checked_and_the_stream_stays_in_step(pair):
+    a, b = pair
+    msg.send(a, msg.Params(version=1, progress=0))  # PARAMS must carry parameters
+    msg.send(a, msg.Ack(applied=1))
+    with pytest.raises(Unacceptable, match="PARAMS without a payload"):
+        msg.receive(b)
+    assert msg.receive(b)[0] == msg.Ack(applied=1)  # the next frame reads fine
+
+
+def test_a_refusal_raises_with_its_reason(pair):
+    a, b = pair
+    msg.send(a, msg.Refusal(message="update holds NaN", reason="non_finite"))
+    with pytest.raises(PeerRefused, match="update holds NaN") as info:
+        msg.expect(b, msg.Ack)
+    assert info.value.reason == "non_finite"
+
+
+def test_an_unexpected_kind_is_named(pair):
+    a, b = pair
+    msg.send(a, msg.Done())
+    with pytest.raises(ProtocolError, match="expected ACK, got DONE") as info:
+        msg.expect(b, msg.Ack)
+    assert info.value.reason == "unexpected"
