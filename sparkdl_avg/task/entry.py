@@ -33,7 +33,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
     import torch
     from pyspark import BarrierTaskContext
 
-    import sparkdl_avg
+    from sparkdl_avg import _version
     from sparkdl_avg.data.partition import load_partition
     from sparkdl_avg.net import messages as msg
     from sparkdl_avg.task.device import task_device
@@ -69,8 +69,8 @@ def _run(spec: WorkerSpec, batches: Iterator):
     return record_batch({
         "partition": rank, "host": hello.host, "pid": os.getpid(), "device": choice.device,
         "gpu": choice.gpu_address, "warning": choice.warning, "train_rows": data.rows[0],
-        "eval_rows": data.rows[1], "load_s": load_s, "version": sparkdl_avg.__version__,
-        "library": os.path.dirname(sparkdl_avg.__file__)})
+        "eval_rows": data.rows[1], "load_s": load_s, "version": _version.__version__,
+        "library": os.path.dirname(_version.__file__)})
 
 
 def _check_rows(rank: int, got: tuple[int, int], counted: tuple[int, int]) -> None:
