@@ -29,7 +29,7 @@ class TrainingError(SparkdlAvgError, RuntimeError):
 
 
 REASONS = ("magic", "version", "kind", "oversized", "malformed", "shape", "auth",
-           "unexpected", "non_finite", "settings", "timeout", "closed")
+           "unexpected", "non_finite", "settings", "timeout", "closed", "capacity")
 """Why a peer's message was refused. Servers count refusals by these codes, and an ERROR
 reply carries one, so the other side can tell a lost connection from a refusal."""
 

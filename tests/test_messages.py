@@ -19,30 +19,39 @@ VALID = {
     msg.Welcome: {"mac": "cd" * 32},
     msg.Refusal: {"message": "no", "reason": "shape"},
     msg.Push: {"round": 0, "samples": 8, "loss_sum": 1.5, "compute_s": 0.1, "setup_s": 0.0,
-               "numel": 10},
-    msg.Average: {"round": -1, "state_follows": True},
+               "dtype": "float32", "numel": 10},
+    msg.Average: {"round": -1, "state_follows": True, "dtype": "float64", "numel": 10},
     msg.State: {"layout": []},
     msg.Eval: {"loss_sum": 3.0, "correct": 2, "count": 4, "eval_s": 0.01},
     msg.Done: {},
     msg.WorkerFailed: {"message": "ValueError: boom", "final": False},
-    msg.Init: {"dtype": "float32", "workers": 2, "expect": {"lr": 0.1}},
+    msg.Init: {"dtype": "float32", "numel": 4, "workers": 2, "expect": {"lr": 0.1}},
     msg.Settings: {"settings": {"algorithm": "downpour"}},
     msg.Pull: {},
-    msg.Params: {"version": 3, "progress": 16},
-    msg.Update: {"samples": 8, "loss_sum": 2.0, "steps": 16},
+    msg.Params: {"version": 3, "progress": 16, "dtype": "float32", "numel": 4},
+    msg.Update: {"samples": 8, "loss_sum": None, "steps": 16, "dtype": "float32", "numel": 4},
     msg.Ack: {"applied": 4, "staleness": 1},
     msg.Stats: {"report": {"applied": 4}},
 }
 
 INVALID = [
     (msg.Push, {"samples": 0}, "samples >= 1"),
+    (msg.Push, {"loss_sum": float("inf")}, "Push.loss_sum must be float or null"),
+    (msg.Push, {"numel": 0}, "a payload of 0 'float32' values"),
+    (msg.Push, {"dtype": "int32"}, "a payload of 10 'int32' values"),
+    (msg.Update, {"samples": 10 ** 17}, "Update.samples must be int"),
+    (msg.Init, {"workers": 10 ** 6}, "workers 1000000"),
+    (msg.ServerHello, {"worker": 2 ** 80}, "ServerHello.worker must be int"),
+    (msg.ServerHello, {"worker": True}, "ServerHello.worker must be int"),
     (msg.Push, {"round": True}, "Push.round must be int"),
     (msg.Push, {"numel": "10"}, "Push.numel must be int"),
-    (msg.Push, {"compute_s": float("nan")}, "compute_s=nan is no duration"),
+    (msg.Push, {"compute_s": float("nan")}, "Push.compute_s must be float, got nan"),
+    (msg.Push, {"setup_s": -1.0}, "setup_s=-1.0 is no duration"),
     (msg.Average, {"round": -2}, "round -2"),
     (msg.Eval, {"correct": 5}, "count 4, correct 5"),
-    (msg.Init, {"dtype": "int8"}, "dtype 'int8'"),
+    (msg.Init, {"dtype": "int8"}, "4 'int8' values"),
     (msg.Update, {"steps": -1}, "steps -1"),
+    (msg.Eval, {"loss_sum": float("nan")}, "Eval.loss_sum must be float or null"),
     (msg.Refusal, {"reason": "because"}, "unknown reason 'because'"),
     (msg.Challenge, {"nonce": "zz"}, "nonce is not hex"),
     (msg.Auth, {"hello": []}, "Auth.hello must be dict"),
@@ -50,9 +59,12 @@ INVALID = [
 ]
 
 
+VALID[msg.ServerHello] = {"worker": 1}
+
+
 def test_every_kind_has_one_message():
     assert set(msg.MESSAGES) == set(Kind)
-    assert set(VALID) == set(msg.MESSAGES.values())
+    assert set(VALID) - {msg.ServerHello} == set(msg.MESSAGES.values())
 
 
 @pytest.mark.parametrize("cls", list(VALID), ids=lambda c: c.__name__)
@@ -94,7 +106,7 @@ def pair():
 
 def test_a_message_is_validated_before_its_payload_is_read(pair):
     a, b = pair
-    bad = {**VALID[msg.Push], "samples": 0}
+    bad = {**VALID[msg.Push], "samples": 0}  # its 10 float32 values follow
     a.send(Kind.PUSH, bad, np.zeros(10, np.float32))
     target_called = []
     with pytest.raises(ProtocolError, match="samples >= 1"):
@@ -104,7 +116,7 @@ def test_a_message_is_validated_before_its_payload_is_read(pair):
 
 def test_payload_presence_is_checked_and_the_stream_stays_in_step(pair):
     a, b = pair
-    msg.send(a, msg.Params(version=1, progress=0))  # PARAMS must carry parameters
+    msg.send(a, msg.Params(version=1, progress=0, dtype="float32", numel=1))  # no payload
     msg.send(a, msg.Ack(applied=1))
     with pytest.raises(Unacceptable, match="PARAMS without a payload"):
         msg.receive(b)

@@ -193,7 +193,7 @@ def test_announced_workers_hold_pushes_until_their_first_read():
 
 def test_an_update_without_payload_is_refused_not_a_crash():
     with server() as ps, client(ps, 0) as c:
-        msg.send(c._conn, msg.Update())  # first frame, no bytes
+        msg.send(c._conn, msg.Update(dtype="float32", numel=4))  # first frame, no bytes
         with pytest.raises(ProtocolError, match="UPDATE without a payload"):
             msg.expect(c._conn, msg.Ack)
         c.pull()  # the connection is still served

@@ -90,13 +90,13 @@ def test_a_silent_peer_times_out():
 
 def _handshake(server_secret: bytes, client_secret: bytes):
     a, b = socket.socketpair()
-    server = Connection(a, timeout=5, max_payload=0)
     client = Connection(b, timeout=5, max_payload=0)
     result: dict = {}
 
     def serve():
         try:
-            result["hello"] = auth.authenticate_client(server, server_secret)
+            conn, result["hello"] = auth.accept(a, server_secret)
+            conn.close()
         except ProtocolError as exc:
             result["server_error"] = exc
 
@@ -107,7 +107,6 @@ def _handshake(server_secret: bytes, client_secret: bytes):
     except ProtocolError as exc:
         result["client_error"] = exc
     t.join(5)
-    server.close()
     client.close()
     return result
 

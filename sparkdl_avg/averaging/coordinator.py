@@ -57,14 +57,14 @@ class Coordinator(Server):
     def __init__(self, *, host: str, advertise: str, num_workers: int, secret: bytes,
                  timeout: float, dtype: np.dtype, model_numel: int,
                  check_job: Callable[[float], None]) -> None:
-        super().__init__(secret=secret, host=host, backlog=num_workers * 2,
+        super().__init__(secret=secret, host=host, max_connections=num_workers,
                          name="coordinator")
         self.num_workers = num_workers
         self._timeout = timeout
         self._check_job = check_job
         self._workers: dict[int, Connection] = {}
         self.hellos: dict[int, msg.WorkerHello] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._io: ThreadPoolExecutor | None = None
         self._advertise = advertise
         self._dtype = np.dtype(dtype)
         self._buffers = [np.empty(model_numel, self._dtype) for _ in range(num_workers)]
@@ -75,7 +75,7 @@ class Coordinator(Server):
 
     def start(self) -> None:
         super().start()
-        self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="sparkdl-avg-io")
+        self._io = ThreadPoolExecutor(self.num_workers, thread_name_prefix="sparkdl-avg-io")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -84,9 +84,9 @@ class Coordinator(Server):
 
     def close(self) -> None:
         super().close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        if self._io is not None:
+            self._io.shutdown(wait=False, cancel_futures=True)
+            self._io = None
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -130,7 +130,8 @@ class Coordinator(Server):
                 self._lock.wait(_POLL_S)
         self.stop_accepting()  # everyone is here: nobody else may connect
         self.average[:initial.size] = initial  # the result if no round is left to run
-        start = msg.Average(round=start_round - 1, state_follows=states is not None)
+        start = msg.Average(round=start_round - 1, state_follows=states is not None,
+                            **msg.tensor(initial))
 
         def send_start(rank: int, conn: Connection) -> None:
             msg.send(conn, start, initial)
@@ -165,11 +166,12 @@ class Coordinator(Server):
         divergence = mean_distance([b[:model_numel] for b in self._buffers],
                                    self.average[:model_numel])
         t_averaged = time.perf_counter()
-        reply = msg.Average(round=round_index, evaluate=evaluate, checkpoint=checkpoint)
+        reply = msg.Average(round=round_index, evaluate=evaluate, checkpoint=checkpoint,
+                            **msg.tensor(self.average))
         self._all(lambda rank, conn: msg.send(conn, reply, self.average))
         stats = RoundStats(
             samples=sum(weights),
-            train_loss=sum(push.loss_sum for push, _ in pushes) / max(1, sum(weights)),
+            train_loss=_sum_or_nan(push.loss_sum for push, _ in pushes) / max(1, sum(weights)),
             compute_s=max(push.compute_s for push, _ in pushes),
             round_s=0.0,
             averaging_s=t_averaged - t_avg,
@@ -180,7 +182,7 @@ class Coordinator(Server):
         if evaluate:
             evals = self._all(lambda rank, conn: self._expect(rank, conn, msg.Eval)[0])
             count = sum(e.count for e in evals)
-            stats.eval = {"loss": sum(e.loss_sum for e in evals) / max(1, count),
+            stats.eval = {"loss": _sum_or_nan(e.loss_sum for e in evals) / max(1, count),
                           "time_s": max(e.eval_s for e in evals)}
             if all(e.correct is not None for e in evals):  # classifiers only
                 stats.eval["accuracy"] = sum(e.correct for e in evals) / max(1, count)
@@ -200,6 +202,9 @@ class Coordinator(Server):
             if not isinstance(message, msg.Push):
                 return None
             numel = message.numel
+            if message.dtype != self._dtype.name:
+                raise ProtocolError(f"worker {rank} pushed {message.dtype} values; the wire "
+                                    f"dtype is {self._dtype}", "shape")
             if numel < model_numel or (numel != model_numel and not allow_state) \
                     or numel > MAX_STATE_FACTOR * model_numel:
                 raise ProtocolError(f"worker {rank} pushed {numel} values; the model has "
@@ -245,7 +250,7 @@ class Coordinator(Server):
 
     def _all(self, fn: Callable[[int, Connection], object]) -> list:
         """Run fn for every worker in parallel; fail fast (checking the Spark job) on errors."""
-        futures = [self._pool.submit(fn, rank, self._workers[rank])
+        futures = [self._io.submit(fn, rank, self._workers[rank])
                    for rank in range(self.num_workers)]
         pending = set(futures)
         while pending:
@@ -267,6 +272,12 @@ class Coordinator(Server):
         if isinstance(exc, TrainingError):
             raise exc
         raise TrainingError(str(exc)) from exc
+
+
+def _sum_or_nan(values) -> float:
+    """A sum of losses, NaN when a worker's was not finite (sent as None)."""
+    values = list(values)
+    return float("nan") if None in values else sum(values)
 
 
 def _phases(start: float, setup: list[float], compute: list[float], arrivals: list[float],

@@ -29,7 +29,7 @@ class DriverChannel(Transport):
         authenticate_to_server(self._conn, self._secret, hello)
 
     def receive_start(self, params: np.ndarray) -> StartPoint:
-        start, _ = msg.expect(self._conn, msg.Average, into=params)
+        start, _ = msg.expect(self._conn, msg.Average, into=_checked(params))
         # The driver times out a hung worker after round_timeout and names it; the others,
         # waiting on that worker's average, must not time out first and take the blame.
         self._conn.set_timeout(self._reply_timeout)
@@ -43,7 +43,7 @@ class DriverChannel(Transport):
 
     def exchange(self, push: msg.Push, params: np.ndarray) -> RoundReply:
         msg.send(self._conn, push, params)
-        reply, _ = msg.expect(self._conn, msg.Average, into=params)
+        reply, _ = msg.expect(self._conn, msg.Average, into=_checked(params))
         return RoundReply(evaluate=reply.evaluate, checkpoint=reply.checkpoint)
 
     def send_state(self, layout: list, payload: np.ndarray) -> None:
@@ -63,3 +63,11 @@ class DriverChannel(Transport):
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
+
+
+def _checked(params: np.ndarray):
+    """The payload target: `params`, once the message says it holds exactly that."""
+    def into(message: msg.Message) -> np.ndarray:
+        msg.check_tensor(message, params, "the driver")
+        return params
+    return into

@@ -126,6 +126,8 @@ class _Attempt:
         )
         if r >= len(self.history):  # a round redone after a restart is logged once
             metrics = round_metrics(stats)
+            # strangers the coordinator refused, by reason, so far in this attempt
+            metrics.update({f"refused_{k}": v for k, v in coord.refused.items()})
             self.history.append({"round": r, **metrics})
             self.run_logger.log_metrics(metrics, step=r)
             self.progress.update(r, stats.train_loss, metrics.get("eval_accuracy"))

@@ -8,6 +8,7 @@ that holds it. Strangers get `HANDSHAKE_S` in total and `HANDSHAKE_META_BYTES` t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -48,8 +49,7 @@ def authenticate_client(conn: Connection, secret: bytes) -> dict[str, Any]:
     auth, _ = msg.expect(conn, msg.Auth)
     expected = _mac(secret, b"client", nonce, _hello_bytes(auth.hello))
     if not hmac.compare_digest(auth.mac, expected):
-        msg.send(conn, msg.Refusal(message="authentication failed", reason="auth"))
-        raise ProtocolError("a peer failed authentication (wrong secret)", "auth")
+        raise ProtocolError("authentication failed (wrong secret)", "auth")
     msg.send(conn, msg.Welcome(mac=_mac(secret, b"server", bytes.fromhex(auth.nonce))))
     return auth.hello
 
@@ -70,8 +70,9 @@ def accept(sock: socket.socket, secret: bytes, *, tls: ssl.SSLContext | None = N
            ) -> tuple[Connection, dict[str, Any]]:
     """Server side of a new connection: TLS (optional), then the handshake, all within
     HANDSHAKE_S and a small metadata limit, so a stranger can neither stall nor flood us.
-    Returns the connection (limits reset to normal) and the peer's authenticated hello; the
-    socket is closed if anything fails."""
+    Returns the connection (limits reset to normal) and the peer's authenticated hello. If
+    anything fails the peer gets an ERROR naming the reason, where it can still read one,
+    and the socket is closed."""
     conn = None
     try:
         if tls is not None:
@@ -81,7 +82,11 @@ def accept(sock: socket.socket, secret: bytes, *, tls: ssl.SSLContext | None = N
                           max_meta=HANDSHAKE_META_BYTES)
         conn.deadline = time.monotonic() + HANDSHAKE_S
         hello = authenticate_client(conn, secret)
-    except BaseException:
+    except BaseException as exc:
+        if conn is not None and isinstance(exc, ProtocolError) and exc.reason != "closed":
+            with contextlib.suppress(OSError):
+                conn.sock.settimeout(1.0)  # a peer that does not read gets no more time
+                msg.send(conn, msg.Refusal(message=str(exc)[:500], reason=exc.reason))
         (conn or sock).close()
         raise
     conn.deadline, conn.max_meta = None, MAX_META_BYTES

@@ -31,6 +31,7 @@ VERSION = 2
 """2: typed messages (`messages`), SETTINGS and FAILED frames."""
 HEADER = struct.Struct("!4sBBHIQ")
 MAX_META_BYTES = 1 << 20
+_CHUNK = 1 << 20
 
 
 class Kind(enum.IntEnum):
@@ -131,13 +132,18 @@ class Connection:
                                     "expected (a different model or dtype on the other side?)",
                                     "shape")
             target = memoryview(into).cast("B")
-        else:
-            if payload_len > self.max_payload:
-                raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of "
-                                    f"{self.max_payload}", "oversized")
-            target = memoryview(bytearray(payload_len))
-        self._read_into(target)
-        return Frame(kind, meta, target)
+            self._read_into(target)
+            return Frame(kind, meta, target)
+        if payload_len > self.max_payload:
+            raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of "
+                                f"{self.max_payload}", "oversized")
+        # Grown as bytes arrive: a header that claims much and sends little costs little.
+        buffer = bytearray()
+        while len(buffer) < payload_len:
+            part = bytearray(min(payload_len - len(buffer), max(_CHUNK, len(buffer))))
+            self._read_into(memoryview(part))
+            buffer += part
+        return Frame(kind, meta, memoryview(buffer))
 
     def _read_exact(self, n: int) -> bytes:
         buf = bytearray(n)

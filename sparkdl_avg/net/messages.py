@@ -10,35 +10,39 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
 from dataclasses import dataclass
-from functools import cache
-from typing import Any, ClassVar, TypeVar, Union
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from sparkdl_avg._errors import REASONS, PeerRefused, ProtocolError, Unacceptable
+from sparkdl_avg.net import fields
 from sparkdl_avg.net.frames import Connection, Kind
 
 M = TypeVar("M", bound="Message")
+MAX_WORKERS = 4096
+
+
+def finite_or_none(value: float) -> float | None:
+    """A loss as it travels: None when it is not finite (the replica diverged)."""
+    return value if math.isfinite(value) else None
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
     """Fields are checked against their annotations (int, float, bool, str, dict, list and
-    `| None`), then by the kind's own `check`."""
+    `| None`; numbers finite and within `MAX_NUMBER`), then by the kind's own `check`."""
 
     KIND: ClassVar[Kind | None] = None
     PAYLOAD: ClassVar[bool | None] = False
     """True: must carry a payload; False: must not; None: may."""
 
     def __post_init__(self) -> None:
-        for name, expected in _hints(type(self)).items():
+        for name, expected in fields.hints(type(self)).items():
             value = getattr(self, name)
-            if not _matches(value, expected):
-                raise ProtocolError(f"{type(self).__name__}.{name} must be {_name(expected)}, "
-                                    f"got {value!r}"[:500])
+            if not fields.matches(value, expected):
+                raise ProtocolError(f"{type(self).__name__}.{name} must be "
+                                    f"{fields.type_name(expected)}, got {value!r}"[:500])
         self.check()
 
     def check(self) -> None:
@@ -70,7 +74,7 @@ class Challenge(Message):
     nonce: str
 
     def check(self) -> None:
-        _hex("nonce", self.nonce, self)
+        fields.hex_string("nonce", self.nonce, self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +86,8 @@ class Auth(Message):
     """The client's introduction (`WorkerHello`, `ServerHello`), covered by the MAC."""
 
     def check(self) -> None:
-        _hex("nonce", self.nonce, self)
-        _hex("mac", self.mac, self)
+        fields.hex_string("nonce", self.nonce, self)
+        fields.hex_string("mac", self.mac, self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,7 @@ class Welcome(Message):
     mac: str
 
     def check(self) -> None:
-        _hex("mac", self.mac, self)
+        fields.hex_string("mac", self.mac, self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,15 +135,18 @@ class Push(Message):
     PAYLOAD = True
     round: int
     samples: int
-    loss_sum: float
+    loss_sum: float | None
+    """None: not finite."""
     compute_s: float
     setup_s: float
+    dtype: str
     numel: int
 
     def check(self) -> None:
-        if self.round < 0 or self.samples < 1 or self.numel < 1:
-            raise self.invalid("round >= 0, samples >= 1 and numel >= 1 are required")
-        _seconds(self, "compute_s", "setup_s")
+        if self.round < 0 or self.samples < 1:
+            raise self.invalid("round >= 0 and samples >= 1 are required")
+        fields.durations(self, "compute_s", "setup_s")
+        fields.payload_description(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +158,8 @@ class Average(Message):
     KIND = Kind.AVERAGE
     PAYLOAD = True
     round: int
+    dtype: str
+    numel: int
     evaluate: bool = False
     checkpoint: bool = False
     state_follows: bool = False
@@ -158,6 +167,7 @@ class Average(Message):
     def check(self) -> None:
         if self.round < -1:
             raise self.invalid(f"round {self.round}")
+        fields.payload_description(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +182,7 @@ class State(Message):
 @dataclass(frozen=True, slots=True)
 class Eval(Message):
     KIND = Kind.EVAL
-    loss_sum: float
+    loss_sum: float | None
     correct: int | None
     count: int
     eval_s: float
@@ -180,7 +190,7 @@ class Eval(Message):
     def check(self) -> None:
         if self.count < 0 or (self.correct is not None and not 0 <= self.correct <= self.count):
             raise self.invalid(f"count {self.count}, correct {self.correct}")
-        _seconds(self, "eval_s")
+        fields.durations(self, "eval_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +218,7 @@ class ServerHello(Message):
     worker: int
 
     def check(self) -> None:
-        if self.worker < -1:
+        if not -1 <= self.worker < MAX_WORKERS:
             raise self.invalid(f"worker id {self.worker}")
 
 
@@ -220,12 +230,14 @@ class Init(Message):
     KIND = Kind.INIT
     PAYLOAD = True
     dtype: str
+    numel: int
     workers: int
     expect: dict
 
     def check(self) -> None:
-        if self.dtype not in ("float32", "float64") or self.workers < 0:
-            raise self.invalid(f"dtype {self.dtype!r}, workers {self.workers}")
+        if not 0 <= self.workers <= MAX_WORKERS:
+            raise self.invalid(f"workers {self.workers}")
+        fields.payload_description(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +261,11 @@ class Params(Message):
     PAYLOAD = True
     version: int
     progress: int
+    dtype: str
+    numel: int
+
+    def check(self) -> None:
+        fields.payload_description(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,13 +275,17 @@ class Update(Message):
 
     KIND = Kind.UPDATE
     PAYLOAD = True
+    dtype: str
+    numel: int
     samples: int = 0
-    loss_sum: float = 0.0
+    loss_sum: float | None = 0.0
+    """None: not finite."""
     steps: int | None = None
 
     def check(self) -> None:
         if self.samples < 0 or (self.steps is not None and self.steps < 0):
             raise self.invalid(f"samples {self.samples}, steps {self.steps}")
+        fields.payload_description(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,45 +355,15 @@ def decode(kind: Kind, meta: dict) -> Message:
     return cls.from_meta(meta)
 
 
-# --- field checks ------------------------------------------------------------------------
-
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+def tensor(array: np.ndarray) -> dict[str, Any]:
+    """The `dtype` and `numel` fields describing `array` as a payload."""
+    return {"dtype": str(array.dtype), "numel": int(array.size)}
 
 
-def _matches(value: object, expected: Any) -> bool:
-    origin = typing.get_origin(expected)
-    if origin in (Union, types.UnionType):
-        return any(_matches(value, arg) for arg in typing.get_args(expected))
-    if expected is type(None):
-        return value is None
-    if expected is float:  # a diverging loss is news, not a malformed message
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if expected is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, origin or expected)
-
-
-def _name(expected: Any) -> str:
-    args = typing.get_args(expected)
-    if args:
-        return " or ".join(_name(a) for a in args)
-    return "null" if expected is type(None) else getattr(expected, "__name__", str(expected))
-
-
-def _seconds(message: Message, *names: str) -> None:
-    for name in names:
-        value = getattr(message, name)
-        if not math.isfinite(value) or value < 0:
-            raise message.invalid(f"{name}={value!r} is no duration")
-
-
-def _hex(name: str, value: str, message: Message) -> None:
-    if len(value) > 256 or len(value) % 2:
-        raise message.invalid(f"{name} is not hex")
-    try:
-        bytes.fromhex(value)
-    except ValueError:
-        raise message.invalid(f"{name} is not hex") from None
+def check_tensor(message: Message, expected: np.ndarray, who: object) -> None:
+    """Refuse (reason "shape") a payload that is not what `expected` holds, before reading
+    it: the same byte count in another dtype must not pass as parameters."""
+    if (message.dtype, message.numel) != (str(expected.dtype), expected.size):
+        raise ProtocolError(f"{who} sent {message.numel} {message.dtype} values where "
+                            f"{expected.size} {expected.dtype} were expected (a different "
+                            "model or dtype on the other side?)", "shape")

@@ -1,16 +1,22 @@
 """One server base for the driver's coordinator and the parameter server.
 
-It listens, accepts concurrently (every connection's handshake runs on its own thread, so a
-slow stranger holds up nobody), authenticates each peer within the handshake deadline, and
-hands authenticated connections to the subclass's `serve`. Refusals are counted by reason
-code and logged. `close()` stops accepting and closes every connection; the constructor
-starts nothing.
+It listens and accepts; every connection's handshake runs on a bounded pool of handler
+threads under one total deadline, so a slow stranger holds up nobody. At most `max_pending`
+handshakes run at once: when a new connection finds them full, the oldest unauthenticated
+one is dropped (so strangers cannot lock workers out from one address, and all tests come
+from 127.0.0.1). Authenticated connections go to the subclass's `serve`, at most
+`max_connections` of them. Every refusal is answered with an ERROR frame where the peer can
+still read one and counted by its reason code. The accept loop survives every error it can;
+running out of file descriptors is logged and backed off; an error it cannot survive is kept
+in `failure` for the owner to act on. `close()` stops accepting and closes every connection;
+the constructor starts nothing.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import socket
 import ssl
@@ -26,22 +32,34 @@ from sparkdl_avg.net.frames import Connection
 log = logging.getLogger("sparkdl_avg")
 _POLL_S = 0.25
 _JOIN_S = 5.0
+_BACKOFF_S = 0.5
+_IDLE_THREAD_S = 30.0
+_LOG_EVERY_S = 1.0
+MAX_PENDING = 16
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 class Server:
     def __init__(self, *, secret: bytes, host: str = "127.0.0.1", port: int = 0,
-                 tls: ssl.SSLContext | None = None, backlog: int = 64,
-                 name: str = "sparkdl-avg") -> None:
+                 tls: ssl.SSLContext | None = None, max_connections: int = 64,
+                 max_pending: int = MAX_PENDING, name: str = "sparkdl-avg") -> None:
         self._secret, self._tls = secret, tls
-        self._host, self._port, self._backlog, self._name = host, port, backlog, name
+        self._host, self._port, self._name = host, port, name
+        self._max_connections, self._max_pending = max_connections, max_pending
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
         self._lock = threading.Condition()
         """Guards the subclass's state too: one lock, one condition to wait on."""
         self._conns: set[Connection] = set()
-        self._handshaking: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
+        self._pending: dict[socket.socket, float] = {}
+        """Sockets in their handshake, oldest first."""
+        self._pool = _HandlerPool(max_connections + max_pending, name)
+        self._accept_thread: threading.Thread | None = None
         self.refused: collections.Counter[str] = collections.Counter()
+        self._last_log: dict[str, tuple[float, int]] = {}
+        self.failure: BaseException | None = None
+        """Why the accept loop stopped for good (None while it runs): the server accepts no
+        one any more, and its owner should stop (a parameter server's process exits)."""
 
     def __enter__(self):
         self.start()
@@ -55,16 +73,22 @@ class Server:
         return self._host, self._port
 
     def start(self) -> None:
-        self._listener = socket.create_server((self._host, self._port), backlog=self._backlog)
+        self._listener = socket.create_server(
+            (self._host, self._port), backlog=self._max_connections + self._max_pending)
         self._listener.settimeout(_POLL_S)
         self._port = self._listener.getsockname()[1]
-        self._spawn(self._accept_loop, f"{self._name}-accept")
+        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                               name=f"{self._name}-accept")
+        self._accept_thread.start()
 
     def stop_accepting(self) -> None:
         """No new connections from now on; the ones already served stay."""
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        with self._lock:
+            for sock in list(self._pending):
+                _shutdown(sock)
 
     def close(self) -> None:
         self._closed.set()
@@ -72,93 +96,94 @@ class Server:
         with self._lock:
             for conn in list(self._conns):  # wakes any thread blocked on a socket
                 conn.close()
-            for sock in list(self._handshaking):  # and any stranger mid-handshake
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
             self._lock.notify_all()
-        current = threading.current_thread()
-        deadline = time.monotonic() + _JOIN_S
-        for t in list(self._threads):
-            if t is not current:
-                t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._accept_thread is not None and self._accept_thread is not \
+                threading.current_thread():
+            self._accept_thread.join(timeout=_JOIN_S)
+        self._pool.close(_JOIN_S)
 
     def serve(self, conn: Connection, hello: dict[str, Any]) -> bool:
-        """Serve one authenticated peer on its own thread. Return True to keep the
-        connection open after the thread ends (the subclass then owns it until `close`)."""
+        """Serve one authenticated peer on a handler thread. Return True to keep the
+        connection open after returning (the subclass then owns it until `close`)."""
         raise NotImplementedError
 
     def refuse(self, reason: str, why: object, who: object,
                conn: Connection | None = None) -> None:
-        """Count a refusal by reason, log it, and tell the peer when there is a connection
-        to tell."""
+        """Count a refusal by reason, log it (at most once a second per reason), and tell
+        the peer when there is a connection to tell."""
+        now = time.monotonic()
         with self._lock:
             self.refused[reason] += 1
-        log.warning("%s refused %s (%s): %s", self._name, who, reason, why)
+            last, quiet = self._last_log.get(reason, (0.0, 0))
+            loud = now - last >= _LOG_EVERY_S
+            self._last_log[reason] = (now, 0) if loud else (last, quiet + 1)
+        if loud:
+            more = f" (and {quiet} more like it)" if quiet else ""
+            log.warning("%s refused %s (%s): %s%s", self._name, who, reason, why, more)
         if conn is not None:
             with contextlib.suppress(OSError):
                 msg.send(conn, msg.Refusal(message=str(why)[:2000], reason=reason))
 
-    def _spawn(self, target, name: str, *args) -> None:
-        def run() -> None:
-            try:
-                target(*args)
-            finally:
-                with self._lock:
-                    self._threads.discard(threading.current_thread())
-
-        thread = threading.Thread(target=run, name=name, daemon=True)
-        with self._lock:
-            self._threads.add(thread)
+    def _accept_loop(self) -> None:
         try:
-            thread.start()
-        except RuntimeError:  # no thread to be had: refuse this one, keep accepting
+            while not self._closed.is_set():
+                listener = self._listener
+                if listener is None:
+                    return
+                try:
+                    sock, peer = listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError as exc:
+                    if self._closed.is_set() or self._listener is None:
+                        return
+                    if exc.errno not in _OUT_OF_RESOURCES:
+                        raise
+                    log.warning("%s cannot accept: %s; backing off", self._name, exc)
+                    time.sleep(_BACKOFF_S)
+                    continue
+                self._admit(sock, peer)
+        except BaseException as exc:  # noqa: BLE001 - kept for the owner, who stops
+            self.failure = exc
+            log.error("%s stopped accepting connections: %r", self._name, exc)
+
+    def _admit(self, sock: socket.socket, peer) -> None:
+        with self._lock:
+            if len(self._pending) >= self._max_pending:  # drop the oldest stranger
+                oldest = next(iter(self._pending))
+                del self._pending[oldest]
+                _shutdown(oldest)
+                self.refused["capacity"] += 1
+            self._pending[sock] = time.monotonic()
+        try:
+            self._pool.submit(self._handle, sock, peer)
+        except RuntimeError:  # no handler thread could be started at all
             with self._lock:
-                self._threads.discard(thread)
+                self._pending.pop(sock, None)
+            sock.close()
             raise
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            listener = self._listener
-            if listener is None:
-                return
-            try:
-                sock, peer = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if self._closed.is_set() or self._listener is None:
-                    return
-                log.warning("%s cannot accept (%s); retrying", self._name, exc)
-                time.sleep(_POLL_S)  # out of file descriptors: don't spin
-                continue
-            try:
-                self._spawn(self._handle, f"{self._name}-{peer[1]}", sock, peer)
-            except RuntimeError as exc:
-                sock.close()
-                log.warning("%s refused %s: %s", self._name, peer, exc)
-
     def _handle(self, sock: socket.socket, peer) -> None:
-        with self._lock:
-            self._handshaking.add(sock)
         try:
             conn, hello = accept(sock, self._secret, tls=self._tls)
-        except ProtocolError as exc:
-            self.refuse(exc.reason, exc, peer)
-            return
-        except TimeoutError as exc:
-            self.refuse("timeout", exc, peer)
-            return
-        except (OSError, ValueError) as exc:  # a reset, a TLS failure
-            self.refuse("auth", exc, peer)
-            return
-        finally:
+        except Exception as exc:  # noqa: BLE001 - every refusal is counted, none escapes
             with self._lock:
-                self._handshaking.discard(sock)
+                dropped = self._pending.pop(sock, None) is None  # counted when dropped
+            if not dropped:
+                reason = exc.reason if isinstance(exc, ProtocolError) else \
+                    "timeout" if isinstance(exc, TimeoutError) else "auth"
+                self.refuse(reason, exc, peer)
+            return
         with self._lock:
-            if self._closed.is_set():
-                conn.close()
-                return
-            self._conns.add(conn)
+            self._pending.pop(sock, None)
+            full = len(self._conns) >= self._max_connections
+            if not full and not self._closed.is_set():
+                self._conns.add(conn)
+        if full or self._closed.is_set():
+            self.refuse("capacity", f"{self._name} serves {self._max_connections} "
+                        "connections already", peer, conn)
+            conn.close()
+            return
         keep = False
         try:
             keep = self.serve(conn, hello)
@@ -167,3 +192,68 @@ class Server:
                 with self._lock:
                     self._conns.discard(conn)
                 conn.close()
+
+
+class _HandlerPool:
+    """At most `size` daemon threads running submitted calls; idle ones end after a while,
+    and finished ones are forgotten."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size, self._name = size, name
+        self._jobs: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._threads: set[threading.Thread] = set()
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn, *args) -> None:
+        with self._cond:
+            self._jobs.append((fn, args))
+            if self._idle == 0 and len(self._threads) < self._size:
+                thread = threading.Thread(target=self._work, daemon=True,
+                                          name=f"{self._name}-handler")
+                try:
+                    thread.start()
+                except RuntimeError:
+                    if not self._threads:
+                        self._jobs.pop()
+                        raise
+                    log.warning("%s: no new handler thread; %d queued", self._name,
+                                len(self._jobs))
+                else:
+                    self._threads.add(thread)
+            self._cond.notify()
+
+    def close(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            while self._threads - {threading.current_thread()} and \
+                    time.monotonic() < deadline:
+                self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._idle += 1
+                    woke = self._cond.wait(timeout=_IDLE_THREAD_S)
+                    self._idle -= 1
+                    if not woke and not self._jobs:
+                        break
+                if not self._jobs:
+                    self._threads.discard(me)
+                    self._cond.notify_all()
+                    return
+                fn, args = self._jobs.popleft()
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - one connection's bug must not end the pool
+                log.exception("%s: a connection handler failed", self._name)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)

@@ -82,6 +82,9 @@ def _serve(args: argparse.Namespace, secret_env: str) -> int:
                 if args.parent_pid and not _alive(args.parent_pid):  # watchdog
                     logging.warning("parent %d is gone: stopping", args.parent_pid)
                     break
+                if server.failure is not None:  # exit, so whoever watches restarts us
+                    logging.error("cannot accept connections any more: stopping")
+                    return 1
         except KeyboardInterrupt:
             pass
     return 0

@@ -41,7 +41,7 @@ class PSClient:
         """Fetch the server's parameters into `self.params` (and this worker's `progress`);
         returns the server's version."""
         msg.send(self._conn, msg.Pull())
-        params, _ = msg.expect(self._conn, msg.Params, into=self.params)
+        params, _ = msg.expect(self._conn, msg.Params, into=self._into_params)
         self.progress = params.progress
         return params.version
 
@@ -49,8 +49,8 @@ class PSClient:
              steps: int | None = None) -> msg.Ack:
         """Send an update (the server applies w <- w - update by its rule). `steps`: the
         worker's local steps including this update (its progress)."""
-        msg.send(self._conn, msg.Update(samples=samples, loss_sum=loss_sum, steps=steps),
-                 update)
+        msg.send(self._conn, msg.Update(samples=samples, loss_sum=msg.finite_or_none(loss_sum),
+                                        steps=steps, **msg.tensor(update)), update)
         return msg.expect(self._conn, msg.Ack)[0]
 
     def init(self, params: np.ndarray, workers: int = 0,
@@ -58,9 +58,13 @@ class PSClient:
         """Driver only: (re)start the server from these parameters, expecting workers
         0..workers-1 (they count for the staleness bound from now on). `expect`: settings
         the server must have (it refuses otherwise). Returns the server's settings."""
-        msg.send(self._conn, msg.Init(dtype=str(params.dtype), workers=workers,
-                                      expect=expect or {}), params)
+        msg.send(self._conn, msg.Init(workers=workers, expect=expect or {},
+                                      **msg.tensor(params)), params)
         return msg.expect(self._conn, msg.Settings)[0].settings
+
+    def _into_params(self, message: msg.Message) -> np.ndarray:
+        msg.check_tensor(message, self.params, "the parameter server")
+        return self.params
 
     def stats(self) -> dict:
         msg.send(self._conn, msg.Stats())

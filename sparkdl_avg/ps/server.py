@@ -25,7 +25,7 @@ from sparkdl_avg._background import BackgroundWriter
 from sparkdl_avg._errors import PeerClosed, ProtocolError, Unacceptable
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
-from sparkdl_avg.net.server import Server
+from sparkdl_avg.net.server import MAX_PENDING, Server
 from sparkdl_avg.ps.rules import UpdateRule, make_rule
 from sparkdl_avg.ps.settings import ServerSettings
 from sparkdl_avg.ps.staleness import may_apply, may_read
@@ -42,13 +42,16 @@ class ParameterServer(Server):
 
     def __init__(self, settings: ServerSettings | None = None, *, secret: bytes,
                  host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None,
-                 checkpoint_path: str | None = None, rule: UpdateRule | None = None) -> None:
+                 checkpoint_path: str | None = None, rule: UpdateRule | None = None,
+                 max_pending: int = MAX_PENDING) -> None:
         """`checkpoint_path`: save the state there at INIT and every
         `settings.checkpoint_every` applied updates, so a restarted server resumes from it.
         `rule`: start with these parameters instead of waiting for an INIT."""
+        settings = settings or ServerSettings()
         super().__init__(secret=secret, host=host, port=port, tls=tls,
+                         max_connections=settings.max_connections, max_pending=max_pending,
                          name="parameter server")
-        self.settings = settings or ServerSettings()
+        self.settings = settings
         self.rule = rule
         """None until a driver sends INIT with the initial parameters."""
         self._clocks: dict[int, int] = {}
@@ -125,11 +128,22 @@ class ParameterServer(Server):
         conn.max_payload = self.settings.max_message_mb << 20 if worker == DRIVER else 0
         conn.set_timeout(self.settings.timeout)
         with self._lock:
-            if worker != DRIVER:  # the driver pulls and inits but never holds others back
-                start = min(self._clocks.values(), default=0)
-                self._clocks.setdefault(worker, start)
-                self._read_clocks.setdefault(worker, start - 1)  # has read nothing yet
-                self._owners[worker] = conn  # a reconnect takes over from a stale connection
+            if self._announced and worker >= self._announced:
+                unknown = f"worker id {worker} is not one of the {self._announced} announced"
+            else:
+                unknown = None
+                # One live connection per id: a reconnecting worker replaces its stale one.
+                stale = self._owners.get(worker)
+                if stale is not None:
+                    stale.close()
+                self._owners[worker] = conn
+                if worker != DRIVER:  # the driver pulls and inits but holds no one back
+                    start = min(self._clocks.values(), default=0)
+                    self._clocks.setdefault(worker, start)
+                    self._read_clocks.setdefault(worker, start - 1)  # has read nothing yet
+        if unknown:
+            self.refuse("unexpected", unknown, worker, conn)
+            return False
         try:
             self._serve_worker(conn, worker)
         finally:
@@ -150,6 +164,7 @@ class ParameterServer(Server):
                 return None  # INIT (driver only) goes to a fresh buffer within max_payload
             if self.rule is None:
                 raise ProtocolError("the server has no parameters yet (no INIT)", "unexpected")
+            msg.check_tensor(message, self.rule.params, f"worker {worker}")
             if update.shape != self.rule.params.shape:
                 update = np.empty_like(self.rule.params)
             return update
@@ -167,6 +182,10 @@ class ParameterServer(Server):
                 self.refuse(exc.reason, exc, worker, conn)
                 return
             except OSError:  # timed out or reset
+                return
+            if self._owners.get(worker) is not conn:  # replaced by a newer connection
+                self.refuse("unexpected", "a newer connection took over this worker id",
+                            worker, conn)
                 return
             if isinstance(message, msg.Pull):
                 if not self._pull(conn, worker):
@@ -194,10 +213,11 @@ class ParameterServer(Server):
             params = self.rule.pull(worker).copy()
             version = self._pulled_version[worker] = self.applied
             progress = self.progress.get(worker, 0)
-            if worker != DRIVER:
+            if worker != DRIVER and worker in self._clocks:
                 self._read_clocks[worker] = self._clocks[worker]
                 self._lock.notify_all()
-        msg.send(conn, msg.Params(version=version, progress=progress), params)
+        msg.send(conn, msg.Params(version=version, progress=progress, **msg.tensor(params)),
+                 params)
         return True
 
     def _apply(self, conn: Connection, worker: int, update: np.ndarray,
@@ -222,8 +242,9 @@ class ParameterServer(Server):
             self._clocks[worker] = clock + 1
             self._lock.notify_all()
             applied = self.applied
-            self.samples += message.samples
-            self.loss_sum += message.loss_sum
+            if message.loss_sum is not None:
+                self.samples += message.samples
+                self.loss_sum += message.loss_sum
             if message.steps is not None:
                 self.progress[worker] = message.steps
             every = self.settings.checkpoint_every
@@ -249,9 +270,9 @@ class ParameterServer(Server):
             self.refuse("settings", "the fit and this server disagree: "
                         + "; ".join(differences), DRIVER, conn)
             return
-        if payload.nbytes % np.dtype(init.dtype).itemsize:
-            self.refuse("malformed", f"INIT of {payload.nbytes} bytes is no {init.dtype} array",
-                        DRIVER, conn)
+        if payload.nbytes != init.numel * np.dtype(init.dtype).itemsize:
+            self.refuse("shape", f"INIT of {payload.nbytes} bytes is no array of {init.numel} "
+                        f"{init.dtype} values", DRIVER, conn)
             return
         params = np.frombuffer(payload, dtype=init.dtype).copy()
         with self._lock:

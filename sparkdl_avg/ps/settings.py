@@ -37,6 +37,8 @@ class ServerSettings:
         "help": "seconds to wait for a worker's next message, or for slower workers"})
     max_message_mb: int = field(default=4096, metadata={
         "help": "the largest INIT (initial parameters) accepted, in MiB"})
+    max_connections: int = field(default=256, metadata={
+        "help": "authenticated connections served at once (workers, reconnects, the driver)"})
     checkpoint_every: int = field(default=0, metadata={
         "help": "save the state every this many applied updates (0: at INIT only)"})
 
@@ -52,10 +54,11 @@ class ServerSettings:
                 raise ConfigError(f"dc_lambda applies to the DC-ASGD rules, not to "
                                   f"algorithm={self.algorithm!r}")
             _positive("dc_lambda", self.dc_lambda, zero=True)
-        for name in ("staleness_bound", "max_message_mb", "checkpoint_every"):
+        for name in ("staleness_bound", "max_message_mb", "max_connections",
+                     "checkpoint_every"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < (1 if name == "max_message_mb" else 0)):
+                                      or value < (1 if name.startswith("max") else 0)):
                 raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:

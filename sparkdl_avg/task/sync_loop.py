@@ -54,15 +54,18 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
                 if [id(t) for t in current] != [id(t) for t in state]:
                     state = current
                     flat = FlatBuffer(averaged_tensors(model) + state, replica.wire_dtype)
-            push = msg.Push(round=round_index, samples=samples, loss_sum=loss_sum,
-                            compute_s=compute_s, setup_s=setup_s, numel=int(flat.array.size))
-            reply = transport.exchange(push, flat.gather())
+            params = flat.gather()
+            push = msg.Push(round=round_index, samples=samples,
+                            loss_sum=msg.finite_or_none(loss_sum), compute_s=compute_s,
+                            setup_s=setup_s, **msg.tensor(params))
+            reply = transport.exchange(push, params)
             flat.scatter()
             if reply.checkpoint:
                 transport.send_state(*worker_state.pack(replica.optimizer, model))
             if reply.evaluate:
                 t_eval = time.perf_counter()
                 result = replica.evaluate()
+                result["loss_sum"] = msg.finite_or_none(result["loss_sum"])
                 transport.send_eval(msg.Eval(**result, eval_s=time.perf_counter() - t_eval))
             ready = time.perf_counter()
         transport.done()

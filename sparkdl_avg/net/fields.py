@@ -1,0 +1,69 @@
+"""How `messages` checks a field: its annotation (int, float, bool, str, dict, list and
+`| None`), numbers finite and within `MAX_NUMBER`, and the shared checks of durations,
+hex strings and payload descriptions."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from functools import cache
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    from sparkdl_avg.net.messages import Message
+
+MAX_NUMBER = 2 ** 53
+"""No number on the wire is larger in magnitude (integers stay exact as floats)."""
+DTYPES = ("float32", "float64")
+"""What tensors travel as (the wire dtype of every model)."""
+
+
+@cache
+def hints(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def matches(value: object, expected: Any) -> bool:
+    origin = typing.get_origin(expected)
+    if origin in (Union, types.UnionType):
+        return any(matches(value, arg) for arg in typing.get_args(expected))
+    if expected is type(None):
+        return value is None
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value) and abs(value) <= MAX_NUMBER
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool) \
+            and abs(value) <= MAX_NUMBER
+    return isinstance(value, origin or expected)
+
+
+def type_name(expected: Any) -> str:
+    args = typing.get_args(expected)
+    if args:
+        return " or ".join(type_name(a) for a in args)
+    return "null" if expected is type(None) else getattr(expected, "__name__", str(expected))
+
+
+def payload_description(message: Message) -> None:
+    if message.dtype not in DTYPES or not 1 <= message.numel <= MAX_NUMBER:
+        raise message.invalid(f"a payload of {message.numel} {message.dtype!r} values")
+
+
+def durations(message: Message, *names: str) -> None:
+    for name in names:
+        value = getattr(message, name)
+        if not math.isfinite(value) or value < 0:
+            raise message.invalid(f"{name}={value!r} is no duration")
+
+
+def hex_string(name: str, value: str, message: Message) -> None:
+    if len(value) > 256 or len(value) % 2:
+        raise message.invalid(f"{name} is not hex")
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        raise message.invalid(f"{name} is not hex") from None

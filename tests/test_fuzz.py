@@ -1,0 +1,164 @@
+"""Property-based fuzzing of both servers: at least 10,000 mutated frames each, before and
+after authentication. Whatever arrives, no handler crashes, nothing unauthenticated is
+applied, every refusal is counted, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from sparkdl_avg.averaging.coordinator import Coordinator
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.auth import authenticate_to_server
+from sparkdl_avg.net.frames import HEADER, MAGIC, VERSION, Connection, Kind
+from sparkdl_avg.ps.client import PSClient
+from sparkdl_avg.ps.rules import make_rule
+from sparkdl_avg.ps.server import ParameterServer
+from sparkdl_avg.ps.settings import ServerSettings
+
+SECRET = b"f" * 32
+EXAMPLES = 10_000
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
+                suppress_health_check=list(HealthCheck))
+
+
+def frame(kind: int, meta: dict, payload: bytes = b"") -> bytes:
+    body = json.dumps(meta).encode()
+    return HEADER.pack(MAGIC, VERSION, kind, 0, len(body), len(payload)) + body + payload
+
+
+AUTH = frame(Kind.AUTH, {"nonce": "ab" * 32, "mac": "cd" * 32, "hello": {"worker": 0}})
+AFTER_AUTH = [
+    frame(Kind.PULL, {}),
+    frame(Kind.UPDATE, {"dtype": "float32", "numel": 4, "samples": 2, "loss_sum": 1.0,
+                        "steps": 3}, np.ones(4, np.float32).tobytes()),
+    frame(Kind.STATS, {"report": None}),
+    frame(Kind.INIT, {"dtype": "float32", "numel": 4, "workers": 2, "expect": {}},
+          np.zeros(4, np.float32).tobytes()),
+    frame(Kind.PUSH, {"round": 0}),
+]
+HELLOS = st.fixed_dictionaries({}, optional={
+    "worker": st.one_of(st.integers(-5, 10), st.integers(), st.booleans(), st.none(),
+                        st.text(max_size=3)),
+    "rank": st.one_of(st.integers(-5, 10), st.integers(), st.floats(), st.text(max_size=3)),
+    "host": st.one_of(st.text(max_size=20), st.integers(), st.none()),
+    "extra": st.just(1)})
+
+
+@st.composite
+def mutated(draw, bases: list[bytes]) -> bytes:
+    data = bytearray(draw(st.sampled_from(bases)))
+    for _ in range(draw(st.integers(0, 4))):
+        how = draw(st.sampled_from(["flip", "cut", "insert", "header"]))
+        if how == "flip" and data:
+            i = draw(st.integers(0, len(data) - 1))
+            data[i] = draw(st.integers(0, 255))
+        elif how == "cut":
+            del data[draw(st.integers(0, len(data))):]
+        elif how == "insert":
+            i = draw(st.integers(0, len(data)))
+            data[i:i] = draw(st.binary(max_size=16))
+        elif len(data) >= HEADER.size:  # lengths that lie
+            meta_len = draw(st.integers(0, 1 << 32 - 1))
+            payload_len = draw(st.integers(0, 1 << 63))
+            data[12:24] = struct.pack("!IQ", meta_len, payload_len)
+    return bytes(data)
+
+
+def send_and_read(address, payload: bytes, hello: dict | None, secret: bytes = SECRET) -> None:
+    """Connect (authenticating with `hello` when given), send `payload`, read what comes
+    back until the server closes or goes quiet."""
+    with socket.create_connection(address, timeout=5) as sock:
+        conn = Connection(sock, timeout=0.5, max_payload=1 << 16)
+        try:
+            if hello is None:
+                msg.expect(conn, msg.Challenge)
+            else:
+                authenticate_to_server(conn, secret, _Hello(hello))
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+            while conn.recv(None).kind is not Kind.ERROR:
+                pass
+        except (OSError, ValueError):  # refused, closed, or quiet: all fine here
+            pass
+
+
+class _Hello(msg.Message):
+    """Any hello at all, to reach the servers' own checks of it."""
+
+    __slots__ = ("meta",)
+
+    def __init__(self, meta: dict) -> None:
+        object.__setattr__(self, "meta", meta)
+
+    def to_meta(self) -> dict:
+        return self.meta
+
+
+@pytest.fixture
+def handler_errors(caplog):
+    caplog.set_level(logging.ERROR, logger="sparkdl_avg")
+    yield lambda: [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_the_parameter_server_survives_mutated_frames(handler_errors):
+    rule = make_rule("downpour", np.zeros(4, np.float32))
+    ps = ParameterServer(ServerSettings(timeout=5), secret=SECRET, rule=rule)
+    sent = []
+
+    @FUZZ
+    @seed(20261122)
+    @given(st.data())
+    def fuzz(data):
+        if data.draw(st.booleans()):  # a stranger
+            payload = data.draw(mutated([AUTH]))
+            send_and_read(ps.address, payload, None)
+        else:  # a peer with the secret, saying odd things
+            payload = data.draw(mutated(AFTER_AUTH))
+            send_and_read(ps.address, payload, data.draw(HELLOS))
+        sent.append(payload)
+
+    with ps:
+        before = rule.params.copy()
+        fuzz()
+        assert len(sent) >= EXAMPLES
+        assert ps.failure is None and handler_errors() == []
+        assert sum(ps.stats()["refused"].values()) > EXAMPLES // 4
+        assert ps.rule is rule or ps.rule.params.shape == before.shape
+        with PSClient(ps.address, secret=SECRET, worker=1, numel=ps.rule.params.size,
+                      dtype=ps.rule.params.dtype, timeout=5) as c:
+            c.pull()  # still serving
+
+
+def test_the_coordinator_survives_mutated_frames(handler_errors):
+    coord = Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=4,
+                        secret=SECRET, timeout=5, dtype=np.float32, model_numel=4,
+                        check_job=lambda wait: None)
+    sent = []
+
+    @FUZZ
+    @seed(20261123)
+    @given(st.data())
+    def fuzz(data):
+        if data.draw(st.booleans()):
+            payload = data.draw(mutated([AUTH]))
+            send_and_read(coord.address, payload, None)
+        else:
+            payload = data.draw(mutated(AFTER_AUTH))
+            send_and_read(coord.address, payload, data.draw(HELLOS))
+        sent.append(payload)
+
+    with coord:
+        fuzz()
+        assert len(sent) >= EXAMPLES
+        assert coord.failure is None and handler_errors() == []
+        assert sum(coord.refused.values()) > EXAMPLES // 4
+        send_and_read(coord.address, AUTH, None)  # still accepting and answering
+        assert len(coord._workers) <= 4

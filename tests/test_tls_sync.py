@@ -1,0 +1,66 @@
+"""TLS on the sync averaging channel: the driver serves its certificate, the executors verify
+it from PEM text shipped with the task, the result is the same as over plain TCP, and a peer
+speaking plain TCP or trusting another CA gets nowhere."""
+
+from __future__ import annotations
+
+import ssl
+
+import numpy as np
+import pytest
+from test_fit_sync import frame, make_data, make_model_f64, max_param_diff
+from test_ps_tls import _other_ca, self_signed
+
+from sparkdl_avg import ConfigError, TrainConfig, fit
+from sparkdl_avg.averaging.coordinator import Coordinator
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.auth import authenticate_to_server, new_secret
+from sparkdl_avg.net.frames import connect
+from sparkdl_avg.net.tls import client_context, server_context
+
+pytestmark = pytest.mark.spark
+
+
+def test_a_sync_fit_over_tls_equals_one_over_plain_tcp(spark, tmp_path):
+    cert, key, _ = self_signed(tmp_path)
+    x, y = make_data(300, seed=8)
+    df = frame(spark, x, y).cache()
+    cfg = dict(num_workers=2, epochs=2, batch_size=10, averaging_frequency=3,
+               optimizer="adam", lr=0.01, log_model=False)
+    plain = fit(df, make_model_f64, TrainConfig(**cfg))
+    secure = fit(df, make_model_f64, TrainConfig(**cfg, tls_cert=str(cert),
+                                                 tls_key=str(key)))
+    assert max_param_diff(plain.model, secure.model) == 0
+    assert max_param_diff(plain.model, make_model_f64()) > 1e-3
+
+
+def test_the_tls_coordinator_refuses_plain_tcp_and_untrusting_peers(tmp_path):
+    cert, key, pem = self_signed(tmp_path)
+    secret = new_secret()
+    with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1, secret=secret,
+                     timeout=5, dtype=np.float32, model_numel=2, check_job=lambda w: None,
+                     tls=server_context(str(cert), str(key))) as coord:
+        hello = msg.WorkerHello(rank=0, host="h")
+        with pytest.raises(OSError):  # plain TCP: no CHALLENGE ever comes
+            plain = connect(coord.address, timeout=2, max_payload=64)
+            authenticate_to_server(plain, secret, hello)
+        with pytest.raises(ssl.SSLError):  # another CA: the driver is not trusted
+            connect(coord.address, timeout=5, max_payload=64,
+                    tls=client_context(_other_ca(tmp_path)))
+        good = connect(coord.address, timeout=5, max_payload=64, tls=client_context(pem))
+        authenticate_to_server(good, secret, hello)  # the real worker gets in
+        coord.accept_workers(np.zeros(2, np.float32), deadline_s=10)
+        assert msg.expect(good, msg.Average, np.zeros(2, np.float32))[0].round == -1
+        good.close()
+
+
+def test_tls_settings_are_checked_before_any_task(spark, tmp_path):
+    with pytest.raises(ConfigError, match="tls_cert and tls_key together"):
+        TrainConfig(tls_cert="cert.pem")
+    with pytest.raises(ConfigError, match="applies to mode='sync' only"):
+        TrainConfig(mode="async", tls_cert="c", tls_key="k")
+    x, y = make_data(100)
+    with pytest.raises(ConfigError, match="tls_cert=.* cannot be loaded"):
+        fit(frame(spark, x, y), make_model_f64, TrainConfig(
+            tls_cert=str(tmp_path / "missing.pem"), tls_key=str(tmp_path / "key.pem"),
+            log_model=False))
