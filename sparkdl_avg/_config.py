@@ -20,7 +20,8 @@ _OPTIMIZERS = typing.get_args(OptimizerName)
 _DEVICES = typing.get_args(Device)
 _MODES = typing.get_args(Mode)
 
-SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every")
+SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
+             "tls_cert", "tls_key", "tls_ca")
 ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_lambda",
               "ps_address", "ps_secret_file", "ps_tls_ca", "eval_interval_s",
               "ps_checkpoint_every", "reconnect_timeout")
@@ -135,6 +136,17 @@ class TrainConfig:
     log_model: bool = True
     """Log the final model with `mlflow.pytorch.log_model` so `mlflow.pyfunc` can load it."""
 
+    tls_cert: str | None = None
+    """Sync: serve the averaging channel over TLS with this certificate (PEM file on the
+    driver); workers verify the driver against `tls_ca`, or this certificate when it is
+    self-signed. None: plain TCP (HMAC-authenticated, not encrypted)."""
+
+    tls_key: str | None = None
+    """Sync: the private key of `tls_cert` (PEM file on the driver)."""
+
+    tls_ca: str | None = None
+    """Sync: the CA (PEM file) that signed `tls_cert`; None: `tls_cert` itself."""
+
     algorithm: str = "downpour"
     """Async: the server's update rule, a name in `ps.rules.RULES`: "downpour", "dcasgd"
     (delay compensation, constant lambda) or "dcasgd-adaptive"."""
@@ -215,6 +227,14 @@ class TrainConfig:
         if self.device not in _DEVICES:
             raise ConfigError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
         self._check_async()
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{name} must be a file path, got {value!r}")
+        if (self.tls_cert is None) != (self.tls_key is None) or \
+                (self.tls_ca is not None and self.tls_cert is None):
+            raise ConfigError("TLS needs tls_cert and tls_key together (tls_ca only with "
+                              "them)")
         for name in ("average_optimizer_state", "shuffle", "log_model"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -58,7 +58,8 @@ def _non_default(name: str):
             "checkpoint_every": 4, "algorithm": "dcasgd", "push_every": 4, "fetch_every": 16,
             "staleness_bound": 2, "dc_lambda": 0.1, "ps_address": "h:1",
             "ps_secret_file": "s", "ps_tls_ca": "ca.pem", "eval_interval_s": 1.0,
-            "ps_checkpoint_every": 3, "reconnect_timeout": 5.0}[name]
+            "ps_checkpoint_every": 3, "reconnect_timeout": 5.0, "tls_cert": "c.pem",
+            "tls_key": "k.pem", "tls_ca": "ca.pem"}[name]
 
 
 @pytest.mark.parametrize("name", ASYNC_ONLY)

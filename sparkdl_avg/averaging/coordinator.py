@@ -9,6 +9,7 @@ concurrent handshakes and refusals come from `net.server.Server`.
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -56,8 +57,8 @@ class Coordinator(Server):
 
     def __init__(self, *, host: str, advertise: str, num_workers: int, secret: bytes,
                  timeout: float, dtype: np.dtype, model_numel: int,
-                 check_job: Callable[[float], None]) -> None:
-        super().__init__(secret=secret, host=host, max_connections=num_workers,
+                 check_job: Callable[[float], None], tls: ssl.SSLContext | None = None) -> None:
+        super().__init__(secret=secret, host=host, max_connections=num_workers, tls=tls,
                          name="coordinator")
         self.num_workers = num_workers
         self._timeout = timeout

@@ -12,20 +12,22 @@ from sparkdl_avg.averaging.transport import RoundReply, StartPoint, Transport
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import authenticate_to_server
 from sparkdl_avg.net.frames import Connection, connect
+from sparkdl_avg.net.tls import client_context
 
 
 class DriverChannel(Transport):
     def __init__(self, address: tuple[str, int], secret: bytes, *, connect_timeout: float,
-                 reply_timeout: float) -> None:
+                 reply_timeout: float, tls_ca_pem: str | None = None) -> None:
         """`connect_timeout`: for connecting and for the first parameters, which come once
         every worker has loaded its partition. `reply_timeout`: for each later average."""
         self._address, self._secret = address, secret
         self._connect_timeout, self._reply_timeout = connect_timeout, reply_timeout
+        self._tls = client_context(tls_ca_pem) if tls_ca_pem else None
         self._conn: Connection | None = None
 
     def open(self, hello: msg.WorkerHello) -> None:
         self._conn = connect(self._address, timeout=self._connect_timeout,
-                             max_payload=1 << 20)
+                             max_payload=1 << 20, tls=self._tls)
         authenticate_to_server(self._conn, self._secret, hello)
 
     def receive_start(self, params: np.ndarray) -> StartPoint:

@@ -23,6 +23,7 @@ from sparkdl_avg.driver.cluster import driver_addresses
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
+from sparkdl_avg.net.tls import read_pem
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.server import DRIVER
 from sparkdl_avg.ps.settings import COMPARED, ServerSettings
@@ -52,7 +53,7 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
         host, _, port = config.ps_address.rpartition(":")
         secret = bytes.fromhex(Path(config.ps_secret_file).read_text().strip())
         if config.ps_tls_ca:
-            tls_ca_pem = Path(config.ps_tls_ca).read_text()
+            tls_ca_pem = read_pem(config.ps_tls_ca, "ps_tls_ca")
         sidecar_or_none = contextlib.nullcontext(None)
         user_address = (host, int(port))
     else:

@@ -27,6 +27,7 @@ from sparkdl_avg.driver.cluster import driver_addresses
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
+from sparkdl_avg.net.tls import read_pem, server_context
 from sparkdl_avg.tracking.plots import worker_timeline
 from sparkdl_avg.tracking.progress import Progress
 from sparkdl_avg.tracking.run import RunLogger
@@ -79,6 +80,11 @@ class _Attempt:
                  point: Checkpoint, expected: dict) -> None:
         self.spark, self.plan, self.flat, self.run_logger = spark, plan, flat, run
         self.point, self.expected = point, expected
+        config = plan.config
+        self.tls = server_context(config.tls_cert, config.tls_key) if config.tls_cert \
+            else None
+        self.tls_ca_pem = read_pem(config.tls_ca or config.tls_cert, "tls_ca" if config.tls_ca
+                                   else "tls_cert") if config.tls_cert else None
         self.history: list[dict] = list(point.history)
         self.progress = Progress(plan.schedule.num_rounds)
         self.writer = None
@@ -94,9 +100,9 @@ class _Attempt:
         with Coordinator(
             host=bind, advertise=advertise, num_workers=config.num_workers, secret=secret,
             timeout=waits.round, dtype=flat.array.dtype, model_numel=flat.array.size,
-            check_job=lambda wait_s: job.check(wait_s),
+            check_job=lambda wait_s: job.check(wait_s), tls=self.tls,
         ) as coord, BarrierJob.training(
-            plan.data.frame, plan.worker_spec(coord.address, secret),
+            plan.data.frame, plan.worker_spec(coord.address, secret, self.tls_ca_pem),
             f"sparkdl-avg: train {config.num_workers} replicas from round {point.round}",
         ) as job:
             try:

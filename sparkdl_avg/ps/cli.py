@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from sparkdl_avg._errors import ConfigError
+from sparkdl_avg.net.tls import server_context
 from sparkdl_avg.ps.settings import ServerSettings
 
 
@@ -59,12 +60,10 @@ def _serve(args: argparse.Namespace, secret_env: str) -> int:
         return _fail(str(exc))
     if args.resume and not (args.checkpoint_file and os.path.exists(args.checkpoint_file)):
         return _fail("--resume needs an existing --checkpoint-file")
-    tls = None
-    if args.tls_cert:
-        import ssl
-
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    try:
+        tls = server_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+    except ConfigError as exc:
+        return _fail(str(exc))
     server = ParameterServer(settings, secret=secret, host=args.host, port=args.port, tls=tls,
                              checkpoint_path=args.checkpoint_file)
     if args.resume:

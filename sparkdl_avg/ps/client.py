@@ -3,13 +3,12 @@ INITs the server and reads its counters."""
 
 from __future__ import annotations
 
-import ssl
-
 import numpy as np
 
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import authenticate_to_server
 from sparkdl_avg.net.frames import connect
+from sparkdl_avg.net.tls import client_context
 
 
 class PSClient:
@@ -17,7 +16,7 @@ class PSClient:
                  dtype: np.dtype, timeout: float, tls_ca_pem: str | None = None) -> None:
         """`worker`: the worker id (-1: the driver). `tls_ca_pem`: PEM text of a CA (or the
         server's self-signed certificate): speak TLS and verify the server with it."""
-        tls = ssl.create_default_context(cadata=tls_ca_pem) if tls_ca_pem else None
+        tls = client_context(tls_ca_pem) if tls_ca_pem else None
         self._conn = connect(address, timeout=timeout, max_payload=0, tls=tls)
         try:
             authenticate_to_server(self._conn, secret, msg.ServerHello(worker=worker))

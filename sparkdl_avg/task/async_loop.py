@@ -67,7 +67,7 @@ class ServerLink:
     def _connect(self) -> PSClient:
         return PSClient(self.spec.address, secret=self.spec.secret, worker=self.rank,
                         numel=self.flat.array.size, dtype=self.flat.array.dtype,
-                        timeout=self.waits.reply, tls_ca_pem=self.spec.ps_tls_ca_pem)
+                        timeout=self.waits.reply, tls_ca_pem=self.spec.tls_ca_pem)
 
     def pull(self) -> None:
         """The server's parameters into the model (and `ps.progress`)."""

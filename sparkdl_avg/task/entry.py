@@ -60,7 +60,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
 
         waits = config.waits()
         channel = DriverChannel(spec.address, spec.secret, connect_timeout=waits.connect,
-                                reply_timeout=waits.reply)
+                                reply_timeout=waits.reply, tls_ca_pem=spec.tls_ca_pem)
         train_sync(spec, config, rank, data, device, channel, hello)
     else:
         from sparkdl_avg.task.async_loop import train_async

@@ -25,6 +25,6 @@ class WorkerSpec:
     train_rows: list[int]
     eval_rows: list[int]
     """Rows per partition as validation counted them; a task that gets others stops."""
-    ps_tls_ca_pem: str | None = None
-    """Async: PEM text of the CA that verifies the server (files on the driver are not on
-    executors)."""
+    tls_ca_pem: str | None = None
+    """PEM text that verifies the driver's coordinator (sync) or the parameter server
+    (async) over TLS; None: plain TCP."""
