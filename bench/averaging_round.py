@@ -24,7 +24,7 @@ def model_fn():
     return torch.nn.Linear(5000, 5000)  # 25,005,000 float32 parameters (100 MB)
 
 
-def sparkdl_avg_rounds(spark, rounds: int) -> list[float]:
+def sparkdl_avg_rounds(spark, rounds: int, **tls) -> list[float]:
     """Exchange time per round from a real fit: round wall time minus local compute."""
     import numpy as np
     import pandas as pd
@@ -35,7 +35,7 @@ def sparkdl_avg_rounds(spark, rounds: int) -> list[float]:
         "features": list(np.zeros((2 * rounds, 5000), np.float32)), "label": [0] * (2 * rounds)
     }))
     cfg = TrainConfig(num_workers=2, epochs=1, batch_size=1, averaging_frequency=1, lr=1e-3,
-                      shuffle=False, log_model=False)
+                      shuffle=False, log_model=False, **tls)
     result = fit(df, model_fn, cfg)
     return [h["time_communication_s"] + h["time_averaging_s"] for h in result.history[1:]]
 
@@ -62,10 +62,17 @@ def broadcast_tree_aggregate_rounds(spark, rounds: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--tls", action="store_true",
+                        help="instead: the same rounds over plain TCP and over TLS")
     args = parser.parse_args()
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{tempfile.mkdtemp()}/mlflow.db")
     spark = local_session(2, **{"spark.driver.maxResultSize": "2g",
                                 "spark.driver.memory": "6g"})
+    if args.tls:
+        try:
+            return tls_cost(spark, args.rounds)
+        finally:
+            spark.stop()
     try:
         ours = sparkdl_avg_rounds(spark, args.rounds)
         spark_way = broadcast_tree_aggregate_rounds(spark, args.rounds)
@@ -77,6 +84,26 @@ def main() -> None:
         "broadcast_treeAggregate_median_s": median(spark_way),
         "speedup": median(spark_way) / median(ours),
         "sparkdl_avg_s": ours, "broadcast_treeAggregate_s": spark_way,
+    })
+
+
+def tls_cost(spark, rounds: int) -> None:
+    """The same fit's rounds over plain TCP and over TLS (a self-signed certificate), in one
+    session, alternating so drift hits both."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from pathlib import Path
+
+    from test_ps_tls import self_signed
+
+    cert, key, _ = self_signed(Path(tempfile.mkdtemp()))
+    plain, tls = [], []
+    for _ in range(2):
+        plain += sparkdl_avg_rounds(spark, rounds)
+        tls += sparkdl_avg_rounds(spark, rounds, tls_cert=str(cert), tls_key=str(key))
+    report("averaging_round_tls", {
+        "parameters": PARAMS, "workers": 2, "rounds": 2 * rounds,
+        "plain_median_s": median(plain), "tls_median_s": median(tls),
+        "tls_over_plain": median(tls) / median(plain), "plain_s": plain, "tls_s": tls,
     })
 
 
