@@ -31,7 +31,9 @@ class FitResult:
     """What `fit` returns."""
 
     model: torch.nn.Module
-    """The final averaged model, on the CPU, in eval mode."""
+    """The final averaged model, on the CPU, in eval mode. Integer buffers (BatchNorm's
+    `num_batches_tracked`) are never averaged: sync mode returns worker 0's (every replica
+    takes the same steps); async mode keeps the initial ones."""
     run_id: str
     """The MLflow run that recorded this fit."""
     history: list[dict] = field(default_factory=list)

@@ -206,3 +206,21 @@ def test_user_optimizer_and_loss_callables_match_the_built_ins(spark):
                  loss=my_cross_entropy)
     for a, b in zip(builtin.model.parameters(), custom.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def make_batchnorm_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(N_FEATURES, 8), torch.nn.BatchNorm1d(8),
+                               torch.nn.ReLU(), torch.nn.Linear(8, N_CLASSES))
+
+
+@pytest.mark.parametrize("checkpoint_every", [0, 3])
+def test_the_result_carries_the_replicas_integer_buffers(spark, checkpoint_every):
+    """BatchNorm's num_batches_tracked is never averaged; the result takes worker 0's (every
+    replica took the same steps), whether or not checkpoints carried it along."""
+    x, y = make_data(240, seed=12)
+    cfg = TrainConfig(num_workers=2, epochs=3, batch_size=10, averaging_frequency=4,
+                      checkpoint_every=checkpoint_every, log_model=False)
+    result = fit(frame(spark, x.astype(np.float32), y), make_batchnorm_model, cfg)
+    steps = 3 * (120 // 10)
+    assert int(result.model[1].num_batches_tracked) == steps
+    assert result.history[-1]["round"] == -(-steps // 4) - 1

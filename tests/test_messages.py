@@ -23,7 +23,7 @@ VALID = {
     msg.Average: {"round": -1, "state_follows": True, "dtype": "float64", "numel": 10},
     msg.State: {"layout": []},
     msg.Eval: {"loss_sum": 3.0, "correct": 2, "count": 4, "eval_s": 0.01},
-    msg.Done: {},
+    msg.Done: {"layout": []},
     msg.WorkerFailed: {"message": "ValueError: boom", "final": False},
     msg.Init: {"dtype": "float32", "numel": 4, "workers": 2, "expect": {"lr": 0.1}},
     msg.Settings: {"settings": {"algorithm": "downpour"}},
@@ -133,7 +133,7 @@ def test_a_refusal_raises_with_its_reason(pair):
 
 def test_an_unexpected_kind_is_named(pair):
     a, b = pair
-    msg.send(a, msg.Done())
+    msg.send(a, msg.Done(layout=[]))
     with pytest.raises(ProtocolError, match="expected ACK, got DONE") as info:
         msg.expect(b, msg.Ack)
     assert info.value.reason == "unexpected"

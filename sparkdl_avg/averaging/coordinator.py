@@ -119,6 +119,9 @@ class Coordinator(Server):
         deadline = time.monotonic() + deadline_s
         while True:
             self._check_job(0)
+            if self.failure is not None:
+                raise TrainingError(f"the driver's coordinator cannot accept connections: "
+                                    f"{self.failure!r}")
             with self._lock:
                 if len(self._workers) == self.num_workers:
                     break
@@ -194,8 +197,13 @@ class Coordinator(Server):
         stats.round_s, self._round_end = now - self._round_end, now
         return stats
 
-    def finish(self) -> None:
-        self._all(lambda rank, conn: self._expect(rank, conn, msg.Done))
+    def finish(self) -> tuple[list, np.ndarray]:
+        """Every worker's DONE; returns worker 0's integer buffers (layout, bytes): every
+        replica took the same steps, so any one's count is the fit's."""
+        done = self._all(lambda rank, conn: self._expect(rank, conn, msg.Done))
+        message, payload = done[0]
+        return message.layout, np.frombuffer(payload, np.uint8) if payload is not None \
+            else np.zeros(0, np.uint8)
 
     def _recv_push(self, rank: int, conn: Connection, round_index: int, model_numel: int,
                    allow_state: bool) -> tuple[msg.Push, float]:

@@ -54,8 +54,8 @@ class DriverChannel(Transport):
     def send_eval(self, result: msg.Eval) -> None:
         msg.send(self._conn, result)
 
-    def done(self) -> None:
-        msg.send(self._conn, msg.Done())
+    def done(self, layout: list, payload: np.ndarray) -> None:
+        msg.send(self._conn, msg.Done(layout=layout), payload)
 
     def fail(self, message: str, final: bool) -> None:
         if self._conn is not None:

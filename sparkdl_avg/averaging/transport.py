@@ -55,7 +55,8 @@ class Transport(ABC):
     def send_eval(self, result: msg.Eval) -> None: ...
 
     @abstractmethod
-    def done(self) -> None: ...
+    def done(self, layout: list, payload: np.ndarray) -> None:
+        """The last round is done; this worker's integer buffers (layout, bytes)."""
 
     @abstractmethod
     def fail(self, message: str, final: bool) -> None:

@@ -28,6 +28,7 @@ from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
 from sparkdl_avg.net.tls import read_pem, server_context
+from sparkdl_avg.task import worker_state
 from sparkdl_avg.tracking.plots import worker_timeline
 from sparkdl_avg.tracking.progress import Progress
 from sparkdl_avg.tracking.run import RunLogger
@@ -111,9 +112,10 @@ class _Attempt:
                 self.t_train = self.t_train or time.perf_counter()
                 for r in range(point.round, plan.schedule.num_rounds):
                     self._round(coord, r)
-                coord.finish()
+                buffers = coord.finish()
                 flat.array[:] = coord.average[:flat.array.size]
                 flat.scatter()
+                worker_state.restore(None, plan.model, *buffers)
                 rows = job.wait(waits.finish)
             except WorkerLostError:
                 coord.close()  # the surviving workers stop waiting for the next average

@@ -195,9 +195,12 @@ class Eval(Message):
 
 @dataclass(frozen=True, slots=True)
 class Done(Message):
-    """The worker ran its last round."""
+    """The worker ran its last round. Its integer buffers (BatchNorm's `num_batches_tracked`:
+    never averaged) follow as payload, in `task.worker_state`'s layout."""
 
     KIND = Kind.DONE
+    PAYLOAD = None
+    layout: list
 
 
 @dataclass(frozen=True, slots=True)

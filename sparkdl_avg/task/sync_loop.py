@@ -68,7 +68,7 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
                 result["loss_sum"] = msg.finite_or_none(result["loss_sum"])
                 transport.send_eval(msg.Eval(**result, eval_s=time.perf_counter() - t_eval))
             ready = time.perf_counter()
-        transport.done()
+        transport.done(*worker_state.pack(None, model))
     except BaseException as exc:
         message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         transport.fail(message, final=is_final(exc))

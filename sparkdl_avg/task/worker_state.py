@@ -19,9 +19,10 @@ _BUFFERS = -1
 """The layout's "parameter index" of the model's integer buffers."""
 
 
-def pack(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[list, np.ndarray]:
-    """`optimizer.state_dict()["state"]` and the model's non-floating buffers as a JSON-able
-    layout and one uint8 array.
+def pack(optimizer: torch.optim.Optimizer | None,
+         model: torch.nn.Module) -> tuple[list, np.ndarray]:
+    """`optimizer.state_dict()["state"]` (None: none) and the model's non-floating buffers as
+    a JSON-able layout and one uint8 array.
 
     Layout entries: [param index, key, "tensor", dtype, shape, offset, nbytes] or
     [param index, key, "value", number]; param index -1 holds buffers by name."""
@@ -29,7 +30,7 @@ def pack(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[list
     chunks: list[np.ndarray] = []
     offset = 0
     buffers = {name: b for name, b in model.named_buffers() if not b.is_floating_point()}
-    state_items = sorted(optimizer.state_dict()["state"].items())
+    state_items = sorted(optimizer.state_dict()["state"].items()) if optimizer else []
     for index, state in ([(_BUFFERS, buffers)] if buffers else []) + state_items:
         for key in sorted(state):
             value = state[key]
@@ -52,9 +53,10 @@ def pack(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[list
     return layout, payload
 
 
-def restore(optimizer: torch.optim.Optimizer, model: torch.nn.Module, layout: list,
+def restore(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, layout: list,
             payload) -> None:
-    """Load a `pack`ed state into `optimizer` and `model` (built over the same parameters)."""
+    """Load a `pack`ed state into `optimizer` (None: buffers only) and `model` (built over
+    the same parameters)."""
     data = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
     state: dict[int, dict] = {}
     try:
@@ -82,5 +84,7 @@ def restore(optimizer: torch.optim.Optimizer, model: torch.nn.Module, layout: li
                 raise ProtocolError(f"malformed optimizer state: no buffer {name!r} of shape "
                                     f"{tuple(value.shape)}")
             buffers[name].copy_(value)
+    if optimizer is None:
+        return
     current = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
