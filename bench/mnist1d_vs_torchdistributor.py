@@ -1,11 +1,12 @@
 """MNIST-1D, 20,000 samples, MLP 40-1024-1024-10, 2 workers, 5 epochs, global batch 100, Adam:
-total wall time and test accuracy of `sparkdl_avg.fit` (averaging every 8 steps, MLflow logging
-and model included) vs pyspark's TorchDistributor running DDP (gloo, 2 processes) on the same
-data. Each side runs `--repeats` times in a row and its median is reported, along with every
+total wall time and test accuracy of `sparkdl_avg.fit` (averaging every
+`--averaging-frequency` steps, 8 by default, MLflow logging and model included) vs pyspark's
+TorchDistributor running DDP (gloo, 2 processes; it all-reduces gradients every step) on the
+same data. Each side runs `--repeats` times in a row and its median is reported, along with every
 run: sparkdl-avg's first fit in a session also starts Spark's Python workers (torch imported),
 later fits reuse them; TorchDistributor starts new torchrun processes on every run.
 
-    python bench/mnist1d_vs_torchdistributor.py [--repeats 3]
+    python bench/mnist1d_vs_torchdistributor.py [--repeats 3] [--averaging-frequency 1]
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ def run_torchdistributor(folder) -> tuple[float, float]:
     return time.perf_counter() - t0, acc
 
 
-def run_sparkdl_avg(spark, train_df, test_df) -> tuple[float, float, dict]:
+def run_sparkdl_avg(spark, train_df, test_df, every: int) -> tuple[float, float, dict]:
     from sparkdl_avg import TrainConfig, fit
     from sparkdl_avg.examples import mnist1d
 
-    cfg = TrainConfig(num_workers=2, epochs=EPOCHS, batch_size=BATCH, averaging_frequency=8,
+    cfg = TrainConfig(num_workers=2, epochs=EPOCHS, batch_size=BATCH, averaging_frequency=every,
                       optimizer="adam", lr=LR, seed=SEED, experiment_name="bench-mnist1d",
                       eval_every=10**6)  # evaluate once, after the last round, as DDP does
     t0 = time.perf_counter()
@@ -87,6 +88,8 @@ def run_sparkdl_avg(spark, train_df, test_df) -> tuple[float, float, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--averaging-frequency", type=int, default=8,
+                        help="1: average after every step, as DDP all-reduces every step")
     args = parser.parse_args()
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{tempfile.mkdtemp()}/mlflow.db")
     from sparkdl_avg.examples import mnist1d
@@ -98,7 +101,8 @@ def main() -> None:
         train_df.count()
         ours, theirs, timings = [], [], []
         for _ in range(args.repeats):
-            wall, acc, t = run_sparkdl_avg(spark, train_df, test_df)
+            wall, acc, t = run_sparkdl_avg(spark, train_df, test_df,
+                                           args.averaging_frequency)
             ours.append((wall, acc))
             timings.append(t)
         for _ in range(args.repeats):
@@ -106,7 +110,10 @@ def main() -> None:
     finally:
         spark.stop()
     ours_wall, td_wall = median([w for w, _ in ours]), median([w for w, _ in theirs])
-    report("mnist1d_vs_torchdistributor", {
+    name = "mnist1d_vs_torchdistributor" + (
+        f"_every_{args.averaging_frequency}" if args.averaging_frequency != 8 else "")
+    report(name, {
+        "averaging_frequency": args.averaging_frequency,
         "sparkdl_avg_wall_median_s": ours_wall,
         "torchdistributor_wall_median_s": td_wall,
         "wall_ratio": ours_wall / td_wall,

@@ -94,14 +94,15 @@ def fit(
     directory or the MLflow run id of a fit whose driver died; it continues from that fit's
     newest checkpoint. See README for the full contract."""
     config = TrainConfig() if config is None else config
-    if not isinstance(config, TrainConfig):
-        raise ConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
-    spark = getattr(train_df, "sparkSession", None)
-    if spark is None:
-        raise DataError(f"train_df must be a pyspark DataFrame, got {type(train_df).__name__}")
     t_start = time.perf_counter()
-    with RunLogger(experiment_name=config.experiment_name, run_name=config.run_name,
-                   tags={"sparkdl_avg.mode": config.mode}) as run:
+    # The run opens before any check, so every failed fit leaves a FAILED run with its error.
+    with _open_run(config) as run:
+        if not isinstance(config, TrainConfig):
+            raise ConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
+        spark = getattr(train_df, "sparkSession", None)
+        if spark is None:
+            raise DataError(f"train_df must be a pyspark DataFrame, got "
+                            f"{type(train_df).__name__}")
         run.log_params({**config.to_dict(), "features_col": features_col,
                         "label_col": label_col, "loss": getattr(loss, "__qualname__", loss)})
         resume = None
@@ -137,6 +138,15 @@ def fit(
 
 _TRAIN = {"sync": train_sync, "async": train_async}
 """Each mode's driver: (spark, plan, run) -> TrainOutcome."""
+
+
+def _open_run(config) -> RunLogger:
+    """The fit's run; without a TrainConfig there are no names or mode to give it, so it goes
+    to MLflow's active (else default) experiment."""
+    if not isinstance(config, TrainConfig):
+        return RunLogger(experiment_name=None, run_name=None, tags={})
+    return RunLogger(experiment_name=config.experiment_name, run_name=config.run_name,
+                     tags={"sparkdl_avg.mode": config.mode})
 
 
 def _report_workers(outcome: TrainOutcome, run: RunLogger) -> None:

@@ -2,9 +2,12 @@
 session's standalone cluster (two workers, one fake GPU each). Two fits: one that reports
 which GPU each task got, and the same fit whose model kills its executor's JVM once
 mid-training (a lost executor; the worker starts a new one). Writes the task reports, the
-recovered failures and whether both fits ended with the same parameters as JSON."""
+recovered failures, the rounds the second fit logged, how many training steps partition
+`FAULT_PARTITION` ran in all (recomputed ones included), the schedule the fault fired in and
+whether both fits ended with the same parameters as JSON."""
 
 import json
+import math
 import os
 import signal
 import sys
@@ -19,27 +22,42 @@ from pyspark.sql import SparkSession
 
 from sparkdl_avg import TrainConfig, fit
 
+ROWS = 64
 CONFIG = TrainConfig(num_workers=2, batch_size=8, epochs=3, averaging_frequency=2,
                      checkpoint_every=2, log_model=False, experiment_name="local-cluster")
+# 32 rows per worker, 4 steps per epoch, 12 steps, 6 rounds; checkpoints after rounds 1, 3, 5
+FAULT_PARTITION, AT_CALL = 1, 7  # step 6 of 0..11: round 3, after the checkpoint "round 2"
 
 
 class KillsItsExecutor(torch.nn.Linear):
-    """Linear(4, 2) whose 7th training forward on partition 1 SIGKILLs the executor JVM
-    running it, once (a marker file remembers)."""
+    """Linear(4, 2) whose `AT_CALL`-th training forward on `FAULT_PARTITION` SIGKILLs the
+    executor JVM running it, and then its own Python worker, once (a marker file in `folder`
+    remembers). Each training forward on a partition adds a byte to `folder`/steps-<partition>:
+    the steps that partition ran in all attempts."""
 
-    def __init__(self, marker: str = "") -> None:
+    def __init__(self, folder: str = "") -> None:
         super().__init__(4, 2)
-        self.marker, self.calls = marker, 0
+        self.folder, self.calls = folder, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
-        if self.marker and ctx is not None and self.training:
+        if self.folder and ctx is not None and self.training:
             self.calls += 1
-            if self.calls == 7 and ctx.partitionId() == 1 and not os.path.exists(self.marker):
-                Path(self.marker).touch()
+            partition = ctx.partitionId()
+            with open(os.path.join(self.folder, f"steps-{partition}"), "ab") as f:
+                f.write(b".")
+            marker = os.path.join(self.folder, "killed")
+            if self.calls == AT_CALL and partition == FAULT_PARTITION \
+                    and not os.path.exists(marker):
+                Path(marker).touch()
                 os.kill(_executor_pid(), signal.SIGKILL)
+                # A lost machine takes its Python workers with it. Left alive, this one would
+                # train on for a moment (the daemon SIGHUPs it once it sees its JVM gone) and
+                # could finish the fault's round, or all of them, before Spark reports the
+                # executor lost: then no round would be recomputed.
+                os.kill(os.getpid(), signal.SIGKILL)
         return super().forward(x)
 
 
@@ -68,16 +86,24 @@ def main(out_path: str, master: str) -> None:
     )
     try:
         rng = np.random.default_rng(0)
-        df = spark.createDataFrame(pd.DataFrame({"features": list(rng.normal(size=(64, 4))),
-                                                 "label": rng.integers(0, 2, 64)})).cache()
+        df = spark.createDataFrame(pd.DataFrame({
+            "features": list(rng.normal(size=(ROWS, 4))),
+            "label": rng.integers(0, 2, ROWS)})).cache()
         plain = fit(df, KillsItsExecutor, CONFIG)
-        marker = os.path.join(folder, "killed")
-        recovered = fit(df, partial(KillsItsExecutor, marker), CONFIG)
+        recovered = fit(df, partial(KillsItsExecutor, folder), CONFIG)
         before, after = plain.model.state_dict(), recovered.model.state_dict()
         same = all(torch.equal(before[k], after[k]) for k in before)
+        steps = Path(folder, f"steps-{FAULT_PARTITION}")
+        schedule = {"steps_per_epoch": math.ceil(ROWS / CONFIG.num_workers / CONFIG.batch_size),
+                    "epochs": CONFIG.epochs, "averaging_frequency": CONFIG.averaging_frequency,
+                    "checkpoint_every": CONFIG.checkpoint_every,
+                    "fault_partition": FAULT_PARTITION, "at_call": AT_CALL}
         with open(out_path, "w") as f:
             json.dump({"workers": plain.workers, "failures": recovered.failures,
-                       "killed": os.path.exists(marker), "same_parameters": same}, f)
+                       "killed": os.path.exists(os.path.join(folder, "killed")),
+                       "rounds": [h["round"] for h in recovered.history],
+                       "fault_partition_steps": steps.stat().st_size if steps.exists() else 0,
+                       "schedule": schedule, "same_parameters": same}, f)
     finally:
         spark.stop()
 

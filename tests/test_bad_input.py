@@ -7,6 +7,7 @@ import dataclasses
 import threading
 import time
 
+import mlflow
 import numpy as np
 import pandas as pd
 import pytest
@@ -165,9 +166,18 @@ def test_model_that_does_not_accept_the_features(good):
         fit(good, lambda: torch.nn.Linear(7, 2), CFG)
 
 
-def test_not_a_dataframe():
-    with pytest.raises(DataError, match="pyspark DataFrame"):
+def test_not_a_dataframe(mlflow_client):
+    with pytest.raises(DataError, match="train_df must be a pyspark DataFrame, got DataFrame"):
         fit(pd.DataFrame({"features": [[1.0]], "label": [0]}), model, CFG)
+    assert_failed_run(mlflow_client, "DataError: train_df must be a pyspark DataFrame")
+
+
+def test_a_config_that_is_no_train_config(good, mlflow_client):
+    # no TrainConfig, no experiment name: the run goes to MLflow's active experiment
+    mlflow.set_experiment("bad-input")
+    with pytest.raises(ConfigError, match="config must be a TrainConfig, got str"):
+        fit(good, model, config="oops")
+    assert_failed_run(mlflow_client, "ConfigError: config must be a TrainConfig, got str")
 
 
 def test_unknown_loss(good):

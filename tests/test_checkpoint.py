@@ -1,4 +1,5 @@
-"""Checkpoints on disk: complete or absent, the newest readable one wins, damage is caught."""
+"""Checkpoints on disk and in an MLflow run: complete or absent, the newest readable one wins,
+damage is caught."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from sparkdl_avg import ConfigError
-from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, check_resumable
+from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore, check_resumable
 
 FINGERPRINT = {"averaging_frequency": 2, "lr": 0.1}
 
@@ -17,6 +18,12 @@ def checkpoint(round_index: int) -> Checkpoint:
     return Checkpoint(round=round_index, steps=2 * round_index,
                       params=np.full(3, round_index, np.float32), states=states,
                       fingerprint=FINGERPRINT, history=[{"round": 0, "train_loss": 1.5}])
+
+
+def damage(params_file) -> None:
+    with open(params_file, "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x00\x00\x80\x7f")  # a flipped value: the SHA-256 no longer matches
 
 
 def test_the_newest_two_are_kept_and_the_newest_is_loaded(tmp_path):
@@ -35,12 +42,32 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
     store = DirStore(str(tmp_path))
     store.save(checkpoint(4))
     store.save(checkpoint(6))
-    with open(tmp_path / "round-000006" / "params.npy", "r+b") as f:
-        f.seek(-4, 2)
-        f.write(b"\x00\x00\x80\x7f")  # a flipped value: the SHA-256 no longer matches
+    damage(tmp_path / "round-000006" / "params.npy")
     assert store.load_latest().round == 4
     (tmp_path / "round-000004" / "state-0.npy").unlink()
     with pytest.raises(ConfigError, match="cannot read the checkpoint"):
+        store.load_latest()
+
+
+def test_a_damaged_newest_mlflow_checkpoint_falls_back_to_the_previous(
+        tmp_path, mlflow_store, mlflow_client, caplog):
+    # the run's artifacts in a folder of the test's own, to damage one in place
+    experiment = mlflow_client.create_experiment(f"checkpoints-{tmp_path.name}",
+                                                 artifact_location=str(tmp_path / "artifacts"))
+    run_id = mlflow_client.create_run(experiment).info.run_id
+    store = MlflowStore(mlflow_store, run_id)
+    store.save(checkpoint(4))
+    store.save(checkpoint(6))
+    assert store.load_latest().round == 6
+    damage(tmp_path / "artifacts" / run_id / "artifacts" / "checkpoints" / "round-000006"
+           / "params.npy")
+    loaded = store.load_latest()
+    assert loaded.round == 4 and loaded.params.tolist() == [4.0] * 3
+    assert "checkpoints/round-000006" in caplog.text and "SHA-256" in caplog.text
+    damage(tmp_path / "artifacts" / run_id / "artifacts" / "checkpoints" / "round-000004"
+           / "params.npy")
+    # none reads: the newest one's error
+    with pytest.raises(ConfigError, match=r"checkpoints/round-000006 of MLflow run .*SHA-256"):
         store.load_latest()
 
 

@@ -1,6 +1,7 @@
 """Runs logged over HTTP to a real `mlflow server` on loopback: sync and async fits compare
-column by column (the same param keys, metrics stepped by round), carry their pictures, and
-MLflow's system metrics when they are switched on."""
+column by column (the same param keys, metrics stepped by round), carry their pictures and
+their model (which reloads through the server and predicts like the fit's), and MLflow's
+system metrics when they are switched on."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_sync_and_async_runs_compare_column_by_column(spark, server_uri):
     y = (x[:, 0] > 0).astype(np.int64)
     df = spark.createDataFrame(pd.DataFrame({"features": list(x), "label": y}))
     common = dict(num_workers=2, epochs=2, batch_size=20, optimizer="adam", lr=0.01,
-                  experiment_name="compare-modes", log_model=False)
+                  experiment_name="compare-modes", log_model=True)
     mlflow.enable_system_metrics_logging()
     mlflow.set_system_metrics_sampling_interval(1)
     try:
@@ -83,14 +84,41 @@ def test_sync_and_async_runs_compare_column_by_column(spark, server_uri):
     client = MlflowClient(server_uri)
     sync, asynchronous = (client.get_run(r.run_id) for r in runs)
     assert sync.data.params.keys() == asynchronous.data.params.keys()
-    for run in (sync, asynchronous):
+    for result, run in zip(runs, (sync, asynchronous), strict=True):
         assert run.info.status == "FINISHED"
-        steps = [m.step for m in client.get_metric_history(run.info.run_id, "eval_accuracy")]
-        # 200 rows a worker, 20 a batch, 2 epochs: 20 steps, 10 rounds of 2 (async: the
-        # rounds' worth of pushes applied by each evaluation)
-        assert steps == sorted(steps) and 0 < max(steps) <= 10
+        steps = sorted(m.step for m in
+                       client.get_metric_history(run.info.run_id, "eval_accuracy"))
+        mode = run.data.tags["sparkdl_avg.mode"]
+        assert steps == _eval_rounds(result.history, mode), mode
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
         assert "plots/learning_curves.png" in artifacts
         assert any(k.startswith("system/cpu") for k in run.data.metrics), run.data.metrics
+        _assert_reloaded_model_predicts_like(result, x[:8])
+    # 200 rows a worker, 20 a batch, 2 epochs: 20 steps, 10 rounds of 2, each evaluated
+    assert len(runs[0].history) == 10
     assert "plots/worker_timeline.png" in {
         a.path for a in client.list_artifacts(sync.info.run_id, "plots")}
+
+
+def _eval_rounds(history: list[dict], mode: str) -> list[int]:
+    """The MLflow steps the eval metrics must have. Sync: the rounds that were evaluated.
+    Async: every history entry is an evaluation, stepped by the rounds' worth of pushes
+    applied by then (several entries may share one)."""
+    if mode == "sync":
+        rounds = [h["round"] for h in history if "eval_accuracy" in h]
+    else:
+        assert all("eval_accuracy" in h for h in history), history
+        rounds = [h["round"] for h in history]
+    assert rounds and rounds == sorted(rounds), rounds
+    return rounds
+
+
+def _assert_reloaded_model_predicts_like(result, rows: np.ndarray) -> None:
+    """The model logged to the run, fetched back through the server's artifact proxy (the
+    tracking URI is the server's), predicts what `result.model` predicts."""
+    assert mlflow.get_tracking_uri().startswith("http://")
+    loaded = mlflow.pyfunc.load_model(f"runs:/{result.run_id}/model")
+    with torch.no_grad():
+        expected = result.model(torch.from_numpy(rows)).numpy()
+    np.testing.assert_allclose(np.asarray(loaded.predict(rows)), expected, rtol=1e-5,
+                               atol=1e-6)

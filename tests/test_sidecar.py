@@ -68,16 +68,47 @@ def test_serve_refuses_to_start_without_a_secret():
     assert "need a secret" in proc.stderr
 
 
+W0 = np.array([1.0, -2.0])
+PUSH_A = np.array([0.2, 0.6])
+PUSH_B = np.array([0.4, -0.2])
+
+
+def by_hand(algorithm: str, *, lr: float, scale: float) -> np.ndarray:
+    """The parameters after: A pulls W0; B pulls W0 and pushes (no delay: a plain step, but
+    the adaptive rule's meansquare takes in B's gradient); A pushes one update late, so its
+    compensation lambda * g*g*(w - W0) no longer vanishes."""
+    g_b, g_a = scale * PUSH_B / lr, scale * PUSH_A / lr
+    w = W0 - lr * g_b
+    if algorithm == "downpour":
+        return w - lr * g_a
+    if algorithm == "dcasgd":
+        lam = 0.04
+    else:  # lambda0 / sqrt(meansquare + eps), meansquare updated (momentum 0.95) first
+        meansquare = 0.95 * (0.05 * g_b * g_b) + 0.05 * g_a * g_a
+        lam = 2.0 / np.sqrt(meansquare + 1e-7)
+    return w - lr * (g_a + lam * g_a * g_a * (w - W0))
+
+
 @pytest.mark.parametrize("algorithm", ["dcasgd", "dcasgd-adaptive"])
 def test_sidecar_runs_the_delay_compensated_rules(algorithm):
-    settings = dataclasses.replace(SETTINGS, algorithm=algorithm, update_scale=1.0)
+    settings = dataclasses.replace(SETTINGS, algorithm=algorithm)  # lr 0.1, scale 0.5
     with Sidecar(settings, host="127.0.0.1", secret=SECRET) as ps:
         address = ("127.0.0.1", ps.port)
-        with PSClient(address, secret=SECRET, worker=DRIVER, numel=2, dtype=np.float32,
-                      timeout=10) as driver, PSClient(address, secret=SECRET, worker=0, numel=2,
-                                                      dtype=np.float32, timeout=10) as w:
-            driver.init(np.zeros(2, np.float32))
-            w.pull()
-            w.push(np.full(2, 0.1, np.float32))  # no delay: plain step, w = -0.1
+
+        def client(worker: int) -> PSClient:
+            return PSClient(address, secret=SECRET, worker=worker, numel=2, dtype=np.float64,
+                            timeout=10)
+
+        with client(DRIVER) as driver, client(0) as a, client(1) as b:
+            driver.init(W0.copy())
+            a.pull()
+            b.pull()
+            b.push(PUSH_B.copy())  # the server moves on while A computes
+            a.push(PUSH_A.copy())  # stale by one update
             driver.pull()
-            np.testing.assert_allclose(driver.params, [-0.1, -0.1], rtol=1e-6)
+            got = driver.params.copy()
+    expected = by_hand(algorithm, lr=settings.lr, scale=settings.update_scale)
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    downpour = by_hand("downpour", lr=settings.lr, scale=settings.update_scale)
+    # far enough from downpour's result that an ignored --algorithm cannot pass
+    assert np.abs(got - downpour).min() > 1e-4, (got, downpour)

@@ -224,12 +224,27 @@ class MlflowStore:
             self._delete(old)
 
     def load_latest(self) -> Checkpoint | None:
-        complete = self._complete()
-        if not complete:
-            return None
+        """The newest checkpoint that reads back whole (an older one if the newest is
+        damaged), as `DirStore.load_latest`; None if the run holds none."""
+        error = None
+        for path in reversed(self._complete()):
+            try:
+                return self._read(path)
+            except ConfigError as exc:
+                log.warning("skipping a damaged checkpoint: %s", exc)
+                error = error or exc
+        if error is not None:
+            raise error
+        return None
+
+    def _read(self, path: str) -> Checkpoint:
         with tempfile.TemporaryDirectory(prefix="sparkdl-avg-ckpt-") as tmp:
-            local = self._client.download_artifacts(self.run_id, complete[-1], tmp)
-            return read_folder(Path(local))
+            local = self._client.download_artifacts(self.run_id, path, tmp)
+            try:
+                return read_folder(Path(local))
+            except ConfigError as exc:  # named by the run's artifact, not the gone download
+                raise ConfigError(f"cannot read the checkpoint {path} of {self.description}: "
+                                  f"{exc.__cause__ or exc}") from exc
 
     def _complete(self) -> list[str]:
         found = []

@@ -74,13 +74,14 @@ def accept(sock: socket.socket, secret: bytes, *, tls: ssl.SSLContext | None = N
     anything fails the peer gets an ERROR naming the reason, where it can still read one,
     and the socket is closed."""
     conn = None
+    deadline = time.monotonic() + HANDSHAKE_S  # one deadline for TLS and HMAC together
     try:
         if tls is not None:
             sock.settimeout(HANDSHAKE_S)
             sock = tls.wrap_socket(sock, server_side=True)
         conn = Connection(sock, timeout=HANDSHAKE_S, max_payload=0,
                           max_meta=HANDSHAKE_META_BYTES)
-        conn.deadline = time.monotonic() + HANDSHAKE_S
+        conn.deadline = deadline
         hello = authenticate_client(conn, secret)
     except BaseException as exc:
         if conn is not None and isinstance(exc, ProtocolError) and exc.reason != "closed":
