@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sparkdl_avg._errors import ConfigError
+from sparkdl_avg.net.messages import MAX_WORKERS
 from sparkdl_avg.ps.rules import ALGORITHMS, RULES
 
 OptimizerName = Literal["sgd", "adam"]
@@ -201,6 +202,8 @@ class TrainConfig:
         for name in ("num_workers", "epochs", "batch_size", "averaging_frequency", "eval_every",
                      "push_every"):
             _require_int(name, getattr(self, name), minimum=1)
+        if self.num_workers > MAX_WORKERS:
+            raise ConfigError(f"num_workers={self.num_workers}: at most {MAX_WORKERS}")
         for name in ("max_failures", "checkpoint_every", "ps_checkpoint_every", "seed"):
             _require_int(name, getattr(self, name), minimum=0)
         if self.checkpoint_dir is not None and (

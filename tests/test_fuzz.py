@@ -137,11 +137,46 @@ def test_the_parameter_server_survives_mutated_frames(handler_errors):
             c.pull()  # still serving
 
 
+WORKER_FRAMES = [
+    frame(Kind.PUSH, {"round": 0, "samples": 4, "loss_sum": 2.0, "compute_s": 0.1,
+                      "setup_s": 0.0, "dtype": "float32", "numel": 4},
+          np.ones(4, np.float32).tobytes()),
+    frame(Kind.EVAL, {"loss_sum": 1.0, "correct": 1, "count": 2, "eval_s": 0.1}),
+    frame(Kind.STATE, {"layout": [[0, "step", "value", 1]]}),
+    frame(Kind.DONE, {"layout": []}),
+    frame(Kind.FAILED, {"message": "boom", "final": False}),
+]
+
+
 def test_the_coordinator_survives_mutated_frames(handler_errors):
-    coord = Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=4,
-                        secret=SECRET, timeout=5, dtype=np.float32, model_numel=4,
+    """Strangers over the network; and a worker's frames (PUSH, EVAL, STATE, DONE, FAILED)
+    read by the coordinator's own receive path as a round would read them."""
+    from sparkdl_avg._errors import SparkdlAvgError
+
+    coord = Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1,
+                        secret=SECRET, timeout=1, dtype=np.float32, model_numel=4,
                         check_job=lambda wait: None)
-    sent = []
+    coord.hellos[0] = msg.WorkerHello(rank=0, host="fuzz")
+    sent, outcomes = [], {}
+
+    def as_a_round_reads_it(payload: bytes) -> str:
+        a, b = socket.socketpair()
+        conn = Connection(b, timeout=0.2, max_payload=1 << 16)
+        try:
+            a.sendall(payload)
+            a.shutdown(socket.SHUT_WR)
+            kind = payload[5] if len(payload) > 5 else 0
+            if kind == Kind.PUSH:
+                coord._recv_push(0, conn, 0, model_numel=4, allow_state=False)
+            else:
+                coord._expect(0, conn, msg.Eval if kind == Kind.EVAL else
+                              msg.State if kind == Kind.STATE else msg.Done)
+            return "accepted"
+        except SparkdlAvgError as exc:  # lost, refused or failed: the fit's own errors
+            return type(exc).__name__
+        finally:
+            a.close()
+            conn.close()
 
     @FUZZ
     @seed(20261123)
@@ -151,8 +186,9 @@ def test_the_coordinator_survives_mutated_frames(handler_errors):
             payload = data.draw(mutated([AUTH]))
             send_and_read(coord.address, payload, None)
         else:
-            payload = data.draw(mutated(AFTER_AUTH))
-            send_and_read(coord.address, payload, data.draw(HELLOS))
+            payload = data.draw(mutated(WORKER_FRAMES))
+            outcome = as_a_round_reads_it(payload)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
         sent.append(payload)
 
     with coord:
@@ -160,5 +196,5 @@ def test_the_coordinator_survives_mutated_frames(handler_errors):
         assert len(sent) >= EXAMPLES
         assert coord.failure is None and handler_errors() == []
         assert sum(coord.refused.values()) > EXAMPLES // 4
+        assert {"accepted", "WorkerLostError"} <= set(outcomes)  # both ways were reached
         send_and_read(coord.address, AUTH, None)  # still accepting and answering
-        assert len(coord._workers) <= 4

@@ -151,11 +151,15 @@ def test_a_frame_that_claims_much_and_sends_little_allocates_little():
     assert peak < 4 << 20  # not the 60 MiB the header claimed
 
 
-def test_the_accept_loop_survives_running_out_of_file_descriptors():
+def test_the_accept_loop_survives_running_out_of_file_descriptors(caplog):
+    """A connection that arrives while this process has no descriptor left cannot be
+    accepted: the server logs it, backs off, and accepts it once descriptors are back."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with server() as ps:
+        waiting = socket.socket()  # made now: connect() needs no new descriptor later
+        waiting.settimeout(10)
         held = []
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
@@ -164,13 +168,15 @@ def test_the_accept_loop_survives_running_out_of_file_descriptors():
                     held.append(socket.socket())
             except OSError:
                 pass
-            time.sleep(0.5)  # the server cannot accept now, and must back off, not die
-            for s in held[-50:]:
-                s.close()
+            waiting.connect(ps.address)  # queued by the kernel; accept() must fail now
+            wait_for(lambda: "cannot accept" in caplog.text)
         finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             for s in held:
                 s.close()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        conn = Connection(waiting, timeout=10, max_payload=0)
+        msg.expect(conn, msg.Challenge)  # accepted after all, and answered
+        conn.close()
         assert ps.failure is None
         with client(ps, 0) as c:
             c.pull()
@@ -183,5 +189,33 @@ def test_finished_connections_are_forgotten():
         with client(ps, 0) as c:
             c.pull()
         wait_for(lambda: len(ps._conns) == 0 and len(ps._pending) == 0)
-        assert len(ps._pool._threads) <= ps._max_connections + ps._max_pending
-        assert threading.active_count() < 100
+
+
+def test_a_queued_handshake_gets_its_own_thread_not_a_busy_ones():
+    """An idle handler already promised to one job must not be counted for the next."""
+    from sparkdl_avg.net.server import _HandlerPool
+
+    pool = _HandlerPool(4, "test")
+    warm = threading.Event()
+    pool.submit(warm.set)
+    assert warm.wait(5)
+    wait_for(lambda: pool._idle == 1)
+    release, ran = threading.Event(), threading.Event()
+    with pool._cond:  # both arrive before the idle thread wakes
+        pool.submit(release.wait, 10)
+        pool.submit(ran.set)
+    assert ran.wait(5)  # not stuck behind the blocked one
+    release.set()
+    pool.close(5)
+
+
+def test_tls_material_shipped_to_executors_holds_no_private_key(tmp_path):
+    from test_ps_tls import self_signed
+
+    from sparkdl_avg.net.tls import read_certificates
+
+    cert, key, _ = self_signed(tmp_path)
+    combined = tmp_path / "combined.pem"
+    combined.write_text(cert.read_text() + key.read_text())
+    shipped = read_certificates(str(combined), "tls_cert")
+    assert "CERTIFICATE" in shipped and "PRIVATE KEY" not in shipped

@@ -21,8 +21,16 @@ from sparkdl_avg.net.tls import client_context, server_context
 pytestmark = pytest.mark.spark
 
 
-def test_a_sync_fit_over_tls_equals_one_over_plain_tcp(spark, tmp_path):
+def test_a_sync_fit_over_tls_equals_one_over_plain_tcp(spark, tmp_path, monkeypatch):
     cert, key, _ = self_signed(tmp_path)
+    served = []  # whether each fit's coordinator really spoke TLS
+    accept_workers = Coordinator.accept_workers
+
+    def spy(self, *args, **kwargs):
+        served.append(self._tls is not None)
+        return accept_workers(self, *args, **kwargs)
+
+    monkeypatch.setattr(Coordinator, "accept_workers", spy)
     x, y = make_data(300, seed=8)
     df = frame(spark, x, y).cache()
     cfg = dict(num_workers=2, epochs=2, batch_size=10, averaging_frequency=3,
@@ -30,6 +38,7 @@ def test_a_sync_fit_over_tls_equals_one_over_plain_tcp(spark, tmp_path):
     plain = fit(df, make_model_f64, TrainConfig(**cfg))
     secure = fit(df, make_model_f64, TrainConfig(**cfg, tls_cert=str(cert),
                                                  tls_key=str(key)))
+    assert served == [False, True]  # and the workers, whom a TLS server only lets in TLS
     assert max_param_diff(plain.model, secure.model) == 0
     assert max_param_diff(plain.model, make_model_f64()) > 1e-3
 

@@ -23,7 +23,7 @@ from sparkdl_avg.driver.cluster import driver_addresses
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
-from sparkdl_avg.net.tls import read_pem
+from sparkdl_avg.net.tls import read_certificates
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.server import DRIVER
 from sparkdl_avg.ps.settings import COMPARED, ServerSettings
@@ -41,6 +41,8 @@ def server_settings(config, num_workers: int) -> ServerSettings:
         # each push counts 1/n: with staleness_bound=0 this is exactly sync averaging
         update_scale=1.0 / num_workers, staleness_bound=config.staleness_bound,
         timeout=config.waits().round,
+        # every worker, a replacement for each while a stale connection lingers, the driver
+        max_connections=2 * num_workers + 2,
         checkpoint_every=config.ps_checkpoint_every * num_workers)
 
 
@@ -53,7 +55,7 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
         host, _, port = config.ps_address.rpartition(":")
         secret = bytes.fromhex(Path(config.ps_secret_file).read_text().strip())
         if config.ps_tls_ca:
-            tls_ca_pem = read_pem(config.ps_tls_ca, "ps_tls_ca")
+            tls_ca_pem = read_certificates(config.ps_tls_ca, "ps_tls_ca")
         sidecar_or_none = contextlib.nullcontext(None)
         user_address = (host, int(port))
     else:

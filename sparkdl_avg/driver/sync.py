@@ -27,7 +27,7 @@ from sparkdl_avg.driver.cluster import driver_addresses
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
-from sparkdl_avg.net.tls import read_pem, server_context
+from sparkdl_avg.net.tls import read_certificates, server_context
 from sparkdl_avg.task import worker_state
 from sparkdl_avg.tracking.plots import worker_timeline
 from sparkdl_avg.tracking.progress import Progress
@@ -84,8 +84,8 @@ class _Attempt:
         config = plan.config
         self.tls = server_context(config.tls_cert, config.tls_key) if config.tls_cert \
             else None
-        self.tls_ca_pem = read_pem(config.tls_ca or config.tls_cert, "tls_ca" if config.tls_ca
-                                   else "tls_cert") if config.tls_cert else None
+        ca, what = (config.tls_ca, "tls_ca") if config.tls_ca else (config.tls_cert, "tls_cert")
+        self.tls_ca_pem = read_certificates(ca, what) if config.tls_cert else None
         self.history: list[dict] = list(point.history)
         self.progress = Progress(plan.schedule.num_rounds)
         self.writer = None
@@ -135,7 +135,9 @@ class _Attempt:
         if r >= len(self.history):  # a round redone after a restart is logged once
             metrics = round_metrics(stats)
             # strangers the coordinator refused, by reason, so far in this attempt
-            metrics.update({f"refused_{k}": v for k, v in coord.refused.items()})
+            with coord._lock:  # handler threads count on
+                refused = dict(coord.refused)
+            metrics.update({f"refused_{k}": v for k, v in refused.items()})
             self.history.append({"round": r, **metrics})
             self.run_logger.log_metrics(metrics, step=r)
             self.progress.update(r, stats.train_loss, metrics.get("eval_accuracy"))

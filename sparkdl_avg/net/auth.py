@@ -84,10 +84,12 @@ def accept(sock: socket.socket, secret: bytes, *, tls: ssl.SSLContext | None = N
         conn.deadline = deadline
         hello = authenticate_client(conn, secret)
     except BaseException as exc:
-        if conn is not None and isinstance(exc, ProtocolError) and exc.reason != "closed":
+        reason = exc.reason if isinstance(exc, ProtocolError) else \
+            "timeout" if isinstance(exc, TimeoutError) else None
+        if conn is not None and reason is not None and reason != "closed":
             with contextlib.suppress(OSError):
                 conn.sock.settimeout(1.0)  # a peer that does not read gets no more time
-                msg.send(conn, msg.Refusal(message=str(exc)[:500], reason=exc.reason))
+                msg.send(conn, msg.Refusal(message=str(exc)[:500], reason=reason))
         (conn or sock).close()
         raise
     conn.deadline, conn.max_meta = None, MAX_META_BYTES

@@ -32,9 +32,10 @@ def matches(value: object, expected: Any) -> bool:
         return any(matches(value, arg) for arg in typing.get_args(expected))
     if expected is type(None):
         return value is None
-    if expected is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) \
-            and math.isfinite(value) and abs(value) <= MAX_NUMBER
+    if expected is float:  # finite; a JSON integer in a float field within MAX_NUMBER
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        return abs(value) <= MAX_NUMBER if isinstance(value, int) else math.isfinite(value)
     if expected is int:
         return isinstance(value, int) and not isinstance(value, bool) \
             and abs(value) <= MAX_NUMBER

@@ -31,7 +31,8 @@ def finite_or_none(value: float) -> float | None:
 @dataclass(frozen=True, slots=True)
 class Message:
     """Fields are checked against their annotations (int, float, bool, str, dict, list and
-    `| None`; numbers finite and within `MAX_NUMBER`), then by the kind's own `check`."""
+    `| None`; floats finite, integers within `MAX_NUMBER`), then by the kind's own
+    `check`."""
 
     KIND: ClassVar[Kind | None] = None
     PAYLOAD: ClassVar[bool | None] = False

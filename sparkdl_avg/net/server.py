@@ -37,6 +37,9 @@ _IDLE_THREAD_S = 30.0
 _LOG_EVERY_S = 1.0
 MAX_PENDING = 16
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_BROKEN_LISTENER = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK, errno.EOPNOTSUPP}
+"""accept() errors that no retry cures; any other (a peer's reset, a firewall's EPERM, out of
+descriptors) concerns one connection or passes, and accept(2) says to retry."""
 
 
 class Server:
@@ -51,8 +54,9 @@ class Server:
         self._lock = threading.Condition()
         """Guards the subclass's state too: one lock, one condition to wait on."""
         self._conns: set[Connection] = set()
-        self._pending: dict[socket.socket, float] = {}
-        """Sockets in their handshake, oldest first."""
+        self._pending: dict[socket.socket, socket.socket] = {}
+        """Sockets in their handshake, oldest first, each with a duplicate descriptor that
+        can still shut it down once TLS has wrapped (and detached) the original."""
         self._pool = _HandlerPool(max_connections + max_pending, name)
         self._accept_thread: threading.Thread | None = None
         self.refused: collections.Counter[str] = collections.Counter()
@@ -87,8 +91,8 @@ class Server:
         if listener is not None:
             listener.close()
         with self._lock:
-            for sock in list(self._pending):
-                _shutdown(sock)
+            for handle in list(self._pending.values()):
+                _shutdown(handle)
 
     def close(self) -> None:
         self._closed.set()
@@ -137,10 +141,10 @@ class Server:
                 except OSError as exc:
                     if self._closed.is_set() or self._listener is None:
                         return
-                    if exc.errno not in _OUT_OF_RESOURCES:
+                    if exc.errno in _BROKEN_LISTENER:
                         raise
                     log.warning("%s cannot accept: %s; backing off", self._name, exc)
-                    time.sleep(_BACKOFF_S)
+                    time.sleep(_BACKOFF_S if exc.errno in _OUT_OF_RESOURCES else 0.01)
                     continue
                 self._admit(sock, peer)
         except BaseException as exc:  # noqa: BLE001 - kept for the owner, who stops
@@ -148,34 +152,49 @@ class Server:
             log.error("%s stopped accepting connections: %r", self._name, exc)
 
     def _admit(self, sock: socket.socket, peer) -> None:
+        try:
+            handle = sock.dup()
+        except OSError as exc:  # out of descriptors: this one cannot be served now
+            sock.close()
+            log.warning("%s cannot take %s: %s", self._name, peer, exc)
+            return
+        dropped = None
         with self._lock:
             if len(self._pending) >= self._max_pending:  # drop the oldest stranger
                 oldest = next(iter(self._pending))
-                del self._pending[oldest]
-                _shutdown(oldest)
-                self.refused["capacity"] += 1
-            self._pending[sock] = time.monotonic()
+                dropped = self._pending.pop(oldest)
+            self._pending[sock] = handle
+        if dropped is not None:
+            _shutdown(dropped)
+            dropped.close()
+            self.refuse("capacity", f"more than {self._max_pending} handshakes at once: "
+                        "dropped the oldest", "a stranger")
         try:
             self._pool.submit(self._handle, sock, peer)
         except RuntimeError:  # no handler thread could be started at all
-            with self._lock:
-                self._pending.pop(sock, None)
+            self._forget(sock)
             sock.close()
             raise
+
+    def _forget(self, sock: socket.socket) -> bool:
+        """Its handshake is over; False if it had been dropped for a newer one."""
+        with self._lock:
+            handle = self._pending.pop(sock, None)
+        if handle is not None:
+            handle.close()
+        return handle is not None
 
     def _handle(self, sock: socket.socket, peer) -> None:
         try:
             conn, hello = accept(sock, self._secret, tls=self._tls)
         except Exception as exc:  # noqa: BLE001 - every refusal is counted, none escapes
-            with self._lock:
-                dropped = self._pending.pop(sock, None) is None  # counted when dropped
-            if not dropped:
-                reason = exc.reason if isinstance(exc, ProtocolError) else \
-                    "timeout" if isinstance(exc, TimeoutError) else "auth"
-                self.refuse(reason, exc, peer)
+            if self._forget(sock):  # a dropped one was counted when it was dropped
+                self.refuse(_reason(exc), exc, peer)
+            return
+        if not self._forget(sock):  # dropped just as it finished: it is closed
+            conn.close()
             return
         with self._lock:
-            self._pending.pop(sock, None)
             full = len(self._conns) >= self._max_connections
             if not full and not self._closed.is_set():
                 self._conns.add(conn)
@@ -209,7 +228,8 @@ class _HandlerPool:
     def submit(self, fn, *args) -> None:
         with self._cond:
             self._jobs.append((fn, args))
-            if self._idle == 0 and len(self._threads) < self._size:
+            # idle threads may already be promised to earlier jobs: count jobs, not wakeups
+            if len(self._jobs) > self._idle and len(self._threads) < self._size:
                 thread = threading.Thread(target=self._work, daemon=True,
                                           name=f"{self._name}-handler")
                 try:
@@ -252,6 +272,17 @@ class _HandlerPool:
                 fn(*args)
             except Exception:  # noqa: BLE001 - one connection's bug must not end the pool
                 log.exception("%s: a connection handler failed", self._name)
+
+
+def _reason(exc: Exception) -> str:
+    """The refusal code of a failed handshake."""
+    if isinstance(exc, ProtocolError):
+        return exc.reason
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, ConnectionError):  # reset, aborted, broken pipe
+        return "closed"
+    return "auth"  # a TLS failure, or a peer that is no client of ours
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -4,20 +4,25 @@ itself). PEM travels to the executors as text: files on the driver are not on th
 
 from __future__ import annotations
 
+import re
 import ssl
 from pathlib import Path
 
 from sparkdl_avg._errors import ConfigError
 
 
-def read_pem(path: str, what: str) -> str:
+def read_certificates(path: str, what: str) -> str:
+    """The CERTIFICATE blocks of a PEM file, and nothing else: a file that also holds the
+    private key must not send the key to the executors."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"{what}={path!r} cannot be read: {exc}") from None
-    if "-----BEGIN" not in text:
-        raise ConfigError(f"{what}={path!r} holds no PEM")
-    return text
+    blocks = re.findall(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", text,
+                        flags=re.DOTALL)
+    if not blocks:
+        raise ConfigError(f"{what}={path!r} holds no PEM certificate")
+    return "\n".join(blocks) + "\n"
 
 
 def server_context(cert: str, key: str) -> ssl.SSLContext:
