@@ -170,16 +170,7 @@ class DirStore:
         damaged); `path` may also be one checkpoint's own folder."""
         if (self.path / "checkpoint.json").exists():
             return read_folder(self.path)
-        error = None
-        for folder in reversed(self.complete()):
-            try:
-                return read_folder(folder)
-            except ConfigError as exc:
-                log.warning("skipping a damaged checkpoint: %s", exc)
-                error = error or exc
-        if error is not None:
-            raise error
-        return None
+        return _newest_readable(self.complete(), read_folder)
 
     def complete(self) -> list[Path]:
         """Checkpoint folders with their checkpoint.json, oldest first."""
@@ -188,6 +179,21 @@ class DirStore:
         found = [p for p in self.path.iterdir()
                  if _ROUND_DIR.match(p.name) and (p / "checkpoint.json").exists()]
         return sorted(found, key=lambda p: int(_ROUND_DIR.match(p.name).group(1)))
+
+
+def _newest_readable(places: list, read) -> Checkpoint | None:
+    """The newest of `places` (oldest first) that `read` reads back whole, warning past
+    damaged ones; the first error if none reads; None if there are none."""
+    error = None
+    for place in reversed(places):
+        try:
+            return read(place)
+        except ConfigError as exc:
+            log.warning("skipping a damaged checkpoint: %s", exc)
+            error = error or exc
+    if error is not None:
+        raise error
+    return None
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -226,16 +232,7 @@ class MlflowStore:
     def load_latest(self) -> Checkpoint | None:
         """The newest checkpoint that reads back whole (an older one if the newest is
         damaged), as `DirStore.load_latest`; None if the run holds none."""
-        error = None
-        for path in reversed(self._complete()):
-            try:
-                return self._read(path)
-            except ConfigError as exc:
-                log.warning("skipping a damaged checkpoint: %s", exc)
-                error = error or exc
-        if error is not None:
-            raise error
-        return None
+        return _newest_readable(self._complete(), self._read)
 
     def _read(self, path: str) -> Checkpoint:
         with tempfile.TemporaryDirectory(prefix="sparkdl-avg-ckpt-") as tmp:
