@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from sparkdl_avg._errors import ConfigError
 from sparkdl_avg.net.messages import MAX_WORKERS
-from sparkdl_avg.ps.rules import ALGORITHMS, RULES
+from sparkdl_avg.ps.settings import check_rule
 
 OptimizerName = Literal["sgd", "adam"]
 Mode = Literal["sync", "async"]
@@ -243,9 +243,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def _check_async(self) -> None:
-        if self.algorithm not in RULES:
-            raise ConfigError(f"algorithm={self.algorithm!r} is not supported; use one of "
-                              f"{ALGORITHMS}")
+        check_rule(self.algorithm, self.dc_lambda)
         if self.fetch_every is not None:
             _require_int("fetch_every", self.fetch_every, minimum=1)
             if self.fetch_every % self.push_every:
@@ -256,9 +254,6 @@ class TrainConfig:
             _require_int("staleness_bound", self.staleness_bound, minimum=0)
         if self.dc_lambda is not None:
             _require_float("dc_lambda", self.dc_lambda)
-            if "dc_lambda" not in RULES[self.algorithm].PARAMETERS:
-                raise ConfigError(f"dc_lambda applies to the DC-ASGD rules, not to "
-                                  f"algorithm={self.algorithm!r}")
         _require_float("eval_interval_s", self.eval_interval_s, positive=True)
         if self.ps_address is not None:
             host, _, port = self.ps_address.rpartition(":")

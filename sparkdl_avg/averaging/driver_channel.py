@@ -31,7 +31,7 @@ class DriverChannel(Transport):
         authenticate_to_server(self._conn, self._secret, hello)
 
     def receive_start(self, params: np.ndarray) -> StartPoint:
-        start, _ = msg.expect(self._conn, msg.Average, into=_checked(params))
+        start, _ = msg.expect(self._conn, msg.Average, into=msg.into_checked(params, "the driver"))
         # The driver times out a hung worker after round_timeout and names it; the others,
         # waiting on that worker's average, must not time out first and take the blame.
         self._conn.set_timeout(self._reply_timeout)
@@ -45,7 +45,7 @@ class DriverChannel(Transport):
 
     def exchange(self, push: msg.Push, params: np.ndarray) -> RoundReply:
         msg.send(self._conn, push, params)
-        reply, _ = msg.expect(self._conn, msg.Average, into=_checked(params))
+        reply, _ = msg.expect(self._conn, msg.Average, into=msg.into_checked(params, "the driver"))
         return RoundReply(evaluate=reply.evaluate, checkpoint=reply.checkpoint)
 
     def send_state(self, layout: list, payload: np.ndarray) -> None:
@@ -65,11 +65,3 @@ class DriverChannel(Transport):
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
-
-
-def _checked(params: np.ndarray):
-    """The payload target: `params`, once the message says it holds exactly that."""
-    def into(message: msg.Message) -> np.ndarray:
-        msg.check_tensor(message, params, "the driver")
-        return params
-    return into

@@ -34,8 +34,9 @@ from sparkdl_avg.tracking.run import RunLogger
 log = logging.getLogger("sparkdl_avg")
 
 
-def server_settings(config, num_workers: int) -> ServerSettings:
+def server_settings(config) -> ServerSettings:
     """The settings of a fit's own parameter server."""
+    num_workers = config.num_workers
     return ServerSettings(
         algorithm=config.algorithm, lr=config.lr, dc_lambda=config.dc_lambda,
         # each push counts 1/n: with staleness_bound=0 this is exactly sync averaging
@@ -60,15 +61,14 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
         user_address = (host, int(port))
     else:
         secret = new_secret()
-        bind, _ = driver_addresses(spark)
-        sidecar_or_none = Sidecar(server_settings(config, config.num_workers), host=bind,
+        bind, advertise = driver_addresses(spark)
+        sidecar_or_none = Sidecar(server_settings(config), host=bind,
                                   secret=secret, checkpoint_dir=config.checkpoint_dir)
     eval_data = collect_eval(plan.data, dtype=plan.dtype, long_labels=plan.long_labels)
     history: list[dict] = []
     restarts = Restarts(spark, config, run)
     with sidecar_or_none as sidecar:
-        address = user_address if sidecar is None else (driver_addresses(spark)[1],
-                                                          sidecar.port)
+        address = user_address if sidecar is None else (advertise, sidecar.port)
 
         def connect() -> PSClient:
             return PSClient(address, secret=secret, worker=DRIVER, numel=flat.array.size,

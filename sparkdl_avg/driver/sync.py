@@ -135,9 +135,7 @@ class _Attempt:
         if r >= len(self.history):  # a round redone after a restart is logged once
             metrics = round_metrics(stats)
             # strangers the coordinator refused, by reason, so far in this attempt
-            with coord._lock:  # handler threads count on
-                refused = dict(coord.refused)
-            metrics.update({f"refused_{k}": v for k, v in refused.items()})
+            metrics.update({f"refused_{k}": v for k, v in coord.refusals().items()})
             self.history.append({"round": r, **metrics})
             self.run_logger.log_metrics(metrics, step=r)
             self.progress.update(r, stats.train_loss, metrics.get("eval_accuracy"))

@@ -66,6 +66,17 @@ def authenticate_to_server(conn: Connection, secret: bytes, hello: msg.Message) 
         raise ProtocolError("the server failed authentication (wrong secret)", "auth")
 
 
+def refusal_reason(exc: BaseException) -> str:
+    """The refusal code of a failed handshake."""
+    if isinstance(exc, ProtocolError):
+        return exc.reason
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, ConnectionError):  # reset, aborted, broken pipe
+        return "closed"
+    return "auth"  # a TLS failure, or a peer that is no client of ours
+
+
 def accept(sock: socket.socket, secret: bytes, *, tls: ssl.SSLContext | None = None
            ) -> tuple[Connection, dict[str, Any]]:
     """Server side of a new connection: TLS (optional), then the handshake, all within
@@ -84,9 +95,8 @@ def accept(sock: socket.socket, secret: bytes, *, tls: ssl.SSLContext | None = N
         conn.deadline = deadline
         hello = authenticate_client(conn, secret)
     except BaseException as exc:
-        reason = exc.reason if isinstance(exc, ProtocolError) else \
-            "timeout" if isinstance(exc, TimeoutError) else None
-        if conn is not None and reason is not None and reason != "closed":
+        reason = refusal_reason(exc)
+        if conn is not None and reason != "closed":
             with contextlib.suppress(OSError):
                 conn.sock.settimeout(1.0)  # a peer that does not read gets no more time
                 msg.send(conn, msg.Refusal(message=str(exc)[:500], reason=reason))

@@ -371,3 +371,12 @@ def check_tensor(message: Message, expected: np.ndarray, who: object) -> None:
         raise ProtocolError(f"{who} sent {message.numel} {message.dtype} values where "
                             f"{expected.size} {expected.dtype} were expected (a different "
                             "model or dtype on the other side?)", "shape")
+
+
+def into_checked(array: np.ndarray, who: object):
+    """A payload target for `receive`: `array`, once the message says it holds exactly
+    that (`check_tensor`)."""
+    def into(message: Message) -> np.ndarray:
+        check_tensor(message, array, who)
+        return array
+    return into

@@ -24,9 +24,8 @@ import threading
 import time
 from typing import Any
 
-from sparkdl_avg._errors import ProtocolError
 from sparkdl_avg.net import messages as msg
-from sparkdl_avg.net.auth import accept
+from sparkdl_avg.net.auth import accept, refusal_reason
 from sparkdl_avg.net.frames import Connection
 
 log = logging.getLogger("sparkdl_avg")
@@ -105,6 +104,11 @@ class Server:
                 threading.current_thread():
             self._accept_thread.join(timeout=_JOIN_S)
         self._pool.close(_JOIN_S)
+
+    def refusals(self) -> dict[str, int]:
+        """The refusals so far by reason (a copy: handler threads keep counting)."""
+        with self._lock:
+            return dict(self.refused)
 
     def serve(self, conn: Connection, hello: dict[str, Any]) -> bool:
         """Serve one authenticated peer on a handler thread. Return True to keep the
@@ -189,7 +193,7 @@ class Server:
             conn, hello = accept(sock, self._secret, tls=self._tls)
         except Exception as exc:  # noqa: BLE001 - every refusal is counted, none escapes
             if self._forget(sock):  # a dropped one was counted when it was dropped
-                self.refuse(_reason(exc), exc, peer)
+                self.refuse(refusal_reason(exc), exc, peer)
             return
         if not self._forget(sock):  # dropped just as it finished: it is closed
             conn.close()
@@ -272,17 +276,6 @@ class _HandlerPool:
                 fn(*args)
             except Exception:  # noqa: BLE001 - one connection's bug must not end the pool
                 log.exception("%s: a connection handler failed", self._name)
-
-
-def _reason(exc: Exception) -> str:
-    """The refusal code of a failed handshake."""
-    if isinstance(exc, ProtocolError):
-        return exc.reason
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, ConnectionError):  # reset, aborted, broken pipe
-        return "closed"
-    return "auth"  # a TLS failure, or a peer that is no client of ours
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -40,7 +40,8 @@ class PSClient:
         """Fetch the server's parameters into `self.params` (and this worker's `progress`);
         returns the server's version."""
         msg.send(self._conn, msg.Pull())
-        params, _ = msg.expect(self._conn, msg.Params, into=self._into_params)
+        params, _ = msg.expect(self._conn, msg.Params,
+                               into=msg.into_checked(self.params, "the parameter server"))
         self.progress = params.progress
         return params.version
 
@@ -60,10 +61,6 @@ class PSClient:
         msg.send(self._conn, msg.Init(workers=workers, expect=expect or {},
                                       **msg.tensor(params)), params)
         return msg.expect(self._conn, msg.Settings)[0].settings
-
-    def _into_params(self, message: msg.Message) -> np.ndarray:
-        msg.check_tensor(message, self.params, "the parameter server")
-        return self.params
 
     def stats(self) -> dict:
         msg.send(self._conn, msg.Stats())

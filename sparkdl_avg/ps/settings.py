@@ -43,16 +43,11 @@ class ServerSettings:
         "help": "save the state every this many applied updates (0: at INIT only)"})
 
     def __post_init__(self) -> None:
-        if self.algorithm not in RULES:
-            raise ConfigError(f"algorithm={self.algorithm!r} is not supported; use one of "
-                              f"{ALGORITHMS}")
+        check_rule(self.algorithm, self.dc_lambda)
         _positive("lr", self.lr)
         _positive("update_scale", self.update_scale)
         _positive("timeout", self.timeout)
         if self.dc_lambda is not None:
-            if "dc_lambda" not in RULES[self.algorithm].PARAMETERS:
-                raise ConfigError(f"dc_lambda applies to the DC-ASGD rules, not to "
-                                  f"algorithm={self.algorithm!r}")
             _positive("dc_lambda", self.dc_lambda, zero=True)
         for name in ("staleness_bound", "max_message_mb", "max_connections",
                      "checkpoint_every"):
@@ -89,6 +84,16 @@ class ServerSettings:
         with both values."""
         return [f"{key}: the fit has {expected[key]!r}, the server {getattr(self, key)!r}"
                 for key in COMPARED if key in expected and expected[key] != getattr(self, key)]
+
+
+def check_rule(algorithm: str, dc_lambda: float | None) -> None:
+    """The rule exists, and reads dc_lambda if one is given (for TrainConfig too)."""
+    if algorithm not in RULES:
+        raise ConfigError(f"algorithm={algorithm!r} is not supported; use one of "
+                          f"{ALGORITHMS}")
+    if dc_lambda is not None and "dc_lambda" not in RULES[algorithm].PARAMETERS:
+        raise ConfigError(f"dc_lambda applies to the DC-ASGD rules, not to "
+                          f"algorithm={algorithm!r}")
 
 
 def _option(name: str) -> str:
