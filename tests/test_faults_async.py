@@ -1,5 +1,6 @@
 """Faults in async mode: a worker task that fails, and the parameter server process killed
-mid-fit. Either way the fit finishes with every step applied exactly once."""
+mid-fit. Either way the fit finishes with every step applied exactly once, and the workers'
+evaluation of the final parameters is still there at the end."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import time
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from faulty import FaultyMLP, dataset, diverges, latest_run
 
 from sparkdl_avg import TrainConfig, TrainingError, fit
@@ -35,7 +38,7 @@ def expected_pushes() -> int:
 def test_a_failed_worker_task_is_restarted_where_the_server_says(data, tmp_path,
                                                                  mlflow_client):
     model_fn = partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired"), at_call=15)
-    result = fit(data, model_fn, TrainConfig(**BASE, staleness_bound=2))
+    result = fit(data, model_fn, TrainConfig(**BASE, staleness_bound=2), eval_df=data)
     assert (tmp_path / "fired").exists()
     assert len(result.failures) == 1
     assert result.failures[0]["partition"] == 1
@@ -44,6 +47,7 @@ def test_a_failed_worker_task_is_restarted_where_the_server_says(data, tmp_path,
     assert result.history[-1]["updates_applied"] == expected_pushes()
     stats = _server_stats(mlflow_client, result.run_id)
     assert stats["progress"] == {"0": STEPS, "1": STEPS}
+    _assert_final_evaluation_is_of_the_model(result, data)
 
 
 def test_a_killed_parameter_server_is_restarted_from_its_checkpoint(data, tmp_path,
@@ -53,12 +57,28 @@ def test_a_killed_parameter_server_is_restarted_from_its_checkpoint(data, tmp_pa
                               daemon=True)
     killer.start()
     result = fit(data, partial(FaultyMLP, delay_s=0.03),
-                 TrainConfig(**BASE, ps_checkpoint_every=2, checkpoint_dir=str(tmp_path)))
+                 TrainConfig(**BASE, ps_checkpoint_every=2, checkpoint_dir=str(tmp_path)),
+                 eval_df=data)
     killer.join(timeout=5)
     assert getattr(killer, "killed", False), "the server was not killed mid-fit"
     assert mlflow_client.get_metric_history(result.run_id, "ps_restarts")[-1].value == 1
     assert result.history[-1]["updates_applied"] == expected_pushes()
     assert _server_stats(mlflow_client, result.run_id)["progress"] == {"0": STEPS, "1": STEPS}
+    _assert_final_evaluation_is_of_the_model(result, data)
+
+
+def _assert_final_evaluation_is_of_the_model(result, data) -> None:
+    """The workers' last evaluation (on their own partitions, after the restart) is that of
+    the returned model over the evaluation rows, computed here on the driver."""
+    rows = data.toPandas()
+    x = torch.from_numpy(np.stack(rows["features"].to_numpy()).astype(np.float32))
+    y = torch.from_numpy(rows["label"].to_numpy())
+    with torch.no_grad():
+        out = result.model(x)
+    final = result.history[-1]
+    assert final["eval_loss"] == pytest.approx(
+        torch.nn.functional.cross_entropy(out, y).item(), abs=1e-6)
+    assert final["eval_accuracy"] == pytest.approx((out.argmax(1) == y).double().mean().item())
 
 
 def _server_stats(client, run_id: str) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -85,3 +87,43 @@ def test_async_with_a_user_optimizer_factory(spark):
         mode="async", num_workers=2, epochs=1, batch_size=10, push_every=2,
         optimizer=sgd_factory, log_model=False))
     assert result.history[-1]["updates_applied"] == 2 * 10 // 2
+
+
+def test_the_workers_evaluate_on_their_own_rows_up_to_the_final_parameters(spark,
+                                                                           mlflow_client):
+    """eval_df never comes to the driver: when the driver asks, each task evaluates the
+    server's parameters of that moment on its own evaluation partition and the server adds
+    the sums up; the last evaluation is of the very parameters the fit returns."""
+    from faulty import FaultyMLP
+
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(901, 5)).astype(np.float32)  # 301 evaluation rows: 151 and 150
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.3).astype(np.int64)
+    result = fit(frame(spark, x[:600], y[:600]), partial(FaultyMLP, delay_s=0.005),
+                 TrainConfig(mode="async", num_workers=2, epochs=4, batch_size=10,
+                             push_every=2, optimizer="adam", lr=0.01, eval_interval_s=0.1,
+                             log_model=False), eval_df=frame(spark, x[600:], y[600:]))
+    with torch.no_grad():  # the returned model, evaluated here, independently
+        out = result.model(torch.from_numpy(x[600:]))
+        loss = torch.nn.functional.cross_entropy(out, torch.from_numpy(y[600:])).item()
+    final = result.history[-1]
+    assert final["updates_applied"] == 2 * (4 * 30) // 2
+    assert final["eval_loss"] == pytest.approx(loss, abs=1e-6)
+    assert final["eval_accuracy"] == pytest.approx((out.argmax(1).numpy() == y[600:]).mean())
+    evaluated = [h for h in result.history if "eval_loss" in h]
+    assert len(evaluated) >= 3, result.history  # asked while training, not only at the end
+    assert [h["eval_loss"] for h in evaluated] != [final["eval_loss"]] * len(evaluated)
+    # each result is logged at the step of the parameters it evaluated
+    history = mlflow_client.get_metric_history(result.run_id, "eval_loss")
+    assert sorted((m.step, m.value) for m in history) == \
+        sorted((h["round"], h["eval_loss"]) for h in evaluated)
+    stats = _server_stats(mlflow_client, result.run_id)["evaluations"]
+    assert stats["pending"] is None and stats["results"][-1]["final"]
+    assert stats["results"][-1]["count"] == 301 and stats["finished"] == [0, 1]
+
+
+def _server_stats(client, run_id: str) -> dict:
+    import json
+    from pathlib import Path
+
+    return json.loads(Path(client.download_artifacts(run_id, "server_stats.json")).read_text())

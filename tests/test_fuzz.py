@@ -43,6 +43,10 @@ AFTER_AUTH = [
     frame(Kind.INIT, {"dtype": "float32", "numel": 4, "workers": 2, "expect": {}},
           np.zeros(4, np.float32).tobytes()),
     frame(Kind.PUSH, {"round": 0}),
+    frame(Kind.EVALUATE, {}),
+    frame(Kind.PULL, {"evaluate": True}),
+    frame(Kind.EVAL, {"loss_sum": 1.0, "correct": 1, "count": 2, "eval_s": 0.1, "request": 0}),
+    frame(Kind.FINISHED, {"wait_s": 0.05}),
 ]
 HELLOS = st.fixed_dictionaries({}, optional={
     "worker": st.one_of(st.integers(-5, 10), st.integers(), st.booleans(), st.none(),

@@ -22,16 +22,18 @@ VALID = {
                "dtype": "float32", "numel": 10},
     msg.Average: {"round": -1, "state_follows": True, "dtype": "float64", "numel": 10},
     msg.State: {"layout": []},
-    msg.Eval: {"loss_sum": 3.0, "correct": 2, "count": 4, "eval_s": 0.01},
+    msg.Eval: {"loss_sum": 3.0, "correct": 2, "count": 4, "eval_s": 0.01, "request": 7},
     msg.Done: {"layout": []},
     msg.WorkerFailed: {"message": "ValueError: boom", "final": False},
     msg.Init: {"dtype": "float32", "numel": 4, "workers": 2, "expect": {"lr": 0.1}},
     msg.Settings: {"settings": {"algorithm": "downpour"}},
-    msg.Pull: {},
-    msg.Params: {"version": 3, "progress": 16, "dtype": "float32", "numel": 4},
+    msg.Pull: {"evaluate": True},
+    msg.Params: {"version": 3, "progress": 16, "dtype": "float32", "numel": 4, "evaluate": 2},
     msg.Update: {"samples": 8, "loss_sum": None, "steps": 16, "dtype": "float32", "numel": 4},
-    msg.Ack: {"applied": 4, "staleness": 1},
+    msg.Ack: {"applied": 4, "staleness": 1, "evaluate": 0, "done": False},
     msg.Stats: {"report": {"applied": 4}},
+    msg.Evaluate: {},
+    msg.Finished: {"wait_s": 2.0},
 }
 
 INVALID = [
@@ -56,6 +58,16 @@ INVALID = [
     (msg.Challenge, {"nonce": "zz"}, "nonce is not hex"),
     (msg.Auth, {"hello": []}, "Auth.hello must be dict"),
     (msg.Ack, {"extra": 1}, r"Ack has no fields \['extra'\]"),
+    # async evaluation: request ids, the finished worker's wait, and no evaluating driver
+    (msg.Eval, {"request": -1}, "evaluation request -1"),
+    (msg.Eval, {"request": 1.5}, "Eval.request must be int or null"),
+    (msg.Ack, {"evaluate": -3}, "evaluation request -3"),
+    (msg.Ack, {"done": 1}, "Ack.done must be bool"),
+    (msg.Params, {"evaluate": "0"}, "Params.evaluate must be int or null"),
+    (msg.Pull, {"evaluate": 1}, "Pull.evaluate must be bool"),
+    (msg.Finished, {"wait_s": -1.0}, "wait_s=-1.0 is no duration"),
+    (msg.Finished, {"wait_s": 3600.0}, "wait_s=3600.0 exceeds 60"),
+    (msg.Evaluate, {"request": 1}, r"Evaluate has no fields \['request'\]"),
 ]
 
 

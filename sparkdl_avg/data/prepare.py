@@ -269,17 +269,3 @@ def spark_hash_int(value: int, seed: int = 42) -> int:
     h1 = h1 * 0xC2B2AE35 & mask
     h1 ^= h1 >> 16
     return h1 - (1 << 32) if h1 & 0x80000000 else h1
-
-
-def collect_eval(data: PreparedData, *, dtype, long_labels: bool):
-    """The evaluation rows as (features, labels) tensors on the driver (async mode evaluates
-    the server's parameters there); None without eval_df."""
-    import torch
-
-    if data.eval_sizes[0] == 0:
-        return None
-    table = data.frame.filter(F.col(SPLIT) == EVAL).select(FEATURES, LABEL).toArrow()
-    x = table.column(FEATURES).combine_chunks().flatten().to_numpy(zero_copy_only=False)
-    x = torch.from_numpy(x.reshape(len(table), data.num_features).copy()).to(dtype)
-    y = torch.from_numpy(table.column(LABEL).to_numpy(zero_copy_only=False).copy())
-    return x, (y.long() if long_labels else y.to(dtype))

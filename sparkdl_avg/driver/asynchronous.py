@@ -1,5 +1,9 @@
 """Async mode on the driver: a parameter server beside it (or the user's), the workers'
-barrier job, and every `eval_interval_s` the server's parameters evaluated and logged.
+barrier job, and every `eval_interval_s` the server's counters logged and, with eval_df, an
+evaluation of the server's parameters requested. The workers evaluate it on their own
+evaluation partitions (the barrier job holds every slot, and the evaluation data never comes
+to the driver); the server adds their sums up, and the driver logs the result. The final
+parameters are evaluated by the workers before their tasks end.
 
 A failed task makes Spark abort the barrier job; the restart loop relaunches it and each
 worker takes up its data where the server's count of its applied steps says. A sidecar that
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -17,7 +22,6 @@ import numpy as np
 
 from sparkdl_avg._errors import ConfigError, PeerRefused, TrainingError, WorkerLostError
 from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
-from sparkdl_avg.data.prepare import collect_eval
 from sparkdl_avg.driver.barrier import BarrierJob
 from sparkdl_avg.driver.cluster import driver_addresses
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
@@ -28,7 +32,6 @@ from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.server import DRIVER
 from sparkdl_avg.ps.settings import COMPARED, ServerSettings
 from sparkdl_avg.ps.sidecar import Sidecar
-from sparkdl_avg.task.evaluate import evaluate
 from sparkdl_avg.tracking.run import RunLogger
 
 log = logging.getLogger("sparkdl_avg")
@@ -64,7 +67,6 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
         bind, advertise = driver_addresses(spark)
         sidecar_or_none = Sidecar(server_settings(config), host=bind,
                                   secret=secret, checkpoint_dir=config.checkpoint_dir)
-    eval_data = collect_eval(plan.data, dtype=plan.dtype, long_labels=plan.long_labels)
     history: list[dict] = []
     restarts = Restarts(spark, config, run)
     with sidecar_or_none as sidecar:
@@ -80,19 +82,18 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
             _init(server, flat, config, run)
             spec = plan.worker_spec(address, secret, tls_ca_pem)
             t_train = time.perf_counter()  # tasks start training as they load
-            intervals = _Intervals(plan, flat, eval_data, run, history)
+            intervals = _Intervals(plan, flat, run, history)
 
             def attempt() -> list[dict]:
                 server.revive(len(history))
                 with BarrierJob.training(plan.data.frame, spec, "sparkdl-avg: async "
                                          f"training, {config.num_workers} workers") as job:
-                    finished = False
-                    while not finished:
-                        finished = job.done(config.eval_interval_s)
+                    while not job.done(config.eval_interval_s):
                         server.call(intervals.log, len(history))
                     rows = job.wait(waits.finish)
                 _check_complete(server.call(lambda ps: ps.stats()["progress"], len(history)),
                                 config.num_workers, plan.schedule.total_steps)
+                server.call(intervals.log_final, len(history))
                 return rows
 
             rows = restarts.run(
@@ -169,28 +170,84 @@ class _ServerConnection:
 
 
 class _Intervals:
-    """Every `eval_interval_s`: the server's parameters into the driver's model, evaluated,
-    and the server's counters as rates since the last interval, logged to MLflow."""
+    """Every `eval_interval_s`: the server's counters as rates since the last interval,
+    logged to MLflow. With eval_df, the same call asks the workers to evaluate the server's
+    parameters of that moment (one request at a time); a result is logged at the step of the
+    interval that asked for it, and the final one with the last interval."""
 
-    def __init__(self, plan: FitPlan, flat: FlatBuffer, eval_data, run: RunLogger,
+    def __init__(self, plan: FitPlan, flat: FlatBuffer, run: RunLogger,
                  history: list[dict]) -> None:
-        self.plan, self.flat, self.eval_data = plan, flat, eval_data
-        self.run, self.history = run, history
+        self.plan, self.flat, self.run, self.history = plan, flat, run, history
+        self.evaluates = plan.data.eval_sizes[0] > 0
+        self.asked: tuple[int, dict] | None = None
+        """The request in flight, and the history row it is of."""
         self.previous = {"t": time.perf_counter(), "applied": 0, "samples": 0, "loss_sum": 0.0}
 
     def log(self, ps: PSClient) -> None:
-        metrics = self._metrics(ps)
-        # one "round" = push_every local steps of every worker: a sync run averaging every
-        # push_every steps lines up with this one in MLflow
-        step = int(metrics["updates_applied"]) // self.plan.config.num_workers
-        self.history.append({"interval": len(self.history), "round": step, **metrics})
-        self.run.log_metrics(metrics, step=step)
+        ask = self.evaluates and self.asked is None
+        report = ps.evaluate() if ask else ps.stats()
+        row = self._row(report)
+        pending = report["evaluations"]["pending"]
+        if ask and pending is not None and not pending["final"] \
+                and pending["applied"] == report["applied"]:
+            self.asked = (pending["request"], row)
+        self._collect(report["evaluations"])
 
-    def _metrics(self, ps: PSClient) -> dict[str, float]:
+    def log_final(self, ps: PSClient) -> None:
+        """After the job: the final parameters into the driver's model, the last interval,
+        and the workers' evaluation of those parameters."""
         ps.pull()
         np.copyto(self.flat.array, ps.params)
         self.flat.scatter()
-        stats = ps.stats()
+        report = ps.stats()
+        row = self._row(report)
+        self._collect(report["evaluations"])
+        # the server asks nothing after its final request: that result stays its newest
+        final = [r for r in report["evaluations"]["results"]
+                 if r["final"] and r["applied"] == report["applied"]]
+        if final:
+            self._log_eval(row, final[-1])
+        elif self.evaluates:
+            log.warning("the workers' evaluation of the final parameters did not complete "
+                        "(a worker gave up waiting reply_timeout for its peers, or the "
+                        "server restarted after it); the last eval metrics are of earlier "
+                        "parameters")
+
+    def _collect(self, evaluations: dict) -> None:
+        """The result of the request in flight, logged once complete. A request in flight
+        that is neither pending nor complete was replaced by the final one or lost with a
+        restarted server: the next call asks anew."""
+        for result in evaluations["results"]:
+            if self.asked is not None and not result["final"] \
+                    and result["request"] == self.asked[0]:
+                self._log_eval(self.asked[1], result)
+                self.asked = None
+        pending = evaluations["pending"]
+        if self.asked is not None and (pending is None or pending["final"]
+                                       or pending["request"] != self.asked[0]):
+            self.asked = None
+
+    def _log_eval(self, row: dict, result: dict) -> None:
+        count = max(1, result["count"])
+        metrics = {"eval_loss": math.nan if result["loss_sum"] is None
+                   else result["loss_sum"] / count, "time_eval_s": result["eval_s"]}
+        if result["correct"] is not None:
+            metrics["eval_accuracy"] = result["correct"] / count
+        row.update(metrics)
+        self.run.log_metrics(metrics, step=row["round"])
+
+    def _row(self, stats: dict) -> dict:
+        """The interval's history row, logged; `stats`: the server's counters."""
+        metrics = self._metrics(stats)
+        # one "round" = push_every local steps of every worker: a sync run averaging every
+        # push_every steps lines up with this one in MLflow
+        step = int(metrics["updates_applied"]) // self.plan.config.num_workers
+        row = {"interval": len(self.history), "round": step, **metrics}
+        self.history.append(row)
+        self.run.log_metrics(metrics, step=step)
+        return row
+
+    def _metrics(self, stats: dict) -> dict[str, float]:
         previous, now = self.previous, time.perf_counter()
         elapsed = max(now - previous["t"], 1e-9)
         metrics = {"updates_applied": stats["applied"],
@@ -208,12 +265,6 @@ class _Intervals:
             metrics[f"staleness_mean_worker_{worker}"] = s["mean"]
         for reason, count in stats["refused"].items():
             metrics[f"refused_{reason}"] = count
-        if self.eval_data is not None:
-            result = evaluate(self.plan.model, *self.eval_data, self.plan.loss_fn,
-                              self.plan.classify)
-            metrics["eval_loss"] = result["loss_sum"] / max(1, result["count"])
-            if result["correct"] is not None:
-                metrics["eval_accuracy"] = result["correct"] / max(1, result["count"])
         self.previous = {"t": now, "applied": stats["applied"], "samples": stats["samples"],
                          "loss_sum": stats["loss_sum"]}
         return metrics

@@ -1,6 +1,7 @@
 """How `messages` checks a field: its annotation (int, float, bool, str, dict, list and
 `| None`), numbers finite and within `MAX_NUMBER`, and the shared checks of durations,
-hex strings and payload descriptions."""
+hex strings, request ids and payload descriptions; and how a tensor payload is described
+and checked against its receiver's buffer (`tensor`, `check_tensor`, `into_checked`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import types
 import typing
 from functools import cache
 from typing import TYPE_CHECKING, Any, Union
+
+import numpy as np
+
+from sparkdl_avg._errors import ProtocolError
 
 if TYPE_CHECKING:
     from sparkdl_avg.net.messages import Message
@@ -68,3 +73,37 @@ def hex_string(name: str, value: str, message: Message) -> None:
         bytes.fromhex(value)
     except ValueError:
         raise message.invalid(f"{name} is not hex") from None
+
+
+def request_id(message: Message, request: int | None) -> None:
+    """An evaluation request's id (async), if any: not negative."""
+    if request is not None and request < 0:
+        raise message.invalid(f"evaluation request {request}")
+
+
+def finite_or_none(value: float) -> float | None:
+    """A loss as it travels: None when it is not finite (the replica diverged)."""
+    return value if math.isfinite(value) else None
+
+
+def tensor(array: np.ndarray) -> dict[str, Any]:
+    """The `dtype` and `numel` fields describing `array` as a payload."""
+    return {"dtype": str(array.dtype), "numel": int(array.size)}
+
+
+def check_tensor(message: Message, expected: np.ndarray, who: object) -> None:
+    """Refuse (reason "shape") a payload that is not what `expected` holds, before reading
+    it: the same byte count in another dtype must not pass as parameters."""
+    if (message.dtype, message.numel) != (str(expected.dtype), expected.size):
+        raise ProtocolError(f"{who} sent {message.numel} {message.dtype} values where "
+                            f"{expected.size} {expected.dtype} were expected (a different "
+                            "model or dtype on the other side?)", "shape")
+
+
+def into_checked(array: np.ndarray, who: object):
+    """A payload target for `receive`: `array`, once the message says it holds exactly
+    that (`check_tensor`)."""
+    def into(message: Message) -> np.ndarray:
+        check_tensor(message, array, who)
+        return array
+    return into

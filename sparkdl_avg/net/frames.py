@@ -27,8 +27,9 @@ import numpy as np
 from sparkdl_avg._errors import PeerClosed, ProtocolError
 
 MAGIC = b"SDLA"
-VERSION = 2
-"""2: typed messages (`messages`), SETTINGS and FAILED frames."""
+VERSION = 3
+"""2: typed messages (`messages`), SETTINGS and FAILED frames. 3: async evaluation on the
+workers (EVALUATE, FINISHED, and the evaluation fields of PULL, PARAMS, ACK and EVAL)."""
 HEADER = struct.Struct("!4sBBHIQ")
 MAX_META_BYTES = 1 << 20
 _CHUNK = 1 << 20
@@ -55,6 +56,9 @@ class Kind(enum.IntEnum):
     # the parameter server's answer to INIT; a worker's own failure
     SETTINGS = 16
     FAILED = 17
+    # async evaluation: the driver asks for one; a worker past its last push waits for one
+    EVALUATE = 18
+    FINISHED = 19
 
 
 @dataclass(frozen=True, slots=True)

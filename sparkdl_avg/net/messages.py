@@ -9,23 +9,17 @@ tensor bytes) travels beside a message; `PAYLOAD` says whether a kind must carry
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-import numpy as np
-
 from sparkdl_avg._errors import REASONS, PeerRefused, ProtocolError, Unacceptable
 from sparkdl_avg.net import fields
+from sparkdl_avg.net.fields import check_tensor, finite_or_none, into_checked, tensor  # noqa: F401
 from sparkdl_avg.net.frames import Connection, Kind
 
 M = TypeVar("M", bound="Message")
 MAX_WORKERS = 4096
-
-
-def finite_or_none(value: float) -> float | None:
-    """A loss as it travels: None when it is not finite (the replica diverged)."""
-    return value if math.isfinite(value) else None
+MAX_FINISHED_WAIT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,15 +176,20 @@ class State(Message):
 
 @dataclass(frozen=True, slots=True)
 class Eval(Message):
+    """A worker's evaluation of its rows (loss_sum None: not finite; correct None: no
+    classifier), to the driver (sync) or to the server for its `request` (async)."""
+
     KIND = Kind.EVAL
     loss_sum: float | None
     correct: int | None
     count: int
     eval_s: float
+    request: int | None = None
 
     def check(self) -> None:
         if self.count < 0 or (self.correct is not None and not 0 <= self.correct <= self.count):
             raise self.invalid(f"count {self.count}, correct {self.correct}")
+        fields.request_id(self, self.request)
         fields.durations(self, "eval_s")
 
 
@@ -255,6 +254,8 @@ class Settings(Message):
 @dataclass(frozen=True, slots=True)
 class Pull(Message):
     KIND = Kind.PULL
+    evaluate: bool = False
+    """The snapshot of the request in `Ack.evaluate`: no read for the staleness bound."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,11 +265,15 @@ class Params(Message):
     KIND = Kind.PARAMS
     PAYLOAD = True
     version: int
+    """The updates applied to these parameters."""
     progress: int
     dtype: str
     numel: int
+    evaluate: int | None = None
+    """The evaluation request these parameters are the snapshot of; None: the current ones."""
 
     def check(self) -> None:
+        fields.request_id(self, self.evaluate)
         fields.payload_description(self)
 
 
@@ -294,17 +299,52 @@ class Update(Message):
 
 @dataclass(frozen=True, slots=True)
 class Ack(Message):
+    """The server's answer to an UPDATE, an EVAL or a FINISHED."""
+
     KIND = Kind.ACK
     applied: int
+    """The updates the server has applied."""
     staleness: int = 0
+    """Of the acknowledged update: updates applied since the worker last pulled."""
+    evaluate: int | None = None
+    """An evaluation request the worker has yet to answer (`Pull(evaluate=True)`, EVAL)."""
+    done: bool = False
+    """To a FINISHED: the worker has answered the final evaluation (or none will come)."""
+
+    def check(self) -> None:
+        fields.request_id(self, self.evaluate)
 
 
 @dataclass(frozen=True, slots=True)
 class Stats(Message):
-    """Asked for with no report; answered with the server's counters."""
+    """Asked for with no report; answered with the server's counters (also to EVALUATE)."""
 
     KIND = Kind.STATS
     report: dict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluate(Message):
+    """The driver asks the workers to evaluate the server's current parameters: the server
+    keeps a copy under a new request id, which its STATS answer (taken at the same moment)
+    names under evaluations.pending."""
+
+    KIND = Kind.EVALUATE
+
+
+@dataclass(frozen=True, slots=True)
+class Finished(Message):
+    """A worker has pushed its last update and waits for evaluation requests, up to the
+    final one (made once every worker is finished). The server holds the answer (an ACK)
+    for up to `wait_s` seconds until there is a request for it or it may end."""
+
+    KIND = Kind.FINISHED
+    wait_s: float
+
+    def check(self) -> None:
+        fields.durations(self, "wait_s")
+        if self.wait_s > MAX_FINISHED_WAIT_S:
+            raise self.invalid(f"wait_s={self.wait_s} exceeds {MAX_FINISHED_WAIT_S:g}")
 
 
 MESSAGES: dict[Kind, type[Message]] = {
@@ -323,7 +363,7 @@ def receive(conn: Connection, into=None) -> tuple[Message, memoryview | None]:
     The message is validated before a byte of its payload is read."""
     decoded: list[Message] = []
 
-    def target(kind: Kind, meta: dict) -> np.ndarray | None:
+    def target(kind: Kind, meta: dict) -> Any:  # an array for the payload, or None
         decoded.append(decode(kind, meta))
         return into(decoded[0]) if callable(into) else into
 
@@ -357,26 +397,3 @@ def decode(kind: Kind, meta: dict) -> Message:
     if cls is None:
         raise ProtocolError(f"no message of kind {kind.name}", "kind")
     return cls.from_meta(meta)
-
-
-def tensor(array: np.ndarray) -> dict[str, Any]:
-    """The `dtype` and `numel` fields describing `array` as a payload."""
-    return {"dtype": str(array.dtype), "numel": int(array.size)}
-
-
-def check_tensor(message: Message, expected: np.ndarray, who: object) -> None:
-    """Refuse (reason "shape") a payload that is not what `expected` holds, before reading
-    it: the same byte count in another dtype must not pass as parameters."""
-    if (message.dtype, message.numel) != (str(expected.dtype), expected.size):
-        raise ProtocolError(f"{who} sent {message.numel} {message.dtype} values where "
-                            f"{expected.size} {expected.dtype} were expected (a different "
-                            "model or dtype on the other side?)", "shape")
-
-
-def into_checked(array: np.ndarray, who: object):
-    """A payload target for `receive`: `array`, once the message says it holds exactly
-    that (`check_tensor`)."""
-    def into(message: Message) -> np.ndarray:
-        check_tensor(message, array, who)
-        return array
-    return into

@@ -1,5 +1,5 @@
-"""A connection to the parameter server: pull parameters, push updates; the driver also
-INITs the server and reads its counters."""
+"""A connection to the parameter server: pull parameters, push updates, answer evaluation
+requests; the driver also INITs the server, asks for evaluations and reads its counters."""
 
 from __future__ import annotations
 
@@ -45,6 +45,28 @@ class PSClient:
         self.progress = params.progress
         return params.version
 
+    def pull_snapshot(self) -> int | None:
+        """Fetch the parameters of the evaluation request this worker has yet to answer into
+        `self.params`; returns its id (None: no request is pending any more, and `params`
+        holds the current parameters)."""
+        msg.send(self._conn, msg.Pull(evaluate=True))
+        params, _ = msg.expect(self._conn, msg.Params,
+                               into=msg.into_checked(self.params, "the parameter server"))
+        return params.evaluate
+
+    def answer(self, request: int, result: dict, eval_s: float) -> msg.Ack:
+        """Send this worker's evaluation {loss_sum, correct, count} of `request`."""
+        msg.send(self._conn, msg.Eval(
+            loss_sum=msg.finite_or_none(result["loss_sum"]), correct=result["correct"],
+            count=result["count"], eval_s=eval_s, request=request))
+        return msg.expect(self._conn, msg.Ack)[0]
+
+    def finished(self, wait_s: float) -> msg.Ack:
+        """This worker has pushed its last update: wait (up to `wait_s`) for an evaluation
+        request for it, or for leave to end (`Ack.done`)."""
+        msg.send(self._conn, msg.Finished(wait_s=wait_s))
+        return msg.expect(self._conn, msg.Ack)[0]
+
     def push(self, update: np.ndarray, *, samples: int = 0, loss_sum: float = 0.0,
              steps: int | None = None) -> msg.Ack:
         """Send an update (the server applies w <- w - update by its rule). `steps`: the
@@ -64,4 +86,11 @@ class PSClient:
 
     def stats(self) -> dict:
         msg.send(self._conn, msg.Stats())
+        return msg.expect(self._conn, msg.Stats)[0].report or {}
+
+    def evaluate(self) -> dict:
+        """Driver only: ask the workers to evaluate the current parameters. Returns the
+        server's stats at that moment; evaluations.pending names the request (none once the
+        final request is made)."""
+        msg.send(self._conn, msg.Evaluate())
         return msg.expect(self._conn, msg.Stats)[0].report or {}

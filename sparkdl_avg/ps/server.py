@@ -7,6 +7,10 @@ or with NaN/Inf is refused with an ERROR reply and counted by its reason code, a
 stays up. `staleness_bound` holds a worker's pulls until it is at most that many pushes ahead
 of the slowest connected worker, and holds a push until every other worker has read the
 parameters of that many clocks back; with a bound of 0 the rounds are exactly synchronous.
+A worker that has pushed its last update (FINISHED) holds no one back any more.
+
+Evaluation (`evaluations`): the driver's EVALUATE keeps a copy of the parameters; the workers
+evaluate it on their own rows and send their sums (EVAL), which the server adds up.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from sparkdl_avg._errors import PeerClosed, ProtocolError, Unacceptable
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
 from sparkdl_avg.net.server import MAX_PENDING, Server
+from sparkdl_avg.ps.evaluations import Evaluations
 from sparkdl_avg.ps.rules import UpdateRule, make_rule
 from sparkdl_avg.ps.settings import ServerSettings
 from sparkdl_avg.ps.staleness import may_apply, may_read
@@ -34,7 +39,8 @@ log = logging.getLogger("sparkdl_avg")
 SECRET_ENV = "SPARKDL_AVG_PS_SECRET"
 """How a started server gets its secret (not the command line, which others can read)."""
 DRIVER = -1
-"""The worker id the driver uses: it sends INIT, pulls for evaluation, and is no SSP member."""
+"""The worker id the driver uses: it sends INIT and EVALUATE, pulls the final parameters,
+and is no SSP member."""
 
 
 class ParameterServer(Server):
@@ -67,6 +73,7 @@ class ParameterServer(Server):
         self.progress: dict[int, int] = {}
         """Per worker: the local steps its applied pushes cover (where a restarted one
         resumes)."""
+        self.evaluations = Evaluations()
         self._checkpoint = BackgroundWriter(functools.partial(_save_npz, checkpoint_path),
                                             f"the server checkpoint {checkpoint_path}") \
             if checkpoint_path else None
@@ -93,6 +100,7 @@ class ParameterServer(Server):
         self.progress = {int(w): int(s) for w, s in meta["progress"].items()}
         self.refused.update(meta["refused"])
         self._announce(int(meta.get("workers", 0)))
+        self.evaluations.reset(self._announced, results=meta.get("evaluations", []))
         log.info("resumed from %s: %d updates applied, progress %s", path, self.applied,
                  self.progress)
 
@@ -103,7 +111,8 @@ class ParameterServer(Server):
         arrays = {"params": self.rule.params.copy(), **self.rule.state()}
         meta = {"applied": self.applied, "samples": self.samples, "loss_sum": self.loss_sum,
                 "progress": {str(w): s for w, s in self.progress.items()},
-                "refused": dict(self.refused), "workers": self._announced}
+                "refused": dict(self.refused), "workers": self._announced,
+                "evaluations": list(self.evaluations.results)}
         self._checkpoint.submit((arrays, meta))
 
     def stats(self) -> dict:
@@ -117,7 +126,7 @@ class ParameterServer(Server):
                     "clocks": {str(w): c for w, c in self._clocks.items()},
                     "progress": {str(w): s for w, s in self.progress.items()},
                     "samples": self.samples, "loss_sum": self.loss_sum,
-                    "staleness": staleness}
+                    "staleness": staleness, "evaluations": self.evaluations.report()}
 
     def serve(self, conn: Connection, hello: dict) -> bool:
         try:
@@ -188,11 +197,17 @@ class ParameterServer(Server):
                             worker, conn)
                 return
             if isinstance(message, msg.Pull):
-                if not self._pull(conn, worker):
+                if not self._pull(conn, worker, message.evaluate):
                     return
             elif isinstance(message, msg.Update):
                 if not self._apply(conn, worker, update, message):
                     return
+            elif isinstance(message, msg.Eval) and worker != DRIVER:
+                self._answer(conn, worker, message)
+            elif isinstance(message, msg.Finished) and worker != DRIVER:
+                self._finished(conn, worker, message)
+            elif isinstance(message, msg.Evaluate) and worker == DRIVER:
+                self._evaluate(conn)
             elif isinstance(message, msg.Init) and worker == DRIVER:
                 self._init(conn, message, payload)
             elif isinstance(message, msg.Stats) and message.report is None:
@@ -200,11 +215,13 @@ class ParameterServer(Server):
             else:
                 self.refuse("unexpected", f"unexpected {message.KIND.name}", worker, conn)
 
-    def _pull(self, conn: Connection, worker: int) -> bool:
+    def _pull(self, conn: Connection, worker: int, evaluate: bool = False) -> bool:
         if self.rule is None:
             self.refuse("unexpected", "the server has no parameters yet (no INIT)", worker,
                         conn)
             return True
+        if evaluate:
+            return self._pull_snapshot(conn, worker)
         with self._lock:
             if worker != DRIVER and not self._wait_for(
                     lambda: may_read(self._clocks, worker, self.settings.staleness_bound)):
@@ -250,8 +267,75 @@ class ParameterServer(Server):
             every = self.settings.checkpoint_every
             if every and applied % every == 0:
                 self._save_checkpoint()
-        msg.send(conn, msg.Ack(applied=applied, staleness=staleness))
+            offer = self.evaluations.offer(worker)
+        msg.send(conn, msg.Ack(applied=applied, staleness=staleness, evaluate=offer))
         return True
+
+    def _pull_snapshot(self, conn: Connection, worker: int) -> bool:
+        """The parameters of the request `worker` has yet to answer; if none is pending any
+        more (replaced), the current ones, marked as no request's. No read for the SSP
+        gates, no DC-ASGD backup, no change to the worker's staleness."""
+        with self._lock:
+            request = self.evaluations.snapshot(worker)
+            if request is None:
+                params, version, number = self.rule.params.copy(), self.applied, None
+            else:  # never written after it is taken: sent as it is
+                params, version, number = request.params, request.applied, request.request
+            progress = self.progress.get(worker, 0)
+        msg.send(conn, msg.Params(version=version, progress=progress, evaluate=number,
+                                  **msg.tensor(params)), params)
+        return True
+
+    def _answer(self, conn: Connection, worker: int, message: msg.Eval) -> None:
+        if message.request is None:
+            self.refuse("malformed", "an EVAL to the parameter server must name its request",
+                        worker, conn)
+            return
+        with self._lock:
+            done = self.evaluations.answer(worker, message.request, {
+                "loss_sum": message.loss_sum, "correct": message.correct,
+                "count": message.count, "eval_s": message.eval_s})
+            if done is not None and done["final"]:  # the workers end: keep it for the driver
+                self._save_checkpoint()
+            self._lock.notify_all()  # a finished worker may wait for the final one
+            ack = msg.Ack(applied=self.applied, evaluate=self.evaluations.offer(worker))
+        msg.send(conn, ack)
+
+    def _finished(self, conn: Connection, worker: int, message: msg.Finished) -> None:
+        """Hold the answer (up to `wait_s`) until there is a request for `worker` or it may
+        end. Its clocks go: it will not push again, so it holds no one back."""
+        if self.rule is None:
+            self.refuse("unexpected", "the server has no parameters yet (no INIT)", worker,
+                        conn)
+            return
+        evaluations = self.evaluations
+        with self._lock:
+            evaluations.finish(worker, self.rule.params, self.applied)
+            self._clocks.pop(worker, None)
+            self._read_clocks.pop(worker, None)
+            self._lock.notify_all()
+            deadline = time.monotonic() + min(message.wait_s, self.settings.timeout)
+            while evaluations.offer(worker) is None and not evaluations.done(worker):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed.is_set():
+                    break
+                self._lock.wait(timeout=min(left, 0.5))
+            ack = msg.Ack(applied=self.applied, evaluate=evaluations.offer(worker),
+                          done=evaluations.done(worker))
+        msg.send(conn, ack)
+
+    def _evaluate(self, conn: Connection) -> None:
+        """The driver's EVALUATE: a request of the current parameters (none once the final
+        one is made), answered with the stats of that same moment."""
+        if self.rule is None:
+            self.refuse("unexpected", "the server has no parameters yet (no INIT)", DRIVER,
+                        conn)
+            return
+        with self._lock:
+            self.evaluations.ask(self.rule.params, self.applied)
+            self._lock.notify_all()  # finished workers wait for requests
+            report = self.stats()
+        msg.send(conn, msg.Stats(report=report))
 
     def _wait_for(self, condition) -> bool:
         """With the lock held: wait (bounded) until `condition()` or no bound is set."""
@@ -282,6 +366,7 @@ class ParameterServer(Server):
             self.progress.clear()
             self._pulled_version.clear()
             self.staleness.clear()
+            self.evaluations.reset(init.workers)
             self._save_checkpoint()
         msg.send(conn, msg.Settings(settings={**self.settings.to_dict(),
                                               **self.rule.settings()}))

@@ -3,7 +3,13 @@ fetch the server's parameters every `fetch_every` steps (a multiple of push_ever
 
 The server records how many of this worker's steps it has applied; a worker (re)starting or
 reconnecting after the server restarted takes up the data from there, so no step is lost or
-counted twice."""
+counted twice.
+
+With evaluation rows (eval_df), the worker also evaluates the server's parameters when the
+driver asks: a request is announced in the answer to a push, and the worker evaluates the
+copy of the parameters the server kept for it on its own evaluation rows, then goes on from
+its own parameters. After its last push it stays, answering requests, until it has answered
+the final one (the final parameters, once every worker has finished)."""
 
 from __future__ import annotations
 
@@ -17,6 +23,15 @@ from sparkdl_avg.data.partition import Partition
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.task.spec import WorkerSpec
 
+FINISHED_WAIT_S = 2.0
+"""How long the server may hold a finished worker's wait before it asks again."""
+
+
+class ServerLost(ConnectionError):
+    """The connection to the server broke (not a refusal): reconnect and take up the data
+    where the server says. Raised only around the link's own calls to the server, so that an
+    OSError of the worker's own (reading its data) is not mistaken for one."""
+
 
 def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition,
                 device) -> None:
@@ -27,24 +42,27 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
     replica = Replica(spec, config, rank, data, device)
     flat = FlatBuffer(averaged_tensors(replica.model), replica.wire_dtype)
     link = ServerLink(spec, config, rank, flat)
+    evaluates = sum(spec.eval_rows) > 0  # every worker answers, with rows or without
     try:
         link.pull()
         replica.start(step=link.ps.progress)
         fetch_every = (config.fetch_every or config.push_every) // config.push_every
         pushes = 0
-        while replica.step < total:
-            loss_sum, samples = replica.run_steps(min(config.push_every, total - replica.step))
+        while True:
             try:
-                current = flat.gather()
-                link.ps.push(link.anchor - current, samples=samples, loss_sum=loss_sum,
-                             steps=replica.step)
-                np.copyto(link.anchor, current)
-                pushes += 1
-                if pushes % fetch_every == 0 or replica.step >= total:
-                    link.pull()
-            except OSError as exc:  # ProtocolError is one too: only a lost server may retry
-                if not peer_gone(exc):
-                    raise
+                while replica.step < total:
+                    loss_sum, samples = replica.run_steps(
+                        min(config.push_every, total - replica.step))
+                    request = link.push(loss_sum, samples, replica.step)
+                    pushes += 1
+                    if pushes % fetch_every == 0 or replica.step >= total:
+                        link.pull()
+                    if request is not None:
+                        link.answer(replica)
+                if evaluates:
+                    link.finish(replica)
+                return
+            except ServerLost as exc:
                 link.reconnect(exc)
                 link.pull()
                 replica.rewind(link.ps.progress)  # redo the steps the server lost
@@ -54,13 +72,14 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
 
 class ServerLink:
     """A worker's connection to the parameter server that outlives the server: when the
-    connection breaks it reconnects (for up to `reconnect_timeout`) to the same address,
-    where a restarted server takes up its checkpoint."""
+    connection breaks (`ServerLost`) it reconnects (for up to `reconnect_timeout`) to the
+    same address, where a restarted server takes up its checkpoint."""
 
     def __init__(self, spec: WorkerSpec, config: TrainConfig, rank: int, flat) -> None:
         self.spec, self.rank, self.flat = spec, rank, flat
         self.waits = config.waits()
         self.anchor = flat.array.copy()  # the parameters the next update is measured from
+        self._own: np.ndarray | None = None  # the model's parameters while it evaluates others
         self.ps = None
         self.reconnect(None, self.waits.connect)  # a server being restarted may not be back
 
@@ -69,12 +88,73 @@ class ServerLink:
                         numel=self.flat.array.size, dtype=self.flat.array.dtype,
                         timeout=self.waits.reply, tls_ca_pem=self.spec.tls_ca_pem)
 
+    def _call(self, fn, *args, **kwargs):
+        """A call to the server; a lost connection raises `ServerLost`, a refusal or a
+        protocol violation stays what it is (a restart would only repeat it)."""
+        try:
+            return fn(*args, **kwargs)
+        except OSError as exc:
+            if peer_gone(exc):
+                raise ServerLost(str(exc)) from exc
+            raise
+
     def pull(self) -> None:
         """The server's parameters into the model (and `ps.progress`)."""
-        self.ps.pull()
+        self._call(self.ps.pull)
         np.copyto(self.flat.array, self.ps.params)
         self.flat.scatter()
         np.copyto(self.anchor, self.flat.array)
+
+    def push(self, loss_sum: float, samples: int, steps: int) -> int | None:
+        """The update since the anchor, which moves to the current parameters. Returns an
+        evaluation request the server has for this worker, if any."""
+        current = self.flat.gather()
+        ack = self._call(self.ps.push, self.anchor - current, samples=samples,
+                         loss_sum=loss_sum, steps=steps)
+        np.copyto(self.anchor, current)
+        return ack.evaluate
+
+    def answer(self, replica) -> None:
+        """Answer the evaluation requests the server has for this worker: each one's
+        parameters into the model, evaluated on this worker's evaluation rows, and the
+        model's own parameters put back, so the anchor and the next update are untouched."""
+        while True:
+            request = self._call(self.ps.pull_snapshot)
+            if request is None:  # replaced meanwhile by none: nothing to answer
+                return
+            own = self.flat.gather()
+            if self._own is None:
+                self._own = np.empty_like(own)
+            np.copyto(self._own, own)
+            np.copyto(self.flat.array, self.ps.params)
+            self.flat.scatter()
+            started = time.perf_counter()
+            try:
+                result = replica.evaluate()
+            finally:
+                np.copyto(self.flat.array, self._own)
+                self.flat.scatter()
+            ack = self._call(self.ps.answer, request, result, time.perf_counter() - started)
+            if ack.evaluate is None:
+                return
+
+    def finish(self, replica) -> None:
+        """After the last push: answer requests until the final one is answered. Ends
+        without it after `reply_timeout` seconds in which the server applied no update and
+        asked nothing (a peer gone for good); the driver then reports it missing."""
+        wait_s = min(FINISHED_WAIT_S, self.waits.reply / 2)
+        applied, quiet_since = None, time.monotonic()
+        while True:
+            ack = self._call(self.ps.finished, wait_s)
+            if ack.done:
+                return
+            if ack.evaluate is not None:
+                self.answer(replica)
+            elif ack.applied == applied:
+                if time.monotonic() - quiet_since > self.waits.reply:
+                    return
+                continue
+            applied, quiet_since = ack.applied, time.monotonic()
 
     def reconnect(self, cause: BaseException | None, limit: float | None = None) -> None:
         """Connect, retrying while the server is away (for `limit`: reconnect_timeout)."""
