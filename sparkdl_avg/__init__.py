@@ -12,6 +12,7 @@ from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import (
     ClusterError,
     ConfigError,
+    DataCacheError,
     DataError,
     ModelError,
     ProtocolError,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ClusterError",
     "ConfigError",
+    "DataCacheError",
     "DataError",
     "FitResult",
     "ModelError",

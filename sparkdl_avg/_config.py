@@ -16,10 +16,12 @@ from sparkdl_avg.ps.settings import check_rule
 OptimizerName = Literal["sgd", "adam"]
 Mode = Literal["sync", "async"]
 Device = Literal["auto", "cpu", "cuda"]
+DataCache = Literal["auto", "memory", "disk"]
 
 _OPTIMIZERS = typing.get_args(OptimizerName)
 _DEVICES = typing.get_args(Device)
 _MODES = typing.get_args(Mode)
+_CACHES = typing.get_args(DataCache)
 
 SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
              "tls_cert", "tls_key", "tls_ca")
@@ -83,6 +85,23 @@ class TrainConfig:
 
     shuffle: bool = True
     """Reshuffle each worker's partition every epoch (seeded); False keeps the DataFrame's order."""
+
+    shuffle_buffer_mb: int = 64
+    """The shuffle window: a shuffled epoch visits its partition's chunks (about 256 KiB of
+    contiguous rows each) in a seeded random order and permutes each window of about this
+    many MiB as a whole; a partition that fits in one window is fully permuted. Part of the
+    trajectory (the cache is not); held in memory when reading from disk, so it must fit
+    cache_budget_mb."""
+
+    data_cache: DataCache = "auto"
+    """Where each task keeps its partition: "memory" (tensors on its device), "disk" (spilled
+    to Spark's local directories as it arrives and read back a window at a time), or "auto":
+    memory when the partition's tensors fit cache_budget_mb, else disk. The choice never
+    changes the trained parameters."""
+
+    cache_budget_mb: int = 512
+    """Under data_cache="auto": the largest partition (training plus evaluation rows, as
+    tensors) a task keeps in memory."""
 
     seed: int = 0
     """Seeds model initialisation, shuffling and dropout: same seed and data, same parameters."""
@@ -178,7 +197,8 @@ class TrainConfig:
     speak TLS to a server started with --tls-cert/--tls-key and verify it."""
 
     eval_interval_s: float = 5.0
-    """Async: evaluate the server's parameters on `eval_df` every this many seconds."""
+    """Async: every this many seconds the driver asks the workers to evaluate the server's
+    parameters on their own `eval_df` partitions (and once more on the final ones)."""
 
     ps_checkpoint_every: int = 10
     """Async: the parameter server saves its state (to `checkpoint_dir`, else a temporary
@@ -206,6 +226,7 @@ class TrainConfig:
             raise ConfigError(f"num_workers={self.num_workers}: at most {MAX_WORKERS}")
         for name in ("max_failures", "checkpoint_every", "ps_checkpoint_every", "seed"):
             _require_int(name, getattr(self, name), minimum=0)
+        self._check_cache()
         if self.checkpoint_dir is not None and (
                 not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise ConfigError(f"checkpoint_dir must be a directory path, got "
@@ -241,6 +262,18 @@ class TrainConfig:
         for name in ("average_optimizer_state", "shuffle", "log_model"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_cache(self) -> None:
+        if self.data_cache not in _CACHES:
+            raise ConfigError(f"data_cache={self.data_cache!r} is not supported; use one of "
+                              f"{_CACHES}")
+        _require_int("cache_budget_mb", self.cache_budget_mb, minimum=1)
+        _require_int("shuffle_buffer_mb", self.shuffle_buffer_mb, minimum=1)
+        if self.data_cache != "memory" and self.shuffle_buffer_mb > self.cache_budget_mb:
+            raise ConfigError(
+                f"shuffle_buffer_mb={self.shuffle_buffer_mb} is more than cache_budget_mb="
+                f"{self.cache_budget_mb}: a task reading its partition from disk holds one "
+                "shuffle window in memory; lower shuffle_buffer_mb or raise cache_budget_mb")
 
     def _check_async(self) -> None:
         check_rule(self.algorithm, self.dc_lambda)

@@ -24,6 +24,11 @@ class ClusterError(SparkdlAvgError, RuntimeError):
     """The Spark cluster cannot run the fit as configured (too few slots, GPU settings)."""
 
 
+class DataCacheError(ClusterError):
+    """An executor cannot hold a task's data cache: no local directory that exists, is
+    writable and has room, or a spill write failed (a full disk)."""
+
+
 class TrainingError(SparkdlAvgError, RuntimeError):
     """Training failed on an executor, or a worker stopped answering."""
 

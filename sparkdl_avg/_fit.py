@@ -158,6 +158,16 @@ def _report_workers(outcome: TrainOutcome, run: RunLogger) -> None:
                         w["partition"], w["version"], w["library"], __version__)
     run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
                   for w in outcome.workers})
+    run.set_tags({f"worker.{w['partition']}.data_cache": w["cache"] for w in outcome.workers})
+    # what each task's data cost: memory, spill and throughput (MLflow compares runs by these)
+    run.log_metrics({f"worker_{w['partition']}_{key}": w[key] for w in outcome.workers
+                     for key in _WORKER_METRICS if w[key] is not None}, step=0)
+    peaks = [w["peak_rss_mb"] for w in outcome.workers if w["peak_rss_mb"] is not None]
+    if peaks:
+        run.log_metrics({"peak_rss_mb_max": max(peaks)}, step=0)
+
+
+_WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_s")
 
 
 def _log_model(run: RunLogger, plan: FitPlan) -> None:

@@ -22,11 +22,11 @@ class FaultyMLP(torch.nn.Module):
     one. `delay_s` slows every step down."""
 
     def __init__(self, fault: str | None = None, marker: str = "", partition: int = 1,
-                 at_call: int = 9, delay_s: float = 0.0) -> None:
+                 at_call: int = 9, delay_s: float = 0.0, n_features: int = N_FEATURES) -> None:
         super().__init__()
         torch.manual_seed(7)
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(N_FEATURES, 24), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+            torch.nn.Linear(n_features, 24), torch.nn.ReLU(), torch.nn.Dropout(0.2),
             torch.nn.Linear(24, N_CLASSES))
         self.fault, self.marker, self.partition = fault, marker, partition
         self.at_call, self.delay_s, self.calls = at_call, delay_s, 0

@@ -24,11 +24,21 @@ from sparkdl_avg._config import ASYNC_ONLY, SYNC_ONLY, Waits
         ("device", "tpu", "device='tpu' is not supported"),
         ("round_timeout", 0, "round_timeout must be positive"),
         ("shuffle", "yes", "shuffle must be True or False"),
+        ("data_cache", "ssd", "data_cache='ssd' is not supported"),
+        ("cache_budget_mb", 0, "cache_budget_mb must be at least 1"),
+        ("shuffle_buffer_mb", 2.5, "shuffle_buffer_mb must be an integer"),
+        ("shuffle_buffer_mb", 600, "shuffle_buffer_mb=600 is more than cache_budget_mb=512"),
     ],
 )
 def test_invalid_fields_name_themselves(field, value, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**{field: value})
+
+
+def test_a_memory_cache_ignores_the_budget_so_its_shuffle_window_may_exceed_it():
+    TrainConfig(data_cache="memory", shuffle_buffer_mb=600)
+    with pytest.raises(ConfigError, match="holds one shuffle window in memory"):
+        TrainConfig(data_cache="disk", shuffle_buffer_mb=4, cache_budget_mb=2)
 
 
 def test_config_error_is_a_value_error():

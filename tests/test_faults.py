@@ -153,8 +153,8 @@ def test_a_dataframe_that_changes_under_the_fit_fails_at_once_not_retried(spark,
 
     keep = F.udf(lambda _: random.random() < 0.7, "boolean").asNondeterministic()
     changing = dataset(spark).filter(keep(F.col("label")))
-    with pytest.raises(TrainingError, match=r"partition \d failed: DataError: partition \d "
-                                            r"received .* the DataFrame changed"):
+    with pytest.raises(TrainingError, match=r"partition \d failed: DataError: partition \d: "
+                                            r".* the DataFrame changed"):
         fit(changing, FaultyMLP, TrainConfig(**{**BASE, "experiment_name": "final-sync"}))
     run = latest_run(mlflow_client, "final-sync")
     assert run.info.status == "FAILED" and "restarts" not in run.data.metrics

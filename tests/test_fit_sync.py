@@ -139,6 +139,14 @@ def test_fit_learns_and_logs_everything_to_mlflow(spark, mlflow_client):
             range(len(result.history))), key
     divergence = [h["replica_divergence"] for h in result.history]
     assert all(d > 0 for d in divergence)  # replicas do drift apart within a round
+    # what each task's data cost (a small partition: kept in memory under "auto")
+    for w in result.workers:
+        p = w["partition"]
+        assert w["cache"] == "memory" and w["spilled_mb"] == 0
+        assert run.data.tags[f"worker.{p}.data_cache"] == "memory"
+        assert run.data.metrics[f"worker_{p}_peak_rss_mb"] == w["peak_rss_mb"] > 100
+        assert run.data.metrics[f"worker_{p}_load_mb_s"] == w["load_mb_s"] > 0
+    assert run.data.metrics["peak_rss_mb_max"] == max(w["peak_rss_mb"] for w in result.workers)
 
     # The logged model predicts like the returned one.
     loaded = mlflow.pyfunc.load_model(f"runs:/{result.run_id}/model")

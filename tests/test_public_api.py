@@ -3,7 +3,8 @@ import sparkdl_avg
 
 def test_public_names_are_exactly_the_documented_surface():
     assert sorted(sparkdl_avg.__all__) == sorted([
-        "ClusterError", "ConfigError", "DataError", "FitResult", "ModelError", "ProtocolError",
+        "ClusterError", "ConfigError", "DataCacheError", "DataError", "FitResult", "ModelError",
+        "ProtocolError",
         "SparkdlAvgError", "TrainConfig", "TrainingError", "__version__", "fit",
     ])
     for name in sparkdl_avg.__all__:
@@ -11,6 +12,7 @@ def test_public_names_are_exactly_the_documented_surface():
 
 
 def test_every_error_derives_from_the_base():
-    for name in ("ClusterError", "ConfigError", "DataError", "ModelError", "ProtocolError",
+    for name in ("ClusterError", "ConfigError", "DataCacheError", "DataError", "ModelError",
+                 "ProtocolError",
                  "TrainingError"):
         assert issubclass(getattr(sparkdl_avg, name), sparkdl_avg.SparkdlAvgError)

@@ -5,11 +5,23 @@ partitions differ in size by at most one row, and worker w's j-th row is global 
 `j * num_workers + w`. With `shuffle=False` and averaging after every step, the workers' batches
 at step t together are exactly rows [t*B*n, (t+1)*B*n): large-batch SGD over the DataFrame in
 order, which is what the correctness tests compare against.
+
+A shuffled epoch is cut so that it can be read from disk without holding the partition: the
+partition's rows are cut into chunks of contiguous rows (about `CHUNK_BYTES` each), the chunks
+are visited in a seeded random order, and each window of consecutive chunks in that order
+(about `shuffle_buffer_mb`) is permuted as a whole. A partition that fits in one window is
+simply permuted. Both data caches follow this one order, so the cache never changes the
+trajectory.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+CHUNK_BYTES = 1 << 18
+"""Rows read from a disk cache in one contiguous read (256 KiB)."""
 
 
 def partition_sizes(total_rows: int, num_workers: int) -> list[int]:
@@ -18,14 +30,82 @@ def partition_sizes(total_rows: int, num_workers: int) -> list[int]:
     return [base + (1 if w < extra else 0) for w in range(num_workers)]
 
 
-def epoch_order(num_rows: int, *, epoch: int, worker: int, seed: int, shuffle: bool) -> np.ndarray:
-    """The order in which a worker visits its local rows in one epoch (seeded, reproducible)."""
-    if not shuffle:
-        return np.arange(num_rows, dtype=np.int64)
-    return np.random.default_rng([seed, worker, epoch]).permutation(num_rows)
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """How an epoch is cut: rows per chunk, and chunks per shuffle window."""
+
+    chunk_rows: int
+    window_chunks: int
+
+    @property
+    def window_rows(self) -> int:
+        return self.chunk_rows * self.window_chunks
 
 
-def batch_slice(step_in_epoch: int, batch_size: int, num_rows: int) -> slice:
-    """Positions in the epoch order that form minibatch `step_in_epoch`."""
-    start = step_in_epoch * batch_size
-    return slice(start, min(start + batch_size, num_rows))
+def make_cut(row_bytes: int, shuffle_buffer_mb: int) -> Cut:
+    """Chunks of about CHUNK_BYTES; windows of about `shuffle_buffer_mb` (at least a chunk)."""
+    chunk_rows = max(1, CHUNK_BYTES // row_bytes)
+    return Cut(chunk_rows, max(1, (shuffle_buffer_mb << 20) // (chunk_rows * row_bytes)))
+
+
+class EpochOrder:
+    """The order in which a worker visits its `num_rows` rows in one epoch (seeded,
+    reproducible), window by window: `window(k)` says which rows window k holds, in the order a
+    reader lays them out (whole chunks, each contiguous), and in which order they are visited."""
+
+    def __init__(self, num_rows: int, *, epoch: int, worker: int, seed: int, shuffle: bool,
+                 cut: Cut) -> None:
+        self.num_rows, self.cut, self.shuffle = num_rows, cut, shuffle
+        self._key = [seed, worker, epoch]
+        num_chunks = -(-num_rows // cut.chunk_rows)
+        self.single = num_rows <= cut.window_rows
+        chunks = np.arange(num_chunks, dtype=np.int64)
+        if shuffle and not self.single:
+            chunks = np.random.default_rng(self._key).permutation(num_chunks)
+        self._chunks = chunks
+        lengths = np.minimum(cut.chunk_rows, num_rows - chunks * cut.chunk_rows)
+        ends = np.cumsum(lengths)
+        self.num_windows = -(-num_chunks // cut.window_chunks)
+        last = np.minimum(np.arange(1, self.num_windows + 1) * cut.window_chunks, num_chunks)
+        self.window_ends = ends[last - 1] if num_chunks else np.zeros(0, np.int64)
+        """Epoch position just past each window."""
+
+    def window_start(self, k: int) -> int:
+        return int(self.window_ends[k - 1]) if k else 0
+
+    def ranges(self, k: int) -> list[tuple[int, int]]:
+        """Window k's rows as contiguous (start, stop) row ranges, in layout order."""
+        size = self.cut.chunk_rows
+        chunks = self._chunks[k * self.cut.window_chunks:(k + 1) * self.cut.window_chunks]
+        return [(int(c) * size, min(int(c + 1) * size, self.num_rows)) for c in chunks]
+
+    def visit(self, k: int) -> np.ndarray:
+        """Window k's visiting order, as positions in its layout."""
+        length = int(self.window_ends[k]) - self.window_start(k)
+        if not self.shuffle:
+            return np.arange(length, dtype=np.int64)
+        key = self._key if self.single else self._key + [k + 1]
+        return np.random.default_rng(key).permutation(length)
+
+    def rows(self, k: int) -> np.ndarray:
+        """Window k's rows in visiting order."""
+        layout = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.ranges(k)])
+        return layout[self.visit(k)]
+
+    def windows_of(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """The windows epoch positions [start, stop) fall in: (window, from, to) with from/to
+        positions inside the window."""
+        out = []
+        k = int(np.searchsorted(self.window_ends, start, side="right"))
+        while start < stop and k < self.num_windows:
+            base, end = self.window_start(k), int(self.window_ends[k])
+            upto = min(stop, end)
+            out.append((k, start - base, upto - base))
+            start, k = upto, k + 1
+        return out
+
+
+def batch_positions(step_in_epoch: int, batch_size: int, num_rows: int) -> tuple[int, int]:
+    """Epoch positions [start, stop) that form minibatch `step_in_epoch`."""
+    start = min(step_in_epoch * batch_size, num_rows)
+    return start, min(start + batch_size, num_rows)

@@ -1,61 +1,170 @@
-"""A training task's partition: Arrow batches (as `prepare` laid them out) to tensors on the
-task's device, once per task."""
+"""A training task's partition: Arrow batches (as `prepare` laid them out) into the data cache,
+once per task, each row straight to its place in the worker's local order.
+
+The cache is chosen before the first batch arrives (`cache_kind`): in memory when the
+partition's tensors fit `cache_budget_mb`, else spilled to local disk as it arrives, so the
+task never holds more than one Arrow batch beyond the cache itself.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from sparkdl_avg.data.columns import TRAIN
+from sparkdl_avg._errors import DataError
+from sparkdl_avg.data.cache import DiskWriter, MemoryWriter
+from sparkdl_avg.data.columns import EVAL, TRAIN
+
+_MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
+class Shape:
+    """What a task knows of its partition before reading it."""
+
+    rank: int
+    num_workers: int
+    train_rows: int
+    eval_rows: int
+    num_features: int
+    double_precision: bool
+    long_labels: bool
+
+    @property
+    def dtypes(self) -> tuple[np.dtype, np.dtype]:
+        x = np.dtype(np.float64 if self.double_precision else np.float32)
+        return x, (np.dtype(np.int64) if self.long_labels else x)
+
+    @property
+    def row_bytes(self) -> int:
+        x, y = self.dtypes
+        return self.num_features * x.itemsize + y.itemsize
+
+    @property
+    def bytes(self) -> int:
+        return (self.train_rows + self.eval_rows) * self.row_bytes
+
+
+def cache_kind(data_cache: str, shape: Shape, budget_mb: int) -> str:
+    """"memory" or "disk": "auto" keeps the partition in memory when it fits the budget."""
+    if data_cache != "auto":
+        return data_cache
+    return "memory" if shape.bytes <= budget_mb * _MIB else "disk"
+
+
+@dataclass(slots=True)
 class Partition:
-    x_train: object
-    y_train: object
-    x_eval: object
-    y_eval: object
+    train: object
+    """MemoryColumns or DiskColumns (`cache`)."""
+    eval: object
+    cache: str
+    load_s: float
+    spilled_bytes: int
 
     @property
     def rows(self) -> tuple[int, int]:
         """(training rows, evaluation rows)."""
-        return int(self.x_train.shape[0]), int(self.x_eval.shape[0])
+        return self.train.rows, self.eval.rows
+
+    def close(self) -> None:
+        self.train.close()
+        self.eval.close()
 
 
-def load_partition(batches: Iterator, *, num_features: int, double_precision: bool,
-                   long_labels: bool, device) -> Partition:
-    """Rows sorted by their global number (Spark's shuffle delivers them in no fixed order),
-    so the data order is deterministic; features in the model's precision class."""
-    import torch
-
-    feats, labels, rows, splits = [], [], [], []
-    for batch in batches:
-        values = batch.column(0).flatten().to_numpy(zero_copy_only=False)
-        feats.append(values.reshape(-1, num_features))
-        labels.append(batch.column(1).to_numpy(zero_copy_only=False))
-        rows.append(batch.column(2).to_numpy(zero_copy_only=False))
-        splits.append(batch.column(3).to_numpy(zero_copy_only=False))
-    float_dtype = np.float64 if double_precision else np.float32
-    if not feats:
-        empty = torch.empty(0, num_features)
-        return Partition(empty, torch.empty(0), empty, torch.empty(0))
-    x, y = np.concatenate(feats), np.concatenate(labels)
-    row, split = np.concatenate(rows), np.concatenate(splits)
-    order = np.lexsort((row, split))
-    n_train = int(np.count_nonzero(split == TRAIN))
-    x = x[order].astype(float_dtype, copy=False)
-    y = y[order].astype(np.int64 if long_labels else float_dtype, copy=False)
-
-    def to_device(a: np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if device.type == "cuda":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t
-
-    out = Partition(to_device(x[:n_train]), to_device(y[:n_train]), to_device(x[n_train:]),
-                    to_device(y[n_train:]))
+def load_partition(batches: Iterator, shape: Shape, *, cache: str, spill=None, device,
+                   progress=None) -> Partition:
+    """Read every batch into the cache ("disk" needs `spill`, a `SpillDir`), telling
+    `progress(rows, done=False)` as it goes. Raises DataError when the rows are not exactly
+    the ones validation numbered for this worker."""
+    started = time.perf_counter()
+    x_dtype, y_dtype = shape.dtypes
+    sizes = {TRAIN: shape.train_rows, EVAL: shape.eval_rows}
+    if cache == "disk":
+        writers = {split: DiskWriter(spill, name, sizes[split], shape.num_features,
+                                     x_dtype, y_dtype)
+                   for split, name in ((TRAIN, "train"), (EVAL, "eval"))}
+    else:
+        writers = {split: MemoryWriter(sizes[split], shape.num_features, x_dtype, y_dtype)
+                   for split in (TRAIN, EVAL)}
+    try:
+        seen = {split: _Seen(sizes[split]) for split in (TRAIN, EVAL)}
+        for batch in batches:
+            _place(batch, shape, writers, seen)
+            if progress is not None:
+                progress(seen[TRAIN].count + seen[EVAL].count)
+        for split in (TRAIN, EVAL):
+            seen[split].check_complete(shape, split)
+        train, evaluation = (writers[s].finish(device) for s in (TRAIN, EVAL))
+    except BaseException:
+        for writer in writers.values():
+            if isinstance(writer, DiskWriter):
+                writer.close()
+        raise
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
-    return out
+    if progress is not None:
+        progress(seen[TRAIN].count + seen[EVAL].count, done=True)
+    spilled = sum(w.bytes for w in writers.values()) if cache == "disk" else 0
+    return Partition(train, evaluation, cache, time.perf_counter() - started, spilled)
+
+
+def _place(batch, shape: Shape, writers: dict, seen: dict) -> None:
+    x_dtype, y_dtype = shape.dtypes
+    x = batch.column(0).flatten().to_numpy(zero_copy_only=False)
+    x = x.reshape(-1, shape.num_features).astype(x_dtype, copy=False)
+    y = batch.column(1).to_numpy(zero_copy_only=False).astype(y_dtype, copy=False)
+    row = batch.column(2).to_numpy(zero_copy_only=False)
+    split = batch.column(3).to_numpy(zero_copy_only=False)
+    for part in (TRAIN, EVAL):
+        mine = split == part
+        if mine.all():  # the common case: no copies of the batch's rows
+            xs, ys, offset = x, y, row - shape.rank
+        elif mine.any():
+            xs, ys, offset = x[mine], y[mine], row[mine] - shape.rank
+        else:
+            continue
+        place = offset // shape.num_workers
+        if not (np.diff(place) == 1).all():  # usually rows come in order, in runs
+            order = np.argsort(place, kind="stable")
+            place, xs, ys = place[order], xs[order], ys[order]
+        if ((offset % shape.num_workers) != 0).any() or place[0] < 0 or \
+                place[-1] >= seen[part].rows:
+            raise _changed(shape, f"rows numbered for another worker or beyond "
+                                  f"{seen[part].rows} {_NAMES[part]} rows")
+        seen[part].add(place, shape)
+        writers[part].write(place, xs, ys)
+
+
+_NAMES = {TRAIN: "training", EVAL: "evaluation"}
+
+
+class _Seen:
+    """Which places have been written (one bit per row), to catch a row arriving twice."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.count = rows, 0
+        self._bits = np.zeros((rows + 7) // 8, np.uint8)
+
+    def add(self, place: np.ndarray, shape: Shape) -> None:
+        byte, bit = place >> 3, (1 << (place & 7)).astype(np.uint8)
+        if (self._bits[byte] & bit).any() or (place[1:] == place[:-1]).any():
+            raise _changed(shape, "a row arrived twice")
+        np.bitwise_or.at(self._bits, byte, bit)
+        self.count += place.size
+
+    def check_complete(self, shape: Shape, split: int) -> None:
+        if self.count != self.rows:
+            raise _changed(shape, f"received {self.count} {_NAMES[split]} rows, validation "
+                                  f"counted {self.rows}")
+
+
+def _changed(shape: Shape, what: str) -> DataError:
+    return DataError(
+        f"partition {shape.rank}: {what}: the DataFrame changed between validation and "
+        "training (a nondeterministic source or a table being written?). Cache it or write it "
+        "to storage before fit().")

@@ -3,6 +3,7 @@ Spark says about its tasks (which failed, where, why); and which failures are fi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -14,10 +15,20 @@ from functools import partial
 from pyspark.sql import DataFrame
 
 from sparkdl_avg._errors import TrainingError, WorkerLostError
+from sparkdl_avg.driver.load_monitor import LoadMonitor
 
 log = logging.getLogger("sparkdl_avg")
+LOAD_LOG_S = 5.0
+"""While the tasks load their partitions, the driver logs their progress this often."""
 _TASKS_END_S = 60.0
 """After a failure, how long the driver waits for the aborted job's tasks to leave their slots."""
+
+
+class _NoJob:
+    stageIds: tuple = ()
+
+
+_NO_JOB = _NoJob()
 
 
 class BarrierJob:
@@ -30,14 +41,26 @@ class BarrierJob:
 
     @classmethod
     def training(cls, frame: DataFrame, spec, description: str) -> BarrierJob:
-        """The job of a fit's training tasks (`task.entry.run_task` on every partition)."""
+        """The job of a fit's training tasks (`task.entry.run_task` on every partition),
+        with a `LoadMonitor` the tasks report their loading to."""
+        from sparkdl_avg.driver.cluster import driver_addresses
         from sparkdl_avg.task import report
         from sparkdl_avg.task.entry import run_task
 
-        return cls(frame, partial(run_task, spec), report.DDL, description)
+        bind, advertise = driver_addresses(frame.sparkSession)
+        monitor = LoadMonitor(host=bind, advertise=advertise, num_workers=len(spec.train_rows))
+        monitor.start()
+        spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,
+                                   load_secret=monitor.secret)
+        return cls(frame, partial(run_task, spec), report.DDL, description,
+                   rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
 
-    def __init__(self, frame: DataFrame, fn: Callable, schema: str, description: str) -> None:
-        self._frame, self._fn, self._schema = frame, fn, schema
+    def __init__(self, frame: DataFrame, fn: Callable, schema: str, description: str,
+                 rows: int = 0, monitor: LoadMonitor | None = None) -> None:
+        """`rows`: the rows the tasks load; while they load, progress (from `monitor`, which
+        the job closes) is logged every LOAD_LOG_S."""
+        self._frame, self._fn, self._schema, self._rows = frame, fn, schema, rows
+        self._monitor = monitor
         self._description = description
         self._group = f"sparkdl-avg-{uuid.uuid4().hex[:12]}"
         self._done = threading.Event()
@@ -48,6 +71,8 @@ class BarrierJob:
     def __enter__(self) -> BarrierJob:
         self._thread = threading.Thread(target=self._run, name="sparkdl-avg-job", daemon=True)
         self._thread.start()
+        if self._monitor is not None:
+            threading.Thread(target=self._log_load, name="sparkdl-avg-load", daemon=True).start()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -57,6 +82,8 @@ class BarrierJob:
             self.cancel()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if self._monitor is not None:
+            self._monitor.close()
 
     def _run(self) -> None:
         sc = self._frame.sparkSession.sparkContext
@@ -85,6 +112,36 @@ class BarrierJob:
             raise WorkerLostError(f"the training tasks failed: {_spark_reason(text)}",
                                   partition=int(match.group(1)) if match else None) \
                 from self.error
+
+    def _log_load(self) -> None:
+        """Until every task has loaded its partition: Spark preparing the data (reading it,
+        the shuffle that partitions it), then the rows the tasks report loaded."""
+        started = time.monotonic()
+        while not self._done.wait(LOAD_LOG_S):
+            elapsed = time.monotonic() - started
+            rows, heard, loaded = self._monitor.progress()
+            if loaded == self._monitor.num_workers:
+                return
+            if heard:
+                log.info("loading partitions: %s of %s rows (%.0f%%), %d of %d tasks loaded, "
+                         "%.0fs", f"{rows:,}", f"{self._rows:,}",
+                         100 * rows / max(1, self._rows), loaded, self._monitor.num_workers,
+                         elapsed)
+                continue
+            try:
+                done, total = self._spark_tasks()
+            except Exception:  # noqa: BLE001 - progress only; the job reports real errors
+                return
+            log.info("preparing the data: %d of %d Spark tasks done, %.0fs", done, total,
+                     elapsed)
+
+    def _spark_tasks(self) -> tuple[int, int]:
+        """(done, all) tasks of the job group's stages so far."""
+        tracker = self._frame.sparkSession.sparkContext.statusTracker()
+        stages = [tracker.getStageInfo(s) for j in tracker.getJobIdsForGroup(self._group)
+                  for s in (tracker.getJobInfo(j) or _NO_JOB).stageIds]
+        stages = [s for s in stages if s is not None]
+        return sum(s.numCompletedTasks for s in stages), sum(s.numTasks for s in stages)
 
     def tasks(self) -> list[dict]:
         """The training tasks as the driver's status store knows them: partition, executor,

@@ -53,12 +53,14 @@ class Checkpoint:
 
 def fingerprint(config, *, train_rows: list[int], num_features: int, model_numel: int,
                 dtype: str) -> dict:
-    """The settings that decide the trajectory; epochs may grow (to train further)."""
+    """The settings that decide the trajectory; epochs may grow (to train further), and the
+    data cache may change (it never changes the trajectory)."""
     optimizer = config.optimizer if isinstance(config.optimizer, str) else \
         getattr(config.optimizer, "__qualname__", "callable")
     return {"num_workers": config.num_workers, "batch_size": config.batch_size,
             "averaging_frequency": config.averaging_frequency, "seed": config.seed,
-            "shuffle": config.shuffle, "optimizer": optimizer, "lr": config.lr,
+            "shuffle": config.shuffle, "shuffle_buffer_mb": config.shuffle_buffer_mb,
+            "optimizer": optimizer, "lr": config.lr,
             "momentum": config.momentum, "weight_decay": config.weight_decay,
             "average_optimizer_state": config.average_optimizer_state,
             "train_rows": list(train_rows), "num_features": num_features,

@@ -57,7 +57,8 @@ class FitPlan:
             schedule=self.schedule, num_features=self.data.num_features,
             double_precision=self.dtype == torch.float64, long_labels=self.long_labels,
             classify=self.classify, train_rows=self.data.train_sizes,
-            eval_rows=self.data.eval_sizes, tls_ca_pem=tls_ca_pem)
+            eval_rows=self.data.eval_sizes, num_workers=self.config.num_workers,
+            tls_ca_pem=tls_ca_pem)
 
 
 @dataclass(slots=True)

@@ -68,6 +68,7 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
                 replica.rewind(link.ps.progress)  # redo the steps the server lost
     finally:
         link.close()
+        replica.close()
 
 
 class ServerLink:

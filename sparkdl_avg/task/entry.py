@@ -1,16 +1,17 @@
 """The Spark task: one replica trained on one partition (`mapInArrow(barrier=True)` body).
 
-It picks its device, converts its partition to tensors once, checks that it got the rows
-validation counted, runs the sync or the async loop, and yields one report row. An error a
+It picks its device, loads its partition once into its data cache (memory, or spill files
+under Spark's local directories that are removed on every path out), runs the sync or the
+async loop, and yields one report row with what it used. An error a
 restart would only repeat (`_errors.is_final`) leaves the task as a `FinalTaskError`, which
 the driver recognises and fails the fit on at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-import time
 from collections.abc import Iterator
 
 from sparkdl_avg.task.spec import WorkerSpec
@@ -34,51 +35,60 @@ def _run(spec: WorkerSpec, batches: Iterator):
     from pyspark import BarrierTaskContext
 
     from sparkdl_avg import _version
-    from sparkdl_avg.data.partition import load_partition
+    from sparkdl_avg.data.partition import cache_kind, load_partition
+    from sparkdl_avg.data.spill import SpillDir
     from sparkdl_avg.net import messages as msg
+    from sparkdl_avg.task import memory
     from sparkdl_avg.task.device import task_device
+    from sparkdl_avg.task.load_report import LoadReporter
     from sparkdl_avg.task.report import record_batch
 
     config = cloudpickle.loads(spec.config)
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
-    started = time.perf_counter()
     choice = task_device(config.device)
     device = torch.device(choice.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, ctx.cpus()))
-    data = load_partition(batches, num_features=spec.num_features,
-                          double_precision=spec.double_precision,
-                          long_labels=spec.long_labels, device=device)
-    load_s = time.perf_counter() - started
-    _check_rows(rank, data.rows, (spec.train_rows[rank], spec.eval_rows[rank]))
-    hello = msg.WorkerHello(rank=rank, host=socket.gethostname())
-    if config.mode == "sync":
-        from sparkdl_avg.averaging.driver_channel import DriverChannel
-        from sparkdl_avg.task.sync_loop import train_sync
+    memory.reset_peak()
+    start_rss = memory.resident_bytes()
+    shape = spec.shape(rank)
+    cache = cache_kind(config.data_cache, shape, config.cache_budget_mb)
+    with contextlib.ExitStack() as cleanup:  # spill files go on every path out
+        spill = cleanup.enter_context(SpillDir.create(shape.bytes, rank=rank)) \
+            if cache == "disk" else None
+        progress = LoadReporter(spec.load_monitor, spec.load_secret, rank,
+                                shape.train_rows + shape.eval_rows)
+        data = load_partition(batches, shape, cache=cache, spill=spill, device=device,
+                              progress=progress)
+        cleanup.callback(data.close)
+        hello = msg.WorkerHello(rank=rank, host=socket.gethostname())
+        if config.mode == "sync":
+            from sparkdl_avg.averaging.driver_channel import DriverChannel
+            from sparkdl_avg.task.sync_loop import train_sync
 
-        waits = config.waits()
-        channel = DriverChannel(spec.address, spec.secret, connect_timeout=waits.connect,
-                                reply_timeout=waits.reply, tls_ca_pem=spec.tls_ca_pem)
-        train_sync(spec, config, rank, data, device, channel, hello)
-    else:
-        from sparkdl_avg.task.async_loop import train_async
+            waits = config.waits()
+            channel = DriverChannel(spec.address, spec.secret, connect_timeout=waits.connect,
+                                    reply_timeout=waits.reply, tls_ca_pem=spec.tls_ca_pem)
+            train_sync(spec, config, rank, data, device, channel, hello)
+        else:
+            from sparkdl_avg.task.async_loop import train_async
 
-        train_async(spec, config, rank, data, device)
-    return record_batch({
-        "partition": rank, "host": hello.host, "pid": os.getpid(), "device": choice.device,
-        "gpu": choice.gpu_address, "warning": choice.warning, "train_rows": data.rows[0],
-        "eval_rows": data.rows[1], "load_s": load_s, "version": _version.__version__,
-        "library": os.path.dirname(_version.__file__)})
+            train_async(spec, config, rank, data, device)
+        peak = memory.peak_resident_bytes()
+        train = data.train
+        return record_batch({
+            "partition": rank, "host": hello.host, "pid": os.getpid(),
+            "device": choice.device, "gpu": choice.gpu_address, "warning": choice.warning,
+            "train_rows": data.rows[0], "eval_rows": data.rows[1], "load_s": data.load_s,
+            "version": _version.__version__, "library": os.path.dirname(_version.__file__),
+            "cache": cache, "start_rss_mb": _mb(start_rss), "peak_rss_mb": _mb(peak),
+            "spilled_mb": _mb(data.spilled_bytes),
+            "load_mb_s": _mb(shape.bytes) / max(data.load_s, 1e-9),
+            "read_mb_s": _mb(train.assembled_bytes) / train.assemble_s
+            if train.assemble_s > 0 else None})
 
 
-def _check_rows(rank: int, got: tuple[int, int], counted: tuple[int, int]) -> None:
-    from sparkdl_avg._errors import DataError
-
-    if got != counted:
-        raise DataError(
-            f"partition {rank} received {got[0]} training and {got[1]} evaluation rows, but "
-            f"validation counted {counted[0]} and {counted[1]}: the DataFrame changed between "
-            "validation and training (a nondeterministic source or a table being written?). "
-            "Cache it or write it to storage before fit().")
+def _mb(n: int | None) -> float | None:
+    return None if n is None else n / (1 << 20)

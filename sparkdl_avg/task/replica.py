@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from sparkdl_avg._config import TrainConfig
-from sparkdl_avg.data.order import batch_slice, epoch_order
+from sparkdl_avg.data.batches import TrainBatches
+from sparkdl_avg.data.order import make_cut
 from sparkdl_avg.data.partition import Partition
-from sparkdl_avg.task.evaluate import evaluate
+from sparkdl_avg.task.evaluate import EVAL_CHUNK, evaluate_batches
 from sparkdl_avg.task.spec import WorkerSpec
 
 
@@ -31,17 +32,18 @@ class Replica:
         torch.manual_seed(step_seed(config.seed, rank, -1))
         self.model = cloudpickle.loads(spec.model_fn)().to(device)
         self.dtype = model_dtype(self.model)
-        x_train, x_eval = data.x_train.to(self.dtype), data.x_eval.to(self.dtype)
-        y_train, y_eval = data.y_train, data.y_eval
-        if not spec.long_labels:
-            y_train, y_eval = y_train.to(self.dtype), y_eval.to(self.dtype)
-        self.train_data, self.eval_data = (x_train, y_train), (x_eval, y_eval)
+        self.data, self.long_labels = data, spec.long_labels
+        self.batches = TrainBatches(
+            data.train, cut=make_cut(spec.shape(rank).row_bytes, config.shuffle_buffer_mb),
+            seed=config.seed, worker=rank, shuffle=config.shuffle,
+            batch_size=config.batch_size, steps_per_epoch=spec.schedule.steps_per_epoch,
+            total_steps=spec.schedule.total_steps, device=device)
         self.wire_dtype = wire_dtype(self.dtype)
         self.loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
         self.optimizer = None
         self.config, self.schedule, self.classify = config, spec.schedule, spec.classify
         self.rank, self.device = rank, device
-        self.step, self._order = 0, None
+        self.step = 0
 
     def start(self, step: int = 0) -> None:
         """After the initial parameters are in: build the optimizer, enter training mode, and
@@ -50,37 +52,40 @@ class Replica:
 
         self.model.train()
         self.optimizer = make_optimizer(self.config, self.model.parameters())
-        self.step, self._order = step, None
+        self.rewind(step)
 
     def rewind(self, step: int) -> None:
-        """Take up the data at `step` again (steps after it were lost with a server)."""
-        self.step, self._order = step, None
+        """Take up the data at `step` (again, when steps after it were lost with a server)."""
+        self.step = step
+        self.batches.start(step)
+
+    def close(self) -> None:
+        self.batches.close()
 
     def run_steps(self, count: int) -> tuple[float, int]:
         """`count` local minibatch steps; returns (summed loss x batch size, samples)."""
         import torch
 
         cfg = self.config
-        x, y = self.train_data
-        n_rows = x.shape[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         samples = 0
         torch.manual_seed(step_seed(cfg.seed, self.rank, self.step))
         for _ in range(count):
-            epoch, in_epoch = divmod(self.step, self.schedule.steps_per_epoch)
-            if in_epoch == 0 or self._order is None:
-                self._order = torch.from_numpy(epoch_order(
-                    n_rows, epoch=epoch, worker=self.rank, seed=cfg.seed, shuffle=cfg.shuffle,
-                )).to(self.device)
-            idx = self._order[batch_slice(in_epoch, cfg.batch_size, n_rows)]
+            x, y = self._typed(*self.batches.next())
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.loss_fn(self.model(x[idx]), y[idx])
+            loss = self.loss_fn(self.model(x), y)
             loss.backward()
             self.optimizer.step()
-            loss_sum += loss.detach().double() * idx.numel()
-            samples += idx.numel()
+            loss_sum += loss.detach().double() * x.shape[0]
+            samples += x.shape[0]
             self.step += 1
         return float(loss_sum), samples
 
+    def _typed(self, x, y):
+        """A batch in the model's precision (integer class labels stay integers)."""
+        x = x.to(self.device, self.dtype)
+        return x, y.to(self.device) if self.long_labels else y.to(self.device, self.dtype)
+
     def evaluate(self) -> dict:
-        return evaluate(self.model, *self.eval_data, self.loss_fn, self.classify)
+        chunks = (self._typed(x, y) for x, y in self.data.eval.chunks(EVAL_CHUNK))
+        return evaluate_batches(self.model, chunks, self.loss_fn, self.classify)

@@ -7,8 +7,13 @@ FIELDS = (
     ("partition", "int"), ("host", "string"), ("pid", "long"), ("device", "string"),
     ("gpu", "string"), ("warning", "string"), ("train_rows", "long"), ("eval_rows", "long"),
     ("load_s", "double"), ("version", "string"), ("library", "string"),
+    ("cache", "string"), ("start_rss_mb", "double"), ("peak_rss_mb", "double"),
+    ("spilled_mb", "double"), ("load_mb_s", "double"), ("read_mb_s", "double"),
 )
-"""What the task ran on and where its library came from (a --py-files zip, an environment)."""
+"""What the task ran on and where its library came from (a --py-files zip, an environment);
+its data cache ("memory" or "disk"), resident memory when it started and at its peak (None
+off Linux), bytes spilled, and the throughput of loading the partition and of assembling
+minibatches from the cache."""
 
 DDL = ", ".join(f"{name} {kind}" for name, kind in FIELDS)
 

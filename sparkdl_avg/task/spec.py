@@ -25,6 +25,18 @@ class WorkerSpec:
     train_rows: list[int]
     eval_rows: list[int]
     """Rows per partition as validation counted them; a task that gets others stops."""
+    num_workers: int = 1
+    load_monitor: tuple[str, int] | None = None
+    """Where to report loading progress (`driver.load_monitor`), with `load_secret`."""
+    load_secret: bytes = b""
     tls_ca_pem: str | None = None
     """PEM text that verifies the driver's coordinator (sync) or the parameter server
     (async) over TLS; None: plain TCP."""
+
+    def shape(self, rank: int):
+        """What worker `rank` knows of its partition before reading it."""
+        from sparkdl_avg.data.partition import Shape
+
+        return Shape(rank=rank, num_workers=self.num_workers, train_rows=self.train_rows[rank],
+                     eval_rows=self.eval_rows[rank], num_features=self.num_features,
+                     double_precision=self.double_precision, long_labels=self.long_labels)

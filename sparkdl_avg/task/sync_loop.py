@@ -24,7 +24,7 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
     schedule = spec.schedule
     # Build the replica before connecting, so the driver's first round starts once all are
     # ready; a failure here is reported once connected, like any other.
-    setup_error = None
+    setup_error, replica = None, None
     try:
         replica = Replica(spec, config, rank, data, device)
         model = replica.model
@@ -75,3 +75,5 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
         raise
     finally:
         transport.close()
+        if replica is not None:
+            replica.close()

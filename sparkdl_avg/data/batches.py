@@ -1,0 +1,181 @@
+"""A worker's minibatches from any step on, in the one order of `order.EpochOrder`, from
+either cache.
+
+From memory, a batch is an index into the tensors already on the device. From disk, a
+background thread reads each shuffle window (its chunks, one contiguous read each) into one
+reused buffer and assembles the next `PREFETCH` minibatches from it; on CUDA they are pinned
+and copied on a side stream one step ahead. Either way the batch at a step is a pure function
+of the step, so a restart at any step sees what the uninterrupted run saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+
+import numpy as np
+
+from sparkdl_avg.data.order import Cut, EpochOrder, batch_positions
+
+PREFETCH = 4
+"""Minibatches assembled ahead of training (disk cache)."""
+_POLL_S = 1.0
+
+
+class TrainBatches:
+    def __init__(self, columns, *, cut: Cut, seed: int, worker: int, shuffle: bool,
+                 batch_size: int, steps_per_epoch: int, total_steps: int, device) -> None:
+        self.columns, self.cut, self.device = columns, cut, device
+        self._order_args = {"worker": worker, "seed": seed, "shuffle": shuffle, "cut": cut}
+        self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
+        self.total_steps = total_steps
+        self._producer: _Producer | None = None
+        self._copy_stream = None
+        self._ahead = None
+        self._order: EpochOrder | None = None
+        self._window: tuple[int, int, object] | None = None  # (epoch, window, its rows)
+        self.step = 0
+
+    def start(self, step: int) -> None:
+        """Take up the data at `step`."""
+        self.close()
+        self.step = step
+        if not self.columns.in_memory:
+            self._producer = _Producer(self, step)
+
+    def next(self):
+        """The (features, labels) of the minibatch at the current step, on the device."""
+        if self.columns.in_memory:
+            out = self._take(self.step)
+        elif self.device.type == "cuda":
+            out = self._next_cuda()
+        else:
+            out = self._producer.get()
+        self.step += 1
+        return out
+
+    def _next_cuda(self):
+        import torch
+
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        if self._ahead is None:
+            self._ahead = self._copy(self._producer.get())
+        (x, y), event = self._ahead
+        self._ahead = self._copy(self._producer.get()) \
+            if self.step + 1 < self.total_steps else None
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(event)
+        x.record_stream(stream)
+        y.record_stream(stream)
+        return x, y
+
+    def _copy(self, item):
+        import torch
+
+        with torch.cuda.stream(self._copy_stream):
+            out = tuple(t.to(self.device, non_blocking=True) for t in item)
+            return out, self._copy_stream.record_event()
+
+    def order(self, epoch: int) -> EpochOrder:
+        if self._order is None or self._order_epoch != epoch:
+            self._order = EpochOrder(self.columns.rows, epoch=epoch, **self._order_args)
+            self._order_epoch = epoch
+        return self._order
+
+    def _take(self, step: int):
+        """From memory: index the device tensors with the batch's rows."""
+        import torch
+
+        t0 = time.perf_counter()
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        order = self.order(epoch)
+        parts = []
+        for k, a, b in order.windows_of(*batch_positions(in_epoch, self.batch_size,
+                                                         self.columns.rows)):
+            if self._window is None or self._window[:2] != (epoch, k):
+                rows = torch.from_numpy(order.rows(k)).to(self.device)
+                self._window = (epoch, k, rows)
+            parts.append(self._window[2][a:b])
+        index = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
+            torch.zeros(0, dtype=torch.int64, device=self.device)
+        out = self.columns.take(index)
+        self.columns.assemble_s += time.perf_counter() - t0
+        self.columns.assembled_bytes += out[0].nbytes + out[1].nbytes
+        return out
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.stop()
+            self._producer = None
+        self._ahead = None
+
+
+class _Producer:
+    """The disk cache's prefetch thread: batches from `step` on into a bounded queue."""
+
+    def __init__(self, batches: TrainBatches, step: int) -> None:
+        self.batches = batches
+        self.queue: queue.Queue = queue.Queue(PREFETCH)
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(step,), daemon=True,
+                                       name="sparkdl-avg-prefetch")
+        self.thread.start()
+
+    def get(self):
+        while True:
+            try:
+                return self.queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.queue.empty():
+                    raise RuntimeError("the data prefetch thread stopped") from self.error
+
+    def stop(self) -> None:
+        self.stopped.set()
+        while self.thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self.queue.get(timeout=0.05)
+        self.thread.join()
+
+    def _run(self, step: int) -> None:
+        b = self.batches
+        cols = b.columns
+        window_x, window_y = cols.empty(min(b.cut.window_rows, cols.rows))
+        loaded = None
+        pin = b.device.type == "cuda"
+        try:
+            import torch
+
+            while step < b.total_steps and not self.stopped.is_set():
+                t0 = time.perf_counter()
+                epoch, in_epoch = divmod(step, b.steps_per_epoch)
+                order = b.order(epoch)
+                xs, ys = [], []
+                for k, a, c in order.windows_of(*batch_positions(in_epoch, b.batch_size,
+                                                                 cols.rows)):
+                    if loaded != (epoch, k):
+                        cols.read_into(order.ranges(k), window_x, window_y)
+                        loaded, window_visit = (epoch, k), order.visit(k)
+                    visit = window_visit[a:c]
+                    xs.append(window_x[visit])
+                    ys.append(window_y[visit])
+                if not xs:
+                    xs, ys = [window_x[:0]], [window_y[:0]]
+                x = torch.from_numpy(xs[0] if len(xs) == 1 else np.concatenate(xs))
+                y = torch.from_numpy(ys[0] if len(ys) == 1 else np.concatenate(ys))
+                if pin:
+                    x, y = x.pin_memory(), y.pin_memory()
+                cols.assemble_s += time.perf_counter() - t0
+                cols.assembled_bytes += x.nbytes + y.nbytes
+                while not self.stopped.is_set() and not cols.closed:
+                    try:
+                        self.queue.put((x, y), timeout=0.05)
+                        break
+                    except queue.Full:
+                        pass
+                step += 1
+        except BaseException as exc:  # handed to the training thread by get()
+            self.error = exc

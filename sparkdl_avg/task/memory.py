@@ -1,0 +1,37 @@
+"""The task process's resident memory (Linux /proc), to report what a task really used.
+
+Spark reuses Python workers across tasks, so the peak is reset when a task starts
+(`clear_refs`): the reported peak is this task's own, not an earlier one's."""
+
+from __future__ import annotations
+
+
+def _status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak() -> bool:
+    """Restart the peak (VmHWM) from the current resident size; False where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def resident_bytes() -> int | None:
+    """Resident memory now (VmRSS); None off Linux."""
+    return _status("VmRSS")
+
+
+def peak_resident_bytes() -> int | None:
+    """Peak resident memory since the last `reset_peak` (VmHWM); None off Linux."""
+    return _status("VmHWM")

@@ -1,0 +1,188 @@
+"""The data caches without Spark: rows placed by their global number, memory and disk giving
+the same minibatches from any step, bad rows caught, spill folders checked and cleaned."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from sparkdl_avg._errors import DataCacheError, DataError
+from sparkdl_avg.data import spill as spill_module
+from sparkdl_avg.data.batches import TrainBatches
+from sparkdl_avg.data.columns import EVAL, TRAIN
+from sparkdl_avg.data.order import Cut
+from sparkdl_avg.data.partition import Shape, cache_kind, load_partition
+from sparkdl_avg.data.spill import SPILL_FOLDER, SpillDir, remove_orphans
+
+F, WORKERS, RANK = 3, 3, 1
+CPU = torch.device("cpu")
+
+
+def _global_rows(n_train: int, n_eval: int, seed: int = 0):
+    """Every worker's rows, numbered globally (features encode the row number)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for split, n in ((TRAIN, n_train), (EVAL, n_eval)):
+        g = np.arange(n)
+        x = (g[:, None] * 10 + np.arange(F)).astype(np.float32) + rng.random((n, F),
+                                                                              np.float32)
+        out.append((x, (g % 4).astype(np.int64), g, np.full(n, split, np.int8)))
+    return out
+
+
+def _batches(n_train=200, n_eval=50, *, rank=RANK, arrival_seed=1, batch_rows=17, edit=None):
+    """Arrow batches of worker `rank`'s rows, in a random arrival order."""
+    parts = []
+    for x, y, g, s in _global_rows(n_train, n_eval):
+        mine = g % WORKERS == rank
+        parts.append((x[mine], y[mine], g[mine], s[mine]))
+    x, y, g, s = (np.concatenate(c) for c in zip(*parts, strict=True))
+    perm = np.random.default_rng(arrival_seed).permutation(len(g))
+    x, y, g, s = x[perm], y[perm], g[perm], s[perm]
+    if edit:
+        x, y, g, s = edit(x, y, g, s)
+    for a in range(0, len(g), batch_rows):
+        b = slice(a, a + batch_rows)
+        yield pa.RecordBatch.from_arrays(
+            [pa.FixedSizeListArray.from_arrays(pa.array(x[b].ravel()), F).cast(
+                pa.list_(pa.float32())), pa.array(y[b]), pa.array(g[b]), pa.array(s[b])],
+            names=["features", "label", "_row", "_split"])
+
+
+def _shape(n_train=200, n_eval=50, rank=RANK):
+    sizes = [len(range(w, n_train, WORKERS)) for w in range(WORKERS)]
+    evals = [len(range(w, n_eval, WORKERS)) for w in range(WORKERS)]
+    return Shape(rank=rank, num_workers=WORKERS, train_rows=sizes[rank],
+                 eval_rows=evals[rank], num_features=F, double_precision=False,
+                 long_labels=True)
+
+
+@pytest.fixture
+def spill(tmp_path):
+    with SpillDir.create(1 << 20, dirs=[str(tmp_path)]) as folder:
+        yield folder
+
+
+def _load(cache, spill=None, **kw):
+    return load_partition(_batches(**kw), _shape(), cache=cache, spill=spill, device=CPU)
+
+
+@pytest.mark.parametrize("cache", ["memory", "disk"])
+def test_rows_land_in_local_order_whatever_order_they_arrive_in(cache, spill):
+    data = _load(cache, spill, arrival_seed=7)
+    x, y = next(data.train.chunks(1000))
+    local = np.arange(data.rows[0]) * WORKERS + RANK  # global numbers, in local order
+    assert np.array_equal(np.floor(x[:, 0].numpy() / 10), local)
+    assert np.array_equal(y.numpy(), local % 4)
+    assert data.rows == (_shape().train_rows, _shape().eval_rows)
+    data.close()
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_memory_and_disk_give_identical_batches_from_any_step(spill, shuffle):
+    memory, disk = _load("memory"), _load("disk", spill)
+    assert disk.spilled_bytes == _shape().bytes
+    kw = {"cut": Cut(4, 3), "seed": 9, "worker": RANK, "shuffle": shuffle, "batch_size": 5,
+          "steps_per_epoch": 14, "total_steps": 42, "device": CPU}
+    a, b = TrainBatches(memory.train, **kw), TrainBatches(disk.train, **kw)
+    a.start(0)
+    b.start(0)
+    full = [a.next() for _ in range(42)]
+    for (xa, ya), (xb, yb) in zip(full, [b.next() for _ in range(42)], strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    # an epoch visits every row once (the last batch of 67 rows at 5 per step is partial)
+    assert sorted(torch.cat([x for x, _ in full[:14]])[:, 0].floor().tolist()) == sorted(
+        next(memory.train.chunks(1000))[0][:, 0].floor().tolist())
+    for restart in (3, 14, 30):  # a restart mid-window, at an epoch, in the last epoch
+        b.start(restart)
+        for x, y in full[restart:restart + 8]:
+            xb, yb = b.next()
+            assert torch.equal(x, xb) and torch.equal(y, yb)
+    b.close()
+    disk.close()
+    assert b._producer is None
+
+
+def test_auto_keeps_a_partition_that_fits_the_budget_in_memory():
+    shape = Shape(0, 1, train_rows=1000, eval_rows=24, num_features=255,
+                  double_precision=False, long_labels=False)  # 1 KiB a row: 1 MiB
+    assert cache_kind("auto", shape, 1) == "memory"
+    assert cache_kind("auto", shape, 0) == "disk"
+    assert cache_kind("disk", shape, 512) == "disk"
+
+
+@pytest.mark.parametrize("cache", ["memory", "disk"])
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda x, y, g, s: (x[1:], y[1:], g[1:], s[1:]), "received"),
+    (lambda x, y, g, s: (x, y, np.r_[g[:1], g[:-1]], s), "twice"),
+    (lambda x, y, g, s: (x, y, g + WORKERS * 1000, s), "beyond"),
+    (lambda x, y, g, s: (x, y, g + 1, s), "another worker"),
+])
+def test_rows_that_differ_from_what_validation_counted_are_caught(cache, spill, edit, says):
+    with pytest.raises(DataError, match=f"partition {RANK}: .*{says}.*changed between"):
+        _load(cache, spill, edit=edit)
+
+
+def test_a_missing_or_unwritable_local_directory_is_named(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    missing = str(tmp_path / "nowhere")
+    root = os.geteuid() == 0  # root writes anywhere
+    with pytest.raises(DataCacheError) as err:
+        SpillDir.create(5 << 20, dirs=[missing] + ([] if root else [str(locked)]))
+    text = str(err.value)
+    assert f"{missing}: does not exist" in text and "5.0 MiB needed" in text
+    assert root or f"{locked}: is not writable" in text
+
+
+def test_a_full_local_directory_is_refused_before_writing(tmp_path, monkeypatch):
+    monkeypatch.setattr(spill_module, "_free_bytes", lambda path: 3 << 20)
+    with pytest.raises(DataCacheError, match=r"has 3\.0 MiB free.*|4\.0 MiB needed"):
+        SpillDir.create(4 << 20, dirs=[str(tmp_path)])
+    assert not (tmp_path / SPILL_FOLDER).exists()
+
+
+def test_a_disk_that_fills_up_while_writing_is_a_clear_error(spill, monkeypatch):
+    import errno
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(DataCacheError, match=f"no room for the data cache in {spill.path}"):
+        _load("disk", spill)
+
+
+def test_spill_folder_is_removed_on_success_and_failure(tmp_path):
+    with SpillDir.create(1 << 20, dirs=[str(tmp_path)]) as folder:
+        _load("disk", folder).close()
+        assert os.listdir(folder.path)
+    assert not os.path.exists(folder.path)
+    with pytest.raises(DataError), SpillDir.create(1 << 20, dirs=[str(tmp_path)]) as folder:
+        _load("disk", folder, edit=lambda x, y, g, s: (x, y, g + 1, s))
+    assert not os.path.exists(folder.path)
+
+
+def test_only_folders_of_dead_processes_are_cleaned(tmp_path):
+    root = tmp_path / SPILL_FOLDER
+    root.mkdir()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        started = spill_module._start_time(alive.pid)
+        names = {"alive": f"{alive.pid}-{started}-aaaa", "dead": f"{dead.pid}-1-bbbb",
+                 "reused": f"{alive.pid}-{int(started) - 5}-cccc",  # same pid, older process
+                 "mine": f"{os.getpid()}-{spill_module._start_time(os.getpid())}-dddd"}
+        for name in names.values():
+            (root / name).mkdir()
+        removed = remove_orphans(str(root))
+        assert sorted(removed) == sorted([names["dead"], names["reused"]])
+        assert sorted(os.listdir(root)) == sorted([names["alive"], names["mine"]])
+    finally:
+        alive.kill()
+        alive.wait()
