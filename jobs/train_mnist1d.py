@@ -42,6 +42,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", help="checkpoints here instead of the MLflow run")
     p.add_argument("--resume-from", help="continue a fit whose driver died: run id or directory")
     p.add_argument("--no-log-model", action="store_true")
+    p.add_argument("--data-cache", choices=["auto", "memory", "disk"], default="auto",
+                   help="where each task keeps its partition (auto: memory within the budget)")
+    p.add_argument("--cache-budget-mb", type=int, default=512,
+                   help="largest partition a task keeps in memory under --data-cache auto")
+    p.add_argument("--shuffle-buffer-mb", type=int, default=64, help="the shuffle window")
     return p.parse_args(argv)
 
 
@@ -66,7 +71,9 @@ def main(argv: list[str]) -> int:
         batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum, seed=args.seed, experiment_name=args.experiment,
         log_model=not args.no_log_model, max_failures=args.max_failures,
-        checkpoint_dir=args.checkpoint_dir, **per_mode)
+        checkpoint_dir=args.checkpoint_dir, data_cache=args.data_cache,
+        cache_budget_mb=args.cache_budget_mb, shuffle_buffer_mb=args.shuffle_buffer_mb,
+        **per_mode)
     builder = SparkSession.builder.appName("sparkdl-avg-mnist1d")
     if args.master:
         builder = builder.master(args.master)
@@ -87,7 +94,8 @@ def main(argv: list[str]) -> int:
     print("timings: " + ", ".join(f"{k} {v:.2f}" for k, v in result.timings.items()))
     for w in result.workers:
         print(f"task {w['partition']}: host {w['host']} device {w['device']} gpu {w['gpu']} "
-              f"sparkdl-avg {w['version']} from {w['library']}")
+              f"sparkdl-avg {w['version']} from {w['library']} cache {w['cache']} "
+              f"spilled {w['spilled_mb']:.1f} MB peak {w['peak_rss_mb'] or 0:.0f} MB")
     return 0
 
 

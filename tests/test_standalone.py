@@ -30,17 +30,20 @@ def test_spark_submit_with_py_files_zip_runs_on_the_cluster(standalone, tmp_path
            "--conf", "spark.ui.enabled=false", "--conf", "spark.driver.host=127.0.0.1",
            str(ROOT / "jobs" / "train_mnist1d.py"), "--num-workers", "2",
            "--samples", "3000", "--epochs", "2", "--hidden", "64", "--lr", "3e-3",
-           "--no-log-model", "--data-dir", str(tmp_path / "data")]
+           "--no-log-model", "--data-dir", str(tmp_path / "data"),
+           # partitions spilled to the executors' local directories, windows of 1 MiB
+           "--data-cache", "disk", "--cache-budget-mb", "1", "--shuffle-buffer-mb", "1"]
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
            "MLFLOW_TRACKING_URI": mlflow_store}
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    tasks = re.findall(r"task (\d): host \S+ device (\S+) gpu (\S+) sparkdl-avg \S+ from (\S+)",
-                       proc.stdout)
+    tasks = re.findall(r"task (\d): host \S+ device (\S+) gpu (\S+) sparkdl-avg \S+ from (\S+) "
+                       r"cache disk spilled ([\d.]+) MB", proc.stdout)
     assert len(tasks) == 2, proc.stdout
-    assert sorted(gpu for _, _, gpu, _ in tasks) == ["0", "1"]  # one fake GPU per worker
-    for _, device, _, library_path in tasks:
+    assert sorted(gpu for _, _, gpu, *_ in tasks) == ["0", "1"]  # one fake GPU per worker
+    assert all(float(spilled) > 0 for *_, spilled in tasks)
+    for _, device, _, library_path, _ in tasks:
         assert device == "cpu"  # this machine's torch has no CUDA; the GPU is only assigned
         assert ".zip" in library_path or "userFiles" in library_path, library_path
     run_id = re.search(r"MLflow run (\w+)", proc.stdout).group(1)
