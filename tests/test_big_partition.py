@@ -116,7 +116,8 @@ def test_memory_and_disk_caches_train_bit_identical_parameters(big, on_disk):
         assert worker["peak_rss_mb"] - worker["start_rss_mb"] > PARTITION_MB
 
 
-def test_a_fault_mid_epoch_in_disk_mode_recovers_bit_identically(big, on_disk, tmp_path):
+def test_a_fault_mid_epoch_in_disk_mode_recovers_bit_identically(spark, big, on_disk,
+                                                                  tmp_path):
     """Partition 1's Python worker is killed at its 100th step of 469 (past 6 of its 30
     shuffle windows), after the checkpoint at step 80, which the restart reads from. The
     killed task's spill folder is left behind; the restarted tasks remove it (checked by the
@@ -128,11 +129,23 @@ def test_a_fault_mid_epoch_in_disk_mode_recovers_bit_identically(big, on_disk, t
     assert marker.exists() and len(result.failures) == 1
     assert result.failures[0]["restart_at"] == "round 10"
     assert same_parameters(result.model, on_disk.model)
+    roots = _spill_roots(spark)
+    assert any(os.path.isdir(r) for r in roots)  # the tasks spilled there
+    assert _leftovers(roots) == []  # the killed worker's folder too: the restart removed it
+
+
+def _spill_roots(spark) -> list[str]:
+    """The spill roots under Spark's local directories (local mode: the driver's executor)."""
+    dirs = spark.sparkContext.parallelize([0], 1).map(
+        lambda _: os.environ["SPARK_LOCAL_DIRS"]).collect()[0].split(",")
+    return [os.path.join(d, "sparkdl-avg-spill") for d in dirs]
+
+
+def _leftovers(roots: list[str]) -> list[str]:
+    return [name for r in roots if os.path.isdir(r) for name in os.listdir(r)]
 
 
 def test_spill_files_went_to_sparks_local_dirs_and_are_gone(on_disk, spark):
-    dirs = spark.sparkContext.parallelize([0], 1).map(
-        lambda _: os.environ["SPARK_LOCAL_DIRS"]).collect()[0].split(",")
-    roots = [os.path.join(d, "sparkdl-avg-spill") for d in dirs]
+    roots = _spill_roots(spark)
     assert any(os.path.isdir(r) for r in roots)  # the tasks spilled there
-    assert [name for r in roots if os.path.isdir(r) for name in os.listdir(r)] == []
+    assert _leftovers(roots) == []

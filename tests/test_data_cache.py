@@ -141,7 +141,7 @@ def test_a_missing_or_unwritable_local_directory_is_named(tmp_path):
 
 def test_a_full_local_directory_is_refused_before_writing(tmp_path, monkeypatch):
     monkeypatch.setattr(spill_module, "_free_bytes", lambda path: 3 << 20)
-    with pytest.raises(DataCacheError, match=r"has 3\.0 MiB free.*|4\.0 MiB needed"):
+    with pytest.raises(DataCacheError, match=r"4\.0 MiB needed.*: has 3\.0 MiB free"):
         SpillDir.create(4 << 20, dirs=[str(tmp_path)])
     assert not (tmp_path / SPILL_FOLDER).exists()
 
@@ -167,22 +167,36 @@ def test_spill_folder_is_removed_on_success_and_failure(tmp_path):
     assert not os.path.exists(folder.path)
 
 
-def test_only_folders_of_dead_processes_are_cleaned(tmp_path):
-    root = tmp_path / SPILL_FOLDER
-    root.mkdir()
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+def _spill_in_subprocess(base, then: str) -> subprocess.Popen:
+    """A process that makes a spill folder under `base`, prints it, then sleeps or dies."""
+    code = ("import os, sys, time\n"
+            "from sparkdl_avg.data.spill import SpillDir\n"
+            f"folder = SpillDir.create(1, dirs=[{str(base)!r}])\n"
+            "print(os.path.basename(folder.path), flush=True)\n"
+            + ("time.sleep(60)\n" if then == "live" else "os._exit(9)\n"))
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_only_folders_whose_owner_is_gone_are_cleaned(tmp_path):
+    alive = _spill_in_subprocess(tmp_path, "live")
     try:
-        started = spill_module._start_time(alive.pid)
-        names = {"alive": f"{alive.pid}-{started}-aaaa", "dead": f"{dead.pid}-1-bbbb",
-                 "reused": f"{alive.pid}-{int(started) - 5}-cccc",  # same pid, older process
-                 "mine": f"{os.getpid()}-{spill_module._start_time(os.getpid())}-dddd"}
-        for name in names.values():
-            (root / name).mkdir()
+        names = {"alive": alive.stdout.readline().strip()}
+        dead = _spill_in_subprocess(tmp_path, "die")  # after: creating cleans up first
+        names["dead"] = dead.stdout.readline().strip()
+        dead.wait()
+        root = tmp_path / SPILL_FOLDER
+        assert (root / names["dead"]).is_dir()  # a killed task's folder, left behind
+        mine = SpillDir._locked_folder(str(root))  # without cleaning first, as create does
+        (root / ".half-made-now").mkdir()
+        old = root / ".half-made-long-ago"
+        old.mkdir()
+        os.utime(old, (0, 0))
         removed = remove_orphans(str(root))
-        assert sorted(removed) == sorted([names["dead"], names["reused"]])
-        assert sorted(os.listdir(root)) == sorted([names["alive"], names["mine"]])
+        assert sorted(removed) == sorted([names["dead"], ".half-made-long-ago"])
+        assert sorted(os.listdir(root)) == sorted(
+            [names["alive"], os.path.basename(mine.path), ".half-made-now"])
+        mine.remove()
     finally:
         alive.kill()
         alive.wait()
+    assert remove_orphans(str(root)) == [names["alive"]]  # its owner is gone now

@@ -48,10 +48,36 @@ def test_a_wrong_secret_or_a_rank_beyond_the_fit_is_refused(monitor):
     assert monitor.progress() == (0, 0, 0)
 
 
+class _Forged:
+    """Stands in for a LoadReport without its checks, as a broken or hostile peer would."""
+
+    def __init__(self, **meta) -> None:
+        self.meta = meta
+
+    def to_meta(self) -> dict:
+        return self.meta
+
+
+@pytest.mark.parametrize("meta", [dict(rank=0, rows=11, of=10, done=False),
+                                  dict(rank=0, rows=1, of=10),
+                                  dict(rank=0, rows=1, of=10, done=False, extra=1)])
+def test_the_monitor_refuses_a_malformed_report_and_records_nothing(monitor, meta):
+    from sparkdl_avg.net.auth import authenticate_to_server
+    from sparkdl_avg.net.frames import connect
+
+    conn = connect(monitor.reachable_at, timeout=5, max_payload=0)
+    try:
+        authenticate_to_server(conn, monitor.secret, _Forged(**meta))
+    finally:
+        conn.close()
+    assert eventually(lambda: monitor.refusals() == {"malformed": 1})
+    assert monitor.progress() == (0, 0, 0)
+
+
 @pytest.mark.parametrize("report", [dict(rank=0, rows=11, of=10, done=False),
                                     dict(rank=-1, rows=1, of=10, done=False),
                                     dict(rank=0, rows=1, of=10, done="yes")])
-def test_a_malformed_report_is_refused(report):
+def test_a_malformed_report_cannot_be_built(report):
     with pytest.raises(ProtocolError):
         LoadReport(**report)
 

@@ -35,6 +35,7 @@ class TrainBatches:
         self._copy_stream = None
         self._ahead = None
         self._order: EpochOrder | None = None
+        self._order_epoch = -1
         self._window: tuple[int, int, object] | None = None  # (epoch, window, its rows)
         self.step = 0
 
@@ -43,7 +44,7 @@ class TrainBatches:
         self.close()
         self.step = step
         if not self.columns.in_memory:
-            self._producer = _Producer(self, step)
+            self._producer = _Producer(self, step).start()
 
     def next(self):
         """The (features, labels) of the minibatch at the current step, on the device."""
@@ -102,8 +103,9 @@ class TrainBatches:
         index = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
             torch.zeros(0, dtype=torch.int64, device=self.device)
         out = self.columns.take(index)
-        self.columns.assemble_s += time.perf_counter() - t0
-        self.columns.assembled_bytes += out[0].nbytes + out[1].nbytes
+        if self.device.type != "cuda":  # on CUDA this times only the launch: not counted
+            self.columns.assemble_s += time.perf_counter() - t0
+            self.columns.assembled_bytes += out[0].nbytes + out[1].nbytes
         return out
 
     def close(self) -> None:
@@ -123,7 +125,10 @@ class _Producer:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(step,), daemon=True,
                                        name="sparkdl-avg-prefetch")
+
+    def start(self) -> _Producer:
         self.thread.start()
+        return self
 
     def get(self):
         while True:
@@ -131,7 +136,9 @@ class _Producer:
                 return self.queue.get(timeout=_POLL_S)
             except queue.Empty:
                 if not self.thread.is_alive() and self.queue.empty():
-                    raise RuntimeError("the data prefetch thread stopped") from self.error
+                    if self.error is not None:  # as raised, so is_final still sees it
+                        raise self.error from None
+                    raise RuntimeError("the data prefetch thread stopped early") from None
 
     def stop(self) -> None:
         self.stopped.set()

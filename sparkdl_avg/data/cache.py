@@ -20,7 +20,7 @@ import numpy as np
 
 from sparkdl_avg._errors import DataCacheError
 
-_MIB = 1 << 20
+MIB = 1 << 20
 
 
 class MemoryColumns:
@@ -61,13 +61,17 @@ class MemoryWriter:
         import torch
 
         x, y = torch.from_numpy(self.x), torch.from_numpy(self.y)
-        self.x = self.y = None
+        self.close()
         if device.type == "cuda":  # in slices: no pinned copy of the whole partition
             x, y = _to_cuda(x, device), _to_cuda(y, device)
         return MemoryColumns(x, y)
 
 
-def _to_cuda(t, device, slice_bytes: int = 64 * _MIB):
+    def close(self) -> None:
+        self.x = self.y = None
+
+
+def _to_cuda(t, device, slice_bytes: int = 64 * MIB):
     import torch
 
     out = torch.empty(t.shape, dtype=t.dtype, device=device)
@@ -148,12 +152,16 @@ class DiskWriter:
                       folder.file(f"{name}-labels.{self.y_dtype.str[1:]}"))
         self.widths = (num_features * self.x_dtype.itemsize, self.y_dtype.itemsize)
         self._fds = []
-        for path, width in zip(self.paths, self.widths, strict=True):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            self._fds.append(fd)
-            if rows:
-                with _room(path, rows * width):
-                    os.posix_fallocate(fd, 0, rows * width)
+        try:
+            for path, width in zip(self.paths, self.widths, strict=True):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                self._fds.append(fd)
+                if rows:
+                    with _room(path, rows * width):
+                        os.posix_fallocate(fd, 0, rows * width)
+        except BaseException:  # an open descriptor would keep the space allocated
+            self.close()
+            raise
         self.bytes = rows * sum(self.widths)
 
     def write(self, index: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
@@ -187,7 +195,7 @@ def _room(path: str, nbytes: int):
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise DataCacheError(
                 f"no room for the data cache in {os.path.dirname(path)}: writing "
-                f"{nbytes / _MIB:.1f} MiB to {os.path.basename(path)} failed ({exc.strerror}); "
+                f"{nbytes / MIB:.1f} MiB to {os.path.basename(path)} failed ({exc.strerror}); "
                 "free space there, point spark.local.dir elsewhere, or raise "
                 "cache_budget_mb") from exc
         raise

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparkdl_avg._errors import DataError
-from sparkdl_avg.data.cache import DiskWriter, MemoryWriter
+from sparkdl_avg.data.cache import MIB, DiskColumns, DiskWriter, MemoryColumns, MemoryWriter
 from sparkdl_avg.data.columns import EVAL, TRAIN
-
-_MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +50,14 @@ def cache_kind(data_cache: str, shape: Shape, budget_mb: int) -> str:
     """"memory" or "disk": "auto" keeps the partition in memory when it fits the budget."""
     if data_cache != "auto":
         return data_cache
-    return "memory" if shape.bytes <= budget_mb * _MIB else "disk"
+    return "memory" if shape.bytes <= budget_mb * MIB else "disk"
 
 
 @dataclass(slots=True)
 class Partition:
-    train: object
-    """MemoryColumns or DiskColumns (`cache`)."""
-    eval: object
+    train: MemoryColumns | DiskColumns
+    """As `cache` says."""
+    eval: MemoryColumns | DiskColumns
     cache: str
     load_s: float
     spilled_bytes: int
@@ -82,14 +80,12 @@ def load_partition(batches: Iterator, shape: Shape, *, cache: str, spill=None, d
     started = time.perf_counter()
     x_dtype, y_dtype = shape.dtypes
     sizes = {TRAIN: shape.train_rows, EVAL: shape.eval_rows}
-    if cache == "disk":
-        writers = {split: DiskWriter(spill, name, sizes[split], shape.num_features,
-                                     x_dtype, y_dtype)
-                   for split, name in ((TRAIN, "train"), (EVAL, "eval"))}
-    else:
-        writers = {split: MemoryWriter(sizes[split], shape.num_features, x_dtype, y_dtype)
-                   for split in (TRAIN, EVAL)}
-    try:
+    writers, finished = {}, []
+    try:  # every file opened is closed on the way out of a failure
+        for split, name in ((TRAIN, "train"), (EVAL, "eval")):
+            writers[split] = DiskWriter(spill, name, sizes[split], shape.num_features,
+                                        x_dtype, y_dtype) if cache == "disk" else \
+                MemoryWriter(sizes[split], shape.num_features, x_dtype, y_dtype)
         seen = {split: _Seen(sizes[split]) for split in (TRAIN, EVAL)}
         for batch in batches:
             _place(batch, shape, writers, seen)
@@ -97,12 +93,15 @@ def load_partition(batches: Iterator, shape: Shape, *, cache: str, spill=None, d
                 progress(seen[TRAIN].count + seen[EVAL].count)
         for split in (TRAIN, EVAL):
             seen[split].check_complete(shape, split)
-        train, evaluation = (writers[s].finish(device) for s in (TRAIN, EVAL))
+        for split in (TRAIN, EVAL):
+            finished.append(writers[split].finish(device))
     except BaseException:
+        for columns in finished:
+            columns.close()
         for writer in writers.values():
-            if isinstance(writer, DiskWriter):
-                writer.close()
+            writer.close()
         raise
+    train, evaluation = finished
     if device.type == "cuda":
         import torch
 
@@ -114,6 +113,8 @@ def load_partition(batches: Iterator, shape: Shape, *, cache: str, spill=None, d
 
 
 def _place(batch, shape: Shape, writers: dict, seen: dict) -> None:
+    if batch.num_rows == 0:
+        return
     x_dtype, y_dtype = shape.dtypes
     x = batch.column(0).flatten().to_numpy(zero_copy_only=False)
     x = x.reshape(-1, shape.num_features).astype(x_dtype, copy=False)

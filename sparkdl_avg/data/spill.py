@@ -1,19 +1,26 @@
 """Where a task spills its partition: a folder of its own under one of Spark's local
 directories on the executor, checked for room before a byte is written and removed on every
-path out. Folders left by killed tasks are removed by later ones, but only once the process
-that made them is gone, so fits running side by side never touch each other's files."""
+path out. Its owner holds an exclusive lock on a file inside for as long as it lives (the
+kernel drops the lock when the process dies, however it dies), so a folder left by a killed
+task is removed by a later one, and the folder of a fit running beside it, whose lock is
+held, never is: in any process namespace, with no pid to trust."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
+import time
 import uuid
 
 from sparkdl_avg._errors import DataCacheError
+from sparkdl_avg.data.cache import MIB
 
 SPILL_FOLDER = "sparkdl-avg-spill"
-_MIB = 1 << 20
+LOCK_FILE = ".owner"
+HALF_MADE_S = 3600.0
+"""A hidden folder (one being made) older than this was left half-made by a killed task."""
 
 
 def local_dirs() -> list[str]:
@@ -23,30 +30,11 @@ def local_dirs() -> list[str]:
     return dirs or [tempfile.gettempdir()]
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks after boot): a pid with another start time is
-    another process that reused the number. None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat.rsplit(b")", 1)[1].split()[19].decode()
-
-
-def _owner_gone(name: str) -> bool:
-    pid, _, rest = name.partition("-")
-    started, _, _ = rest.partition("-")
-    if not pid.isdigit():
-        return False
-    return _start_time(int(pid)) != started
-
-
 class SpillDir:
     """A folder for one task's spill files; `with SpillDir.create(...)` removes it on exit."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, lock_fd: int) -> None:
+        self.path, self._lock_fd = path, lock_fd
 
     @classmethod
     def create(cls, needed_bytes: int, *, dirs: list[str] | None = None,
@@ -63,22 +51,40 @@ class SpillDir:
                 root = os.path.join(base, SPILL_FOLDER)
                 os.makedirs(root, exist_ok=True)
                 remove_orphans(root)
-                me = os.getpid()
-                path = os.path.join(root, f"{me}-{_start_time(me)}-{uuid.uuid4().hex[:12]}")
-                os.mkdir(path, 0o700)
-                return cls(path)
+                return cls._locked_folder(root)
             problems.append(f"{base}: {problem}")
         raise DataCacheError(
-            f"no local directory can hold this task's data cache ({needed_bytes / _MIB:.1f} "
+            f"no local directory can hold this task's data cache ({needed_bytes / MIB:.1f} "
             f"MiB needed): {'; '.join(problems)}. Point spark.local.dir (SPARK_LOCAL_DIRS) "
             "at a writable disk with room, or raise cache_budget_mb to keep the partition in "
             "memory")
+
+    @classmethod
+    def _locked_folder(cls, root: str) -> SpillDir:
+        """Made under a hidden name, locked, then renamed into place: a cleaner never sees
+        a visible folder whose lock is not held yet."""
+        name = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        making = os.path.join(root, f".{name}")
+        os.mkdir(making, 0o700)
+        fd = os.open(os.path.join(making, LOCK_FILE), os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path = os.path.join(root, name)
+            os.rename(making, path)
+        except BaseException:
+            os.close(fd)
+            shutil.rmtree(making, ignore_errors=True)
+            raise
+        return cls(path, fd)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> SpillDir:
         return self
@@ -94,7 +100,7 @@ def _unusable(base: str, needed_bytes: int) -> str | None:
         return "is not writable"
     free = _free_bytes(base)
     if free < needed_bytes:
-        return f"has {free / _MIB:.1f} MiB free"
+        return f"has {free / MIB:.1f} MiB free"
     return None
 
 
@@ -104,14 +110,38 @@ def _free_bytes(path: str) -> int:
 
 
 def remove_orphans(root: str) -> list[str]:
-    """Remove spill folders under `root` whose owning process is gone; returns them."""
+    """Remove the spill folders under `root` whose owner is gone (their lock is free), and
+    half-made ones older than HALF_MADE_S; returns their names."""
     removed = []
     try:
         names = os.listdir(root)
     except OSError:
         return removed
     for name in names:
-        if _owner_gone(name):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        folder = os.path.join(root, name)
+        if name.startswith("."):
+            if _age_s(folder) > HALF_MADE_S:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(name)
+            continue
+        try:
+            fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its owner is alive
+            continue
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
             removed.append(name)
+        finally:
+            os.close(fd)
     return removed
+
+
+def _age_s(path: str) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return 0.0

@@ -20,6 +20,9 @@ from sparkdl_avg.driver.load_monitor import LoadMonitor
 log = logging.getLogger("sparkdl_avg")
 LOAD_LOG_S = 5.0
 """While the tasks load their partitions, the driver logs their progress this often."""
+SILENT_TASKS_S = 60.0
+"""With only the training tasks left and none of them reporting for this long, the driver
+stops logging the load phase (reports are progress only)."""
 _TASKS_END_S = 60.0
 """After a failure, how long the driver waits for the aborted job's tasks to leave their slots."""
 
@@ -49,11 +52,15 @@ class BarrierJob:
 
         bind, advertise = driver_addresses(frame.sparkSession)
         monitor = LoadMonitor(host=bind, advertise=advertise, num_workers=len(spec.train_rows))
-        monitor.start()
-        spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,
-                                   load_secret=monitor.secret)
-        return cls(frame, partial(run_task, spec), report.DDL, description,
-                   rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
+        monitor.start()  # here: the tasks need its port; the job closes it
+        try:
+            spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,
+                                       load_secret=monitor.secret)
+            return cls(frame, partial(run_task, spec), report.DDL, description,
+                       rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
+        except BaseException:
+            monitor.close()
+            raise
 
     def __init__(self, frame: DataFrame, fn: Callable, schema: str, description: str,
                  rows: int = 0, monitor: LoadMonitor | None = None) -> None:
@@ -115,25 +122,35 @@ class BarrierJob:
 
     def _log_load(self) -> None:
         """Until every task has loaded its partition: Spark preparing the data (reading it,
-        the shuffle that partitions it), then the rows the tasks report loaded."""
-        started = time.monotonic()
+        the shuffle that partitions it), then the rows the tasks report loaded. Once only
+        the training tasks are left, SILENT_TASKS_S without a new report ends it."""
+        started = last_change = time.monotonic()
+        last = None
         while not self._done.wait(LOAD_LOG_S):
-            elapsed = time.monotonic() - started
+            now = time.monotonic()
             rows, heard, loaded = self._monitor.progress()
             if loaded == self._monitor.num_workers:
                 return
-            if heard:
-                log.info("loading partitions: %s of %s rows (%.0f%%), %d of %d tasks loaded, "
-                         "%.0fs", f"{rows:,}", f"{self._rows:,}",
-                         100 * rows / max(1, self._rows), loaded, self._monitor.num_workers,
-                         elapsed)
-                continue
             try:
                 done, total = self._spark_tasks()
             except Exception:  # noqa: BLE001 - progress only; the job reports real errors
                 return
-            log.info("preparing the data: %d of %d Spark tasks done, %.0fs", done, total,
-                     elapsed)
+            if heard or total - done <= self._monitor.num_workers:  # the tasks are loading
+                if (rows, heard, loaded) != last:
+                    last, last_change = (rows, heard, loaded), now
+                elif now - last_change > SILENT_TASKS_S:
+                    log.info("no load progress from the training tasks for %.0fs (is the "
+                             "driver reachable from the executors?); they train all the "
+                             "same", now - last_change)
+                    return
+            if heard:
+                log.info("loading partitions: %s of %s rows (%.0f%%), %d of %d tasks loaded, "
+                         "%.0fs", f"{rows:,}", f"{self._rows:,}",
+                         100 * rows / max(1, self._rows), loaded, self._monitor.num_workers,
+                         now - started)
+            else:
+                log.info("preparing the data: %d of %d Spark tasks done, %.0fs", done, total,
+                         now - started)
 
     def _spark_tasks(self) -> tuple[int, int]:
         """(done, all) tasks of the job group's stages so far."""

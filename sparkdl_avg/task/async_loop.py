@@ -67,8 +67,10 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
                 link.pull()
                 replica.rewind(link.ps.progress)  # redo the steps the server lost
     finally:
-        link.close()
-        replica.close()
+        try:
+            link.close()
+        finally:
+            replica.close()
 
 
 class ServerLink:

@@ -51,7 +51,8 @@ def _run(spec: WorkerSpec, batches: Iterator):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, ctx.cpus()))
-    memory.reset_peak()
+    # without a reset the peak could be an earlier task's in this reused worker: none then
+    own_peak = memory.reset_peak()
     start_rss = memory.resident_bytes()
     shape = spec.shape(rank)
     cache = cache_kind(config.data_cache, shape, config.cache_budget_mb)
@@ -76,7 +77,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
             from sparkdl_avg.task.async_loop import train_async
 
             train_async(spec, config, rank, data, device)
-        peak = memory.peak_resident_bytes()
+        peak = memory.peak_resident_bytes() if own_peak else None
         train = data.train
         return record_batch({
             "partition": rank, "host": hello.host, "pid": os.getpid(),

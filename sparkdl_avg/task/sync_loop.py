@@ -74,6 +74,8 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
         transport.fail(message, final=is_final(exc))
         raise
     finally:
-        transport.close()
-        if replica is not None:
-            replica.close()
+        try:
+            transport.close()
+        finally:
+            if replica is not None:
+                replica.close()
