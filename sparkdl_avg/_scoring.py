@@ -49,6 +49,8 @@ def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, cl
     from sparkdl_avg.task.device import task_device
 
     target = torch.device(task_device(device).device)
+    if target.type == "cuda":  # as training does: model code that says .cuda() lands here
+        torch.cuda.set_device(target)
     model = cloudpickle.loads(payload).to(target).eval()
     dtype = _dtype(model)
     with torch.no_grad():

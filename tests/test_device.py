@@ -1,28 +1,79 @@
 import pytest
 
 from sparkdl_avg import ClusterError
-from sparkdl_avg.task.device import check_gpu_scheduling, choose_device, cuda_index
+from sparkdl_avg.task.device import (
+    VisibleGpus,
+    check_gpu_scheduling,
+    choose_device,
+    cuda_index,
+    shared_gpus,
+)
+
+U = ["GPU-aaaa", "GPU-bbbb", "GPU-cccc", "GPU-dddd"]
+"""A host's four GPUs, by physical id (NVML's numbering)."""
 
 
-def test_gpu_address_is_the_cuda_index_without_visible_devices():
-    assert cuda_index("3", None) == 3
-    assert cuda_index("0", "") == 0
+def _gpus(visible: str | None, nvml: bool = True) -> VisibleGpus:
+    """What torch would see under CUDA_VISIBLE_DEVICES=`visible` (ids or UUIDs), with or
+    without NVML's numbering of the host's GPUs."""
+    shown = [U[int(d)] if d.isdigit() else d for d in visible.split(",")] if visible else U
+    return VisibleGpus([u[4:] for u in shown],  # torch writes UUIDs without "GPU-"
+                       dict(enumerate(U)) if nvml else None)
 
 
-def test_physical_id_in_cuda_visible_devices_maps_to_its_position():
-    assert cuda_index("3", "2,3") == 1
-    assert cuda_index("2", "2,3") == 0
+@pytest.mark.parametrize("nvml", [True, False])
+def test_a_gpu_number_is_the_physical_id_whatever_cuda_visible_devices_says(nvml):
+    assert cuda_index("3", None, _gpus(None, nvml)) == 3
+    assert cuda_index("0", "", _gpus("", nvml)) == 0
+    assert cuda_index("3", "2,3", _gpus("2,3", nvml)) == 1
+    assert cuda_index("2", "2,3", _gpus("2,3", nvml)) == 0
 
 
-def test_address_not_in_visible_devices_is_an_index_into_them():
-    assert cuda_index("1", "4,5") == 1
+def test_with_nvml_a_gpu_number_is_found_under_uuid_visible_devices():
+    assert cuda_index("2", "GPU-dddd,GPU-cccc", _gpus("GPU-dddd,GPU-cccc")) == 1
+    with pytest.raises(ClusterError, match="install nvidia-ml-py"):
+        cuda_index("2", "GPU-dddd,GPU-cccc", _gpus("GPU-dddd,GPU-cccc", nvml=False))
 
 
-def test_hidden_gpu_is_an_error():
-    with pytest.raises(ClusterError, match="hides"):
-        cuda_index("7", "4,5")
-    with pytest.raises(ClusterError, match="not a CUDA device number"):
-        cuda_index("gpu0", None)
+@pytest.mark.parametrize("visible", [None, "1,2", "GPU-cccc,GPU-bbbb"])
+def test_a_uuid_address_is_the_device_with_that_uuid(visible):
+    gpus = _gpus(visible)
+    assert cuda_index("GPU-bbbb", visible, gpus) == gpus.uuids.index("bbbb")
+    assert cuda_index("gpu-BBBB", visible, gpus) == gpus.uuids.index("bbbb")
+    with pytest.raises(ClusterError, match="does not show"):
+        cuda_index("GPU-eeee", visible, gpus)
+
+
+@pytest.mark.parametrize("nvml", [True, False])
+def test_an_address_this_executor_cannot_see_is_refused_never_guessed(nvml):
+    """The old rule took "0" under CUDA_VISIBLE_DEVICES=1,2 as an index: GPU 1 for the task
+    given GPU 0, and GPU 1 again for the task given GPU 1."""
+    with pytest.raises(ClusterError, match="hides it"):
+        cuda_index("0", "1,2", _gpus("1,2", nvml))
+    with pytest.raises(ClusterError, match="shows 4 device|has GPUs"):
+        cuda_index("7", None, _gpus(None, nvml))
+    with pytest.raises(ClusterError, match="neither a GPU number nor a UUID"):
+        cuda_index("gpu0", None, _gpus(None, nvml))
+
+
+def test_two_tasks_on_one_host_never_share_a_gpu():
+    # Spark gave tasks 0 and 1 addresses "0" and "1"; CUDA_VISIBLE_DEVICES=1,2 on the host
+    given = [choose_device("auto", [a], cuda_visible_devices="0,1", cuda_available=True,
+                           gpus=_gpus("0,1")) for a in ("0", "1")]
+    assert [c.device for c in given] == ["cuda:0", "cuda:1"]
+    assert shared_gpus([(r, "h", c.uuid) for r, c in enumerate(given)]) is None
+    clash = shared_gpus([(0, "h1", "aaaa"), (1, "h1", None), (2, "h1", "aaaa"),
+                         (3, "h2", "bbbb")])
+    assert clash.startswith("tasks 0 and 2 on host h1 were both given GPU aaaa")
+    # the same GPU model's UUID on two hosts is two GPUs
+    assert shared_gpus([(0, "h1", "aaaa"), (1, "h2", "aaaa")]) is None
+
+
+def test_extra_gpus_given_to_a_task_are_named():
+    choice = choose_device("auto", ["0", "1"], cuda_visible_devices=None, cuda_available=True,
+                           gpus=_gpus(None))
+    assert choice.device == "cuda:0" and "gpu.amount=1" in choice.warning
+    assert choice.uuid == "aaaa"
 
 
 def test_auto_uses_the_assigned_gpu_when_cuda_works():
@@ -60,3 +111,26 @@ def test_gpu_tasks_in_local_mode_are_refused_instead_of_hanging():
 def test_device_cuda_without_gpu_scheduling_is_refused():
     with pytest.raises(ClusterError, match="spark.task.resource.gpu.amount=1"):
         check_gpu_scheduling("spark://host:7077", 0.0, "cuda")
+
+
+def test_the_task_refuses_a_gpu_another_task_on_its_host_was_given():
+    """The barrier all-gather's plumbing: each task's (rank, host, UUID) in, ClusterError out."""
+    import json
+    import socket
+
+    from sparkdl_avg.task.device import DeviceChoice
+    from sparkdl_avg.task.entry import _refuse_shared_gpus
+
+    class Peers:
+        def __init__(self, theirs):
+            self.theirs = theirs
+
+        def allGather(self, mine):  # noqa: N802 - pyspark's name
+            return [mine, json.dumps(self.theirs)]
+
+    host = socket.gethostname()
+    mine = DeviceChoice("cuda:0", "0", None, "aaaa")
+    with pytest.raises(ClusterError, match=f"tasks 0 and 1 on host {host} were both given"):
+        _refuse_shared_gpus(Peers([1, host, "aaaa"]), 0, mine)
+    _refuse_shared_gpus(Peers([1, host, "bbbb"]), 0, mine)
+    _refuse_shared_gpus(Peers([1, "elsewhere", "aaaa"]), 0, mine)

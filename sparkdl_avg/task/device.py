@@ -24,28 +24,79 @@ class DeviceChoice:
     gpu_address: str | None
     """The GPU address Spark assigned to the task, if any."""
     warning: str | None = None
+    uuid: str | None = None
+    """The chosen GPU's UUID where CUDA reports it: two tasks on one host must not share it."""
 
 
-def cuda_index(address: str, cuda_visible_devices: str | None) -> int:
-    """The torch device index of a Spark GPU address.
+@dataclass(frozen=True, slots=True)
+class VisibleGpus:
+    """What this process's CUDA shows (read in the task, injected in tests)."""
 
-    Spark's addresses are physical GPU ids from the discovery script. When the executor already
-    restricts visible GPUs with CUDA_VISIBLE_DEVICES, torch numbers only those, so a physical id
-    found in that list maps to its position there; an address that is not in the list is taken
-    as an index into it (the convention of pyspark's TorchDistributor)."""
+    uuids: list[str]
+    """Each torch device's UUID, in torch's order."""
+    physical: dict[int, str] | None = None
+    """NVML's physical index -> UUID for every GPU on the host (None without NVML)."""
+
+
+def _uuid(text: str) -> str:
+    """A GPU UUID as NVML ("GPU-8e5b...") or torch ("8e5b...") writes it, compared lowercase
+    without the prefix."""
+    text = text.strip().lower()
+    return text[4:] if text.startswith("gpu-") else text
+
+
+def _is_uuid(address: str) -> bool:
+    return address.strip().lower().startswith(("gpu-", "mig-"))
+
+
+def cuda_index(address: str, cuda_visible_devices: str | None,
+               gpus: VisibleGpus | None = None) -> int:
+    """The torch device index of a Spark GPU address, by one stated rule.
+
+    A UUID address ("GPU-...") is the visible device with that UUID. A numeric address is a
+    physical GPU id, as nvidia-smi and Spark's example discovery script number them (PCI bus
+    order; the task sets CUDA_DEVICE_ORDER=PCI_BUS_ID so torch counts the same way): through
+    NVML's UUID of that id where NVML is there, else its position in CUDA_VISIBLE_DEVICES
+    when that lists ids, else the id itself. An address this process cannot see is a
+    ClusterError, never a guess: guessing put two tasks on one GPU."""
+    count = len(gpus.uuids) if gpus is not None else None
+    visible_uuids = [_uuid(u) for u in gpus.uuids] if gpus is not None else []
+    listed = [d.strip() for d in (cuda_visible_devices or "").split(",") if d.strip()]
+    hint = ("make the discovery script report the GPUs this executor can see (or their "
+            "UUIDs)")
+    if _is_uuid(address):
+        if _uuid(address) in visible_uuids:
+            return visible_uuids.index(_uuid(address))
+        raise ClusterError(f"Spark assigned GPU {address}, which this executor's CUDA does not "
+                           f"show (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}); {hint}")
     if not address.isdigit():
-        raise ClusterError(f"GPU address {address!r} is not a CUDA device number")
-    if cuda_visible_devices is None or cuda_visible_devices.strip() == "":
-        return int(address)
-    visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
-    if address in visible:
-        return visible.index(address)
-    if int(address) < len(visible):
-        return int(address)
-    raise ClusterError(
-        f"Spark assigned GPU {address}, but CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} hides "
-        "it; make the discovery script report the GPUs the executor can see"
-    )
+        raise ClusterError(f"GPU address {address!r} is neither a GPU number nor a UUID")
+    physical = int(address)
+    if gpus is not None and gpus.physical is not None:
+        if physical not in gpus.physical:
+            raise ClusterError(f"Spark assigned GPU {address}, but this host has GPUs "
+                               f"{sorted(gpus.physical)} only; {hint}")
+        uuid = _uuid(gpus.physical[physical])
+        if uuid not in visible_uuids:
+            raise ClusterError(f"Spark assigned GPU {address}, but CUDA_VISIBLE_DEVICES="
+                               f"{cuda_visible_devices!r} hides it; {hint}")
+        return visible_uuids.index(uuid)
+    if not listed:
+        index = physical
+    elif all(d.isdigit() for d in listed):
+        if address not in listed:
+            raise ClusterError(f"Spark assigned GPU {address}, but CUDA_VISIBLE_DEVICES="
+                               f"{cuda_visible_devices!r} hides it; {hint}")
+        index = listed.index(address)
+    else:
+        raise ClusterError(f"Spark assigned GPU {address} by number, but CUDA_VISIBLE_DEVICES="
+                           f"{cuda_visible_devices!r} lists UUIDs and NVML is not there to "
+                           "tell which is which: install nvidia-ml-py on the executors, or "
+                           "make the discovery script report UUIDs")
+    if count is not None and index >= count:
+        raise ClusterError(f"Spark assigned GPU {address}, but this executor's CUDA shows "
+                           f"{count} device(s); {hint}")
+    return index
 
 
 def choose_device(
@@ -54,6 +105,7 @@ def choose_device(
     *,
     cuda_visible_devices: str | None,
     cuda_available: bool,
+    gpus: VisibleGpus | None = None,
 ) -> DeviceChoice:
     if preference == "cpu":
         return DeviceChoice("cpu", None)
@@ -69,7 +121,29 @@ def choose_device(
                                "(a CPU-only torch build, or no driver)")
         return DeviceChoice("cpu", address, f"Spark assigned GPU {address} but CUDA is not "
                             "available to torch; this task trains on the CPU")
-    return DeviceChoice(f"cuda:{cuda_index(address, cuda_visible_devices)}", address)
+    index = cuda_index(address, cuda_visible_devices, gpus)
+    warning = None
+    if len(gpu_addresses) > 1:
+        warning = (f"Spark assigned this task GPUs {gpu_addresses}; a replica trains on one "
+                   f"({address}): set spark.task.resource.gpu.amount=1")
+    uuid = _uuid(gpus.uuids[index]) if gpus is not None and index < len(gpus.uuids) else None
+    return DeviceChoice(f"cuda:{index}", address, warning, uuid)
+
+
+def shared_gpus(devices: list[tuple[int, str, str | None]]) -> str | None:
+    """Given every task's (rank, host, GPU UUID), a message naming two tasks on one host that
+    were given the same GPU; None when no GPU is shared."""
+    owner: dict[tuple[str, str], int] = {}
+    for rank, host, uuid in devices:
+        if uuid is None:
+            continue
+        other = owner.setdefault((host, uuid), rank)
+        if other != rank:
+            return (f"tasks {other} and {rank} on host {host} were both given GPU {uuid}: one "
+                    "GPU would train two replicas while another idles. Spark's GPU addresses "
+                    "and the executor's CUDA_VISIBLE_DEVICES disagree; make the discovery "
+                    "script report the GPUs (ids or UUIDs) this executor's CUDA shows")
+    return None
 
 
 def check_gpu_scheduling(master: str, task_gpu_amount: float, device: str) -> None:
@@ -87,16 +161,45 @@ def check_gpu_scheduling(master: str, task_gpu_amount: float, device: str) -> No
 
 def task_device(preference: str) -> DeviceChoice:
     """The device of the running Spark task (training or scoring): the GPU Spark assigned it
-    (`TaskContext.resources()`), under this executor's CUDA_VISIBLE_DEVICES, when torch can
-    use CUDA; else the CPU."""
+    (`TaskContext.resources()`), by `cuda_index`'s rule, when torch can use CUDA; else the
+    CPU. Sets CUDA_DEVICE_ORDER=PCI_BUS_ID (unless set) before CUDA starts."""
     import os
 
-    import torch
     from pyspark import TaskContext
+
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    import torch
 
     ctx = TaskContext.get()
     resources = ctx.resources() if ctx is not None else {}
     gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
+    available = bool(gpus) and torch.cuda.is_available()
     return choose_device(preference, gpus,
                          cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                         cuda_available=bool(gpus) and torch.cuda.is_available())
+                         cuda_available=available,
+                         gpus=visible_gpus() if available else None)
+
+
+def visible_gpus() -> VisibleGpus:
+    """torch's devices' UUIDs, and NVML's physical numbering where nvidia-ml-py is there."""
+    import torch
+
+    uuids = [str(torch.cuda.get_device_properties(i).uuid)
+             for i in range(torch.cuda.device_count())]
+    physical = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            physical = {i: _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                        for i in range(pynvml.nvmlDeviceGetCount())}
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML: the CUDA_VISIBLE_DEVICES rule applies
+        physical = None
+    return VisibleGpus(uuids, physical)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

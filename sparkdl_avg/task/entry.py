@@ -47,6 +47,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
     choice = task_device(config.device)
+    _refuse_shared_gpus(ctx, rank, choice)
     device = torch.device(choice.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -89,6 +90,20 @@ def _run(spec: WorkerSpec, batches: Iterator):
             "load_mb_s": _mb(shape.bytes) / max(data.load_s, 1e-9),
             "read_mb_s": _mb(train.assembled_bytes) / train.assemble_s
             if train.assemble_s > 0 else None})
+
+
+def _refuse_shared_gpus(ctx, rank: int, choice) -> None:
+    """Every task says which GPU it got (a barrier all-gather, before any data moves); two
+    tasks on one host with one GPU stop the fit with a ClusterError naming both."""
+    import json
+
+    from sparkdl_avg._errors import ClusterError
+    from sparkdl_avg.task.device import shared_gpus
+
+    mine = json.dumps([rank, socket.gethostname(), choice.uuid])
+    problem = shared_gpus([tuple(json.loads(m)) for m in ctx.allGather(mine)])
+    if problem:
+        raise ClusterError(problem)
 
 
 def _mb(n: int | None) -> float | None:
