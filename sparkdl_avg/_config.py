@@ -65,6 +65,11 @@ class TrainConfig:
     batch_size: int = 32
     """Minibatch size *per worker*; the global batch is `num_workers * batch_size`."""
 
+    eval_batch_size: int | None = None
+    """Rows a replica evaluates at once (and the returned model scores at once, by default);
+    None: 16 x batch_size, and at most 8 MiB of features a chunk. Bounds the device memory
+    evaluation and scoring take."""
+
     averaging_frequency: int = 8
     """Sync: local minibatches between two averaging rounds (1 = average after every step)."""
 
@@ -227,6 +232,8 @@ class TrainConfig:
         for name in ("max_failures", "checkpoint_every", "ps_checkpoint_every", "seed"):
             _require_int(name, getattr(self, name), minimum=0)
         self._check_cache()
+        if self.eval_batch_size is not None:
+            _require_int("eval_batch_size", self.eval_batch_size, minimum=1)
         if self.checkpoint_dir is not None and (
                 not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise ConfigError(f"checkpoint_dir must be a directory path, got "
@@ -301,6 +308,13 @@ class TrainConfig:
                 if getattr(self, name) != default:
                     raise ConfigError(f"{name} is the parameter server's own setting when "
                                       f"ps_address is given: start the server with {option}")
+
+    def eval_rows(self, row_bytes: int) -> int:
+        """Rows of an evaluation (and scoring) chunk: eval_batch_size as given; by default 16
+        batches, and at most 8 MiB of a row of `row_bytes`."""
+        if self.eval_batch_size is not None:
+            return self.eval_batch_size
+        return max(1, min(16 * self.batch_size, (8 << 20) // max(1, row_bytes)))
 
     def waits(self) -> Waits:
         """Every wait of the fit, the unset ones derived from round_timeout."""

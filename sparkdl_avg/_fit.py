@@ -53,17 +53,21 @@ class FitResult:
     num_features: int = 0
     classify: bool = False
     """A classifier (cross_entropy): predictions are class indices."""
+    score_rows: int = 8192
+    """Rows the model scores at once (`TrainConfig.eval_rows`: eval_batch_size)."""
 
-    def predict_udf(self, device: str = "auto"):
+    def predict_udf(self, device: str = "auto", batch_size: int | None = None):
         """A column function for `select`/`withColumn`/SQL that scores an array<float|double>
         features column on the executors (batched through Arrow, on the task's GPU when it
         has one): the class index for a classifier, else the value (array<double> for several
-        outputs)."""
+        outputs). `batch_size`: rows per forward call; None: the fit's eval_batch_size."""
         return make_predict_udf(self.model, num_features=self.num_features,
-                                classify=self.classify, device=device)
+                                classify=self.classify, device=device,
+                                batch_size=batch_size or self.score_rows)
 
     def transform(self, df, *, output_col: str = "prediction",
-                  features_col: str | Sequence[str] | None = None, device: str = "auto"):
+                  features_col: str | Sequence[str] | None = None, device: str = "auto",
+                  batch_size: int | None = None):
         """`df` with the model's prediction added as `output_col`. Features are read as in
         `fit` (an array or vector column, or a list of numeric columns)."""
         if not isinstance(output_col, str) or not output_col:
@@ -75,7 +79,7 @@ class FitResult:
         features = features_column(df, self.features_col if features_col is None
                                    else features_col, "df",
                                    T.DoubleType() if double else T.FloatType())
-        return df.withColumn(output_col, self.predict_udf(device)(features))
+        return df.withColumn(output_col, self.predict_udf(device, batch_size)(features))
 
 
 def fit(
@@ -133,7 +137,8 @@ def fit(
         return FitResult(model=model, run_id=run.run_id, history=outcome.history,
                          workers=outcome.workers, timings=timings, failures=outcome.failures,
                          features_col=features_col, num_features=plan.data.num_features,
-                         classify=plan.classify)
+                         classify=plan.classify, score_rows=config.eval_rows(
+                             plan.data.num_features * plan.dtype.itemsize))
 
 
 _TRAIN = {"sync": train_sync, "async": train_async}

@@ -17,7 +17,7 @@ from sparkdl_avg._model import pickle_for_executors
 
 
 def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: bool,
-                     device: str = "auto") -> Callable:
+                     device: str = "auto", batch_size: int = 8192) -> Callable:
     """A column function: features (array<float|double>) -> the class index (classifier),
     the value (one output) or array<double> (several outputs)."""
     try:
@@ -27,6 +27,8 @@ def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: boo
                           "pyspark " + __import__("pyspark").__version__) from None
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda'")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
     model = copy.deepcopy(model).cpu().eval()  # the caller's model stays where it is
     with torch.no_grad():
         probe = model(torch.zeros(1, num_features, dtype=_dtype(model)))
@@ -36,13 +38,14 @@ def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: boo
 
     def predict(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
         yield from _predict_batches(payload, batches, num_features=num_features,
-                                    classify=classify, width=width, device=device)
+                                    classify=classify, width=width, device=device,
+                                    batch_size=batch_size)
 
     return arrow_udf(predict, return_type)
 
 
 def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, classify: bool,
-                     width: int, device: str) -> Iterator:
+                     width: int, device: str, batch_size: int) -> Iterator:
     import cloudpickle
     import numpy as np
 
@@ -65,9 +68,8 @@ def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, cl
                                  f"{int(lengths.min())} to {int(lengths.max())}")
             x = torch.from_numpy(np.ascontiguousarray(values.to_numpy(zero_copy_only=False))
                                  .reshape(-1, num_features))
-            if target.type == "cuda":
-                x = x.pin_memory().to(target, non_blocking=True)
-            out = model(x.to(dtype))
+            chunks = x.split(batch_size) if len(x) else [x]  # rows per forward: batch_size
+            out = torch.cat([model(_on(chunk, target).to(dtype)) for chunk in chunks])
             if classify:
                 yield pa.array(out.argmax(dim=1).cpu().numpy().astype(np.int64))
             elif width == 1:
@@ -76,6 +78,10 @@ def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, cl
                 flat = out.reshape(-1, width).double().cpu().numpy()
                 yield pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), width) \
                     .cast(pa.list_(pa.float64()))
+
+
+def _on(x: torch.Tensor, target: torch.device) -> torch.Tensor:
+    return x.pin_memory().to(target, non_blocking=True) if target.type == "cuda" else x
 
 
 def _dtype(model: torch.nn.Module) -> torch.dtype:

@@ -25,6 +25,7 @@ from sparkdl_avg._config import ASYNC_ONLY, SYNC_ONLY, Waits
         ("round_timeout", 0, "round_timeout must be positive"),
         ("shuffle", "yes", "shuffle must be True or False"),
         ("data_cache", "ssd", "data_cache='ssd' is not supported"),
+        ("eval_batch_size", 0, "eval_batch_size must be at least 1"),
         ("cache_budget_mb", 0, "cache_budget_mb must be at least 1"),
         ("shuffle_buffer_mb", 2.5, "shuffle_buffer_mb must be an integer"),
         ("shuffle_buffer_mb", 600, "shuffle_buffer_mb=600 is more than cache_budget_mb=512"),

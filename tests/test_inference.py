@@ -99,3 +99,41 @@ def test_the_logged_model_scores_through_mlflow_spark_udf(spark, classifier):
     df = spark.createDataFrame(pd.DataFrame({"id": range(40), "features": list(x)}))
     rows = df.select("id", udf("features").alias("out")).orderBy("id").collect()
     assert [int(np.argmax(r.out)) for r in rows] == local_classes(classifier.model, x)
+
+
+class RowsSeen(torch.nn.Module):
+    """Trains as a linear model; in eval mode predicts how many rows its call was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return self.lin(x)
+        return torch.full((x.shape[0], 1), float(x.shape[0]), dtype=x.dtype) + 0 * self.lin(x)
+
+
+@pytest.fixture(scope="module")
+def rows_seen(spark):
+    x, _ = data(100)
+    frame = spark.createDataFrame(pd.DataFrame({"features": list(x), "label": 0.0}))
+    train, test = frame.limit(50), frame.subtract(frame.limit(50))
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=4, eval_batch_size=7,
+                         log_model=False, experiment_name="inference")
+    return fit(train, RowsSeen, config, loss="mse", eval_df=test.coalesce(1))
+
+
+def test_evaluation_runs_eval_batch_size_rows_at_a_time(rows_seen):
+    # each worker's 25 evaluation rows go as 7 + 7 + 7 + 4: the loss of a row is its
+    # chunk's size squared (label 0), so eval_loss tells the chunks apart
+    assert rows_seen.history[-1]["eval_loss"] == pytest.approx(2 * (3 * 7**3 + 4**3) / 50)
+
+
+def test_scoring_runs_eval_batch_size_rows_at_a_time_unless_told(spark, rows_seen):
+    x, _ = data(30)
+    df = spark.createDataFrame(pd.DataFrame({"features": list(x)})).coalesce(1)
+    seen = [r["p"] for r in rows_seen.transform(df, output_col="p").collect()]
+    assert sorted(seen) == [2.0] * 2 + [7.0] * 28  # one Arrow batch of 30: 7 x 4 + 2
+    seen = [r["p"] for r in rows_seen.transform(df, output_col="p", batch_size=16).collect()]
+    assert sorted(seen) == [14.0] * 14 + [16.0] * 16

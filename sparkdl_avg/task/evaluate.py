@@ -1,16 +1,8 @@
 """Loss (and, for classifiers, correct predictions) of a model over a task's evaluation rows,
-a chunk at a time (from either data cache). Both modes evaluate in the tasks."""
+a chunk of `TrainConfig.eval_rows` at a time (from either data cache). Both modes evaluate in
+the tasks."""
 
 from __future__ import annotations
-
-EVAL_CHUNK = 8192
-"""Rows evaluated at once, at most; fewer for wide rows (`chunk_rows`)."""
-EVAL_CHUNK_BYTES = 8 << 20
-
-
-def chunk_rows(row_bytes: int) -> int:
-    """Rows of an evaluation chunk: at most EVAL_CHUNK, and about EVAL_CHUNK_BYTES of data."""
-    return max(1, min(EVAL_CHUNK, EVAL_CHUNK_BYTES // row_bytes))
 
 
 def evaluate_batches(model, batches, loss_fn, classify: bool) -> dict:

@@ -10,7 +10,7 @@ from sparkdl_avg._config import TrainConfig
 from sparkdl_avg.data.batches import TrainBatches
 from sparkdl_avg.data.order import make_cut
 from sparkdl_avg.data.partition import Partition
-from sparkdl_avg.task.evaluate import chunk_rows, evaluate_batches
+from sparkdl_avg.task.evaluate import evaluate_batches
 from sparkdl_avg.task.spec import WorkerSpec
 
 
@@ -33,7 +33,7 @@ class Replica:
         self.model = cloudpickle.loads(spec.model_fn)().to(device)
         self.dtype = model_dtype(self.model)
         self.data, self.long_labels = data, spec.long_labels
-        self._eval_rows = chunk_rows(spec.shape(rank).row_bytes)
+        self._eval_rows = config.eval_rows(spec.shape(rank).row_bytes)
         self.batches = TrainBatches(
             data.train, cut=make_cut(spec.shape(rank).row_bytes, config.shuffle_buffer_mb),
             seed=config.seed, worker=rank, shuffle=config.shuffle,
