@@ -92,7 +92,12 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
             "dtype (e.g. model.float() or model.double()) in model_fn"
         )
     dtype = dtypes.pop()
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    if dtype == torch.float16:
+        raise ModelError(
+            "the model's parameters are float16: trained as they are (no autocast, no loss "
+            "scaling), gradients underflow and Adam's second moment overflows to inf/NaN. Keep "
+            "the parameters in float32 (or bfloat16, whose range is float32's) in model_fn")
+    if dtype not in (torch.bfloat16, torch.float32, torch.float64):
         raise ModelError(f"parameters of dtype {dtype} cannot be trained")
     return dtype
 

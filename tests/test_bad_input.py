@@ -166,6 +166,11 @@ def test_model_that_does_not_accept_the_features(good):
         fit(good, lambda: torch.nn.Linear(7, 2), CFG)
 
 
+def test_a_pure_float16_model_is_refused_before_training(good):
+    with pytest.raises(ModelError, match="parameters are float16.*Keep the parameters in float32"):
+        fit(good, lambda: torch.nn.Linear(3, 2).half(), CFG)
+
+
 def test_not_a_dataframe(mlflow_client):
     with pytest.raises(DataError, match="train_df must be a pyspark DataFrame, got DataFrame"):
         fit(pd.DataFrame({"features": [[1.0]], "label": [0]}), model, CFG)

@@ -134,3 +134,56 @@ def test_the_task_refuses_a_gpu_another_task_on_its_host_was_given():
         _refuse_shared_gpus(Peers([1, host, "aaaa"]), 0, mine)
     _refuse_shared_gpus(Peers([1, host, "bbbb"]), 0, mine)
     _refuse_shared_gpus(Peers([1, "elsewhere", "aaaa"]), 0, mine)
+
+
+def test_device_errors_before_training_are_final_not_retried():
+    import torch
+
+    from sparkdl_avg._errors import is_final
+    from sparkdl_avg.task.device import DeviceChoice
+    from sparkdl_avg.task.entry import _final_on_device_errors
+
+    choice = DeviceChoice("cuda:1", "1", None, "bbbb")
+    with pytest.raises(ClusterError, match="load its partition onto cuda:1 .*data_cache='disk'") \
+            as err, _final_on_device_errors(choice, "load its partition onto"):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+    assert is_final(err.value)
+    with pytest.raises(ClusterError, match="invalid device ordinal"), \
+            _final_on_device_errors(choice, "start on"):
+        raise RuntimeError("CUDA error: invalid device ordinal")
+    with pytest.raises(RuntimeError, match="unrelated"), \
+            _final_on_device_errors(choice, "start on"):
+        raise RuntimeError("unrelated")
+
+
+def test_a_task_leaves_no_reference_cycle_or_cuda_cache_behind(monkeypatch):
+    """Spark reuses the worker: what a task cached would outlive it."""
+    import gc
+    import weakref
+
+    import numpy as np
+    import torch
+
+    from sparkdl_avg.task.memory import release_task_memory
+
+    class Holder:
+        pass
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("device"))
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("pinned host"),
+                        raising=False)
+    gc.disable()
+    try:
+        held = Holder()
+        held.me, held.data = held, np.ones(1 << 20)  # a cycle holding 8 MB
+        alive = weakref.ref(held)
+        del held
+        assert alive() is not None  # only the cycle collector frees it
+        release_task_memory()
+        assert alive() is None
+    finally:
+        gc.enable()
+    assert calls == ["device", "pinned host"]

@@ -27,6 +27,10 @@ def run_task(spec: WorkerSpec, batches: Iterator) -> Iterator:
         if is_final(exc):
             raise FinalTaskError(f"{type(exc).__name__}: {exc}") from exc
         raise
+    finally:
+        from sparkdl_avg.task.memory import release_task_memory
+
+        release_task_memory()
 
 
 def _run(spec: WorkerSpec, batches: Iterator):
@@ -50,7 +54,8 @@ def _run(spec: WorkerSpec, batches: Iterator):
     _refuse_shared_gpus(ctx, rank, choice)
     device = torch.device(choice.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        with _final_on_device_errors(choice, "start on"):
+            torch.cuda.set_device(device)
     torch.set_num_threads(max(1, ctx.cpus()))
     # without a reset the peak could be an earlier task's in this reused worker: none then
     own_peak = memory.reset_peak()
@@ -62,8 +67,9 @@ def _run(spec: WorkerSpec, batches: Iterator):
             if cache == "disk" else None
         progress = LoadReporter(spec.load_monitor, spec.load_secret, rank,
                                 shape.train_rows + shape.eval_rows)
-        data = load_partition(batches, shape, cache=cache, spill=spill, device=device,
-                              progress=progress)
+        with _final_on_device_errors(choice, "load its partition onto"):
+            data = load_partition(batches, shape, cache=cache, spill=spill, device=device,
+                                  progress=progress)
         cleanup.callback(data.close)
         hello = msg.WorkerHello(rank=rank, host=socket.gethostname())
         if config.mode == "sync":
@@ -90,6 +96,28 @@ def _run(spec: WorkerSpec, batches: Iterator):
             "load_mb_s": _mb(shape.bytes) / max(data.load_s, 1e-9),
             "read_mb_s": _mb(train.assembled_bytes) / train.assemble_s
             if train.assemble_s > 0 else None})
+
+
+@contextlib.contextmanager
+def _final_on_device_errors(choice, what: str):
+    """A CUDA error before training (no such device, out of memory while loading) would
+    repeat on every restart: a ClusterError, which stops the fit at once."""
+    import torch
+
+    from sparkdl_avg._errors import ClusterError
+
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        raise ClusterError(
+            f"the task could not {what} {choice.device} (GPU {choice.gpu_address}): out of "
+            f"device memory ({exc}); spill the partition with data_cache='disk' or a smaller "
+            "cache_budget_mb") from exc
+    except RuntimeError as exc:
+        if "CUDA" not in str(exc) and "cuda" not in str(exc):
+            raise
+        raise ClusterError(f"the task could not {what} {choice.device} (GPU "
+                           f"{choice.gpu_address}): {exc}") from exc
 
 
 def _refuse_shared_gpus(ctx, rank: int, choice) -> None:

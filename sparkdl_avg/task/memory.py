@@ -35,3 +35,20 @@ def resident_bytes() -> int | None:
 def peak_resident_bytes() -> int | None:
     """Peak resident memory since the last `reset_peak` (VmHWM); None off Linux."""
     return _status("VmHWM")
+
+
+def release_task_memory() -> None:
+    """After a task, on every path: Spark reuses the Python worker, so what the task cached
+    would outlive it into the next fit or scoring task. Collect reference cycles (a model or a
+    traceback can hold tensors in one), then hand CUDA's cached blocks and torch's pinned host
+    cache back."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds only
+        if host_empty is not None:
+            host_empty()
