@@ -187,3 +187,16 @@ def test_a_task_leaves_no_reference_cycle_or_cuda_cache_behind(monkeypatch):
     finally:
         gc.enable()
     assert calls == ["device", "pinned host"]
+
+
+def test_a_replica_that_cannot_fit_its_device_is_named_with_the_numbers():
+    from sparkdl_avg.task.device import device_shortfall
+
+    mib = 1 << 20
+    # 100 MiB of parameters with Adam: gradients, 2 moments and the flat buffer = 400 MiB
+    fits = dict(param_bytes=100 * mib, optimizer_slots=2, batch_bytes=mib)
+    assert device_shortfall(**fits, free_bytes=404 * mib) is None
+    problem = device_shortfall(**fits, free_bytes=300 * mib)
+    assert "needs at least 404 MiB more" in problem and "300 MiB are free" in problem
+    assert device_shortfall(param_bytes=100 * mib, optimizer_slots=0, batch_bytes=mib,
+                            free_bytes=300 * mib) is None  # plain SGD needs 204 MiB

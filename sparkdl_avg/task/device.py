@@ -203,3 +203,19 @@ def visible_gpus() -> VisibleGpus:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def device_shortfall(*, param_bytes: int, optimizer_slots: int, batch_bytes: int,
+                     free_bytes: int) -> str | None:
+    """What a replica still needs on its device once its parameters are there, at least:
+    gradients, optimizer state (`optimizer_slots` tensors a parameter), the flat buffer the
+    parameters travel in, and a few minibatches; a message if `free_bytes` is less (the
+    activations come on top and are not counted)."""
+    needed = param_bytes * (2 + optimizer_slots) + 4 * batch_bytes
+    if needed <= free_bytes:
+        return None
+    mib = 1 << 20
+    return (f"the replica needs at least {needed / mib:.0f} MiB more device memory "
+            f"(gradients, optimizer state, the averaging buffer, minibatches), but "
+            f"{free_bytes / mib:.0f} MiB are free: use a smaller model or batch_size, a GPU "
+            "with more memory, or free this one (another process may hold it)")

@@ -20,6 +20,22 @@ def step_seed(seed: int, rank: int, step: int) -> int:
                >> 1)
 
 
+def _check_device_memory(model, config: TrainConfig, row_bytes: int, device) -> None:
+    """Fail before training, with the numbers, rather than out of memory in a round."""
+    import torch
+
+    from sparkdl_avg._errors import ClusterError
+    from sparkdl_avg.task.device import device_shortfall
+
+    slots = 2 if config.optimizer == "adam" else (1 if config.momentum else 0)
+    problem = device_shortfall(
+        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        optimizer_slots=slots, batch_bytes=config.batch_size * row_bytes,
+        free_bytes=torch.cuda.mem_get_info(device)[0])
+    if problem:
+        raise ClusterError(f"{device}: {problem}")
+
+
 class Replica:
     def __init__(self, spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition,
                  device) -> None:
@@ -40,6 +56,8 @@ class Replica:
             batch_size=config.batch_size, steps_per_epoch=spec.schedule.steps_per_epoch,
             total_steps=spec.schedule.total_steps, device=device)
         self.wire_dtype = wire_dtype(self.dtype)
+        if device.type == "cuda":
+            _check_device_memory(self.model, config, spec.shape(rank).row_bytes, device)
         self.loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
         self.optimizer = None
         self.config, self.schedule, self.classify = config, spec.schedule, spec.classify
