@@ -49,7 +49,10 @@ class StandaloneCluster:
                "SPARK_PID_DIR": str(self.folder / "pids"),
                "SPARK_IDENT_STRING": f"sparkdl-avg-{self.port}",
                "SPARK_WORKER_DIR": str(self.folder / "work"),
-               "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable)}
+               "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
+               # the GPUs are fake: on a machine with real ones, CUDA must not see them, or
+               # a fake address (worker 1's "1" on a one-GPU machine) meets a real device
+               "CUDA_VISIBLE_DEVICES": ""}
         if worker is not None:
             script = self.folder / f"gpu-{worker}.sh"
             script.write_text(f'#!/bin/sh\necho \'{{"name": "gpu", "addresses": '

@@ -10,15 +10,20 @@ def evaluate_batches(model, batches, loss_fn, classify: bool) -> dict:
     batches; the model's training mode is left as it was."""
     import torch
 
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum = correct = None  # summed on the device: one host sync at the end, not two a chunk
+    count = 0
     was_training = model.training
     model.eval()
     with torch.no_grad():
         for xb, yb in batches:
             out = model(xb)
-            loss_sum += float(loss_fn(out, yb)) * xb.shape[0]
+            chunk_loss = loss_fn(out, yb).double() * xb.shape[0]
+            loss_sum = chunk_loss if loss_sum is None else loss_sum + chunk_loss
             count += int(xb.shape[0])
             if classify:
-                correct += int((out.argmax(dim=1) == yb).sum())
+                hits = (out.argmax(dim=1) == yb).sum()
+                correct = hits if correct is None else correct + hits
     model.train(was_training)
-    return {"loss_sum": loss_sum, "correct": correct if classify else None, "count": count}
+    return {"loss_sum": float(loss_sum) if loss_sum is not None else 0.0,
+            "correct": (int(correct) if correct is not None else 0) if classify else None,
+            "count": count}
