@@ -81,7 +81,8 @@ def main(out_path: str, master: str) -> None:
         .config("spark.executor.cores", "1")
         .config("spark.executor.memory", "1g")
         .config("spark.executor.resource.gpu.amount", "1")
-        .config("spark.task.resource.gpu.amount", "1")
+        # no spark.task.resource.gpu.amount: the fit gives the training stage its GPUs
+        # through a stage-level resource profile
         .getOrCreate()
     )
     try:

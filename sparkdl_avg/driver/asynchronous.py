@@ -87,7 +87,8 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
             def attempt() -> list[dict]:
                 server.revive(len(history))
                 with BarrierJob.training(plan.data.frame, spec, "sparkdl-avg: async "
-                                         f"training, {config.num_workers} workers") as job:
+                                         f"training, {config.num_workers} workers",
+                                         device=config.device) as job:
                     while not job.done(config.eval_interval_s):
                         server.call(intervals.log, len(history))
                     rows = job.wait(waits.finish)

@@ -43,10 +43,11 @@ class BarrierJob:
     fills in which task failed, where and why (`explain`)."""
 
     @classmethod
-    def training(cls, frame: DataFrame, spec, description: str) -> BarrierJob:
+    def training(cls, frame: DataFrame, spec, description: str,
+                 device: str = "auto") -> BarrierJob:
         """The job of a fit's training tasks (`task.entry.run_task` on every partition),
         with a `LoadMonitor` the tasks report their loading to."""
-        from sparkdl_avg.driver.cluster import driver_addresses
+        from sparkdl_avg.driver.cluster import driver_addresses, training_profile
         from sparkdl_avg.task import report
         from sparkdl_avg.task.entry import run_task
 
@@ -56,8 +57,10 @@ class BarrierJob:
         try:
             spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,
                                        load_secret=monitor.secret)
-            return cls(frame, partial(run_task, spec), report.DDL, description,
-                       rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
+            job = cls(frame, partial(run_task, spec), report.DDL, description,
+                      rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
+            job.profile = training_profile(frame.sparkSession, device)
+            return job
         except BaseException:
             monitor.close()
             raise
@@ -68,6 +71,8 @@ class BarrierJob:
         the job closes) is logged every LOAD_LOG_S."""
         self._frame, self._fn, self._schema, self._rows = frame, fn, schema, rows
         self._monitor = monitor
+        self.profile = None
+        """A stage-level resource profile for the job's stage (`cluster.training_profile`)."""
         self._description = description
         self._group = f"sparkdl-avg-{uuid.uuid4().hex[:12]}"
         self._done = threading.Event()
@@ -96,7 +101,8 @@ class BarrierJob:
         sc = self._frame.sparkSession.sparkContext
         try:
             sc.setJobGroup(self._group, self._description, interruptOnCancel=True)
-            self.rows = self._frame.mapInArrow(self._fn, self._schema, barrier=True).collect()
+            self.rows = self._frame.mapInArrow(self._fn, self._schema, barrier=True,
+                                               profile=self.profile).collect()
         except BaseException as exc:  # reported to the driver loop through check()
             self.error = exc
         finally:

@@ -105,6 +105,7 @@ class _Attempt:
         ) as coord, BarrierJob.training(
             plan.data.frame, plan.worker_spec(coord.address, secret, self.tls_ca_pem),
             f"sparkdl-avg: train {config.num_workers} replicas from round {point.round}",
+            device=config.device,
         ) as job:
             try:
                 coord.accept_workers(point.params, waits.connect, start_round=point.round,

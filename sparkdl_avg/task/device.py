@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from sparkdl_avg._errors import ClusterError
 
 GPU_SETTINGS_HINT = (
-    "set spark.executor.resource.gpu.amount (GPUs per executor), "
-    "spark.task.resource.gpu.amount=1 (one GPU per training task) and a GPU discovery script "
-    "(spark.executor.resource.gpu.discoveryScript)"
+    "set spark.executor.resource.gpu.amount (GPUs per executor) and a GPU discovery script "
+    "(spark.executor.resource.gpu.discoveryScript); the fit then gives each training task one "
+    "GPU through a stage-level resource profile (or set spark.task.resource.gpu.amount=1 to "
+    "give every stage's tasks one)"
 )
 
 
