@@ -200,3 +200,23 @@ def test_only_folders_whose_owner_is_gone_are_cleaned(tmp_path):
         alive.kill()
         alive.wait()
     assert remove_orphans(str(root)) == [names["alive"]]  # its owner is gone now
+
+
+def test_the_memory_cache_holds_features_in_the_models_dtype_once(spill):
+    """A bfloat16 model: the partition is converted once at load (one copy, half the size),
+    and its minibatches equal the disk cache's converted as they are read."""
+    memory = load_partition(_batches(), _shape(), cache="memory", device=CPU,
+                            dtype=torch.bfloat16)
+    disk = load_partition(_batches(), _shape(), cache="disk", spill=spill, device=CPU,
+                          dtype=torch.bfloat16)
+    assert memory.train.x.dtype == torch.bfloat16 and memory.train.y.dtype == torch.int64
+    kw = {"cut": Cut(4, 3), "seed": 2, "worker": RANK, "shuffle": True, "batch_size": 5,
+          "steps_per_epoch": 14, "total_steps": 14, "device": CPU}
+    a, b = TrainBatches(memory.train, **kw), TrainBatches(disk.train, **kw)
+    a.start(0)
+    b.start(0)
+    for _ in range(14):
+        (xa, ya), (xb, yb) = a.next(), b.next()
+        assert torch.equal(xa, xb.to(torch.bfloat16)) and torch.equal(ya, yb)
+    b.close()
+    disk.close()

@@ -57,24 +57,27 @@ class MemoryWriter:
         self.x[index] = x
         self.y[index] = y
 
-    def finish(self, device) -> MemoryColumns:
+    def finish(self, device, dtype=None) -> MemoryColumns:
+        """The columns as tensors on `device`, features (and fractional labels) in `dtype`
+        (the model's): converted here, once, so only that copy stays."""
         import torch
 
         x, y = torch.from_numpy(self.x), torch.from_numpy(self.y)
         self.close()
+        y_dtype = dtype if dtype is not None and y.is_floating_point() else y.dtype
+        x_dtype = dtype or x.dtype
         if device.type == "cuda":  # in slices: no pinned copy of the whole partition
-            x, y = _to_cuda(x, device), _to_cuda(y, device)
-        return MemoryColumns(x, y)
-
+            return MemoryColumns(_to_cuda(x, device, x_dtype), _to_cuda(y, device, y_dtype))
+        return MemoryColumns(x.to(x_dtype), y.to(y_dtype))
 
     def close(self) -> None:
         self.x = self.y = None
 
 
-def _to_cuda(t, device, slice_bytes: int = 64 * MIB):
+def _to_cuda(t, device, dtype, slice_bytes: int = 64 * MIB):
     import torch
 
-    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    out = torch.empty(t.shape, dtype=dtype, device=device)
     step = max(1, slice_bytes // max(1, t[:1].nbytes))
     for start in range(0, t.shape[0], step):
         out[start:start + step].copy_(t[start:start + step].pin_memory(), non_blocking=True)
@@ -175,7 +178,8 @@ class DiskWriter:
                 with _room(path, data.nbytes):
                     _pwrite_all(fd, data, place * width)
 
-    def finish(self, device=None) -> DiskColumns:
+    def finish(self, device=None, dtype=None) -> DiskColumns:
+        """The columns as files (minibatches take the model's dtype as they are read)."""
         self.close()
         return DiskColumns(self.paths, self.rows, self.num_features, self.x_dtype,
                            self.y_dtype)

@@ -73,9 +73,10 @@ class Partition:
 
 
 def load_partition(batches: Iterator, shape: Shape, *, cache: str, spill=None, device,
-                   progress=None) -> Partition:
+                   dtype=None, progress=None) -> Partition:
     """Read every batch into the cache ("disk" needs `spill`, a `SpillDir`), telling
-    `progress(rows, done=False)` as it goes. Raises DataError when the rows are not exactly
+    `progress(rows, done=False)` as it goes; the memory cache holds features in `dtype` (the
+    model's; None: as they came). Raises DataError when the rows are not exactly
     the ones validation numbered for this worker."""
     started = time.perf_counter()
     x_dtype, y_dtype = shape.dtypes
@@ -94,7 +95,7 @@ def load_partition(batches: Iterator, shape: Shape, *, cache: str, spill=None, d
         for split in (TRAIN, EVAL):
             seen[split].check_complete(shape, split)
         for split in (TRAIN, EVAL):
-            finished.append(writers[split].finish(device))
+            finished.append(writers[split].finish(device, dtype))
     except BaseException:
         for columns in finished:
             columns.close()

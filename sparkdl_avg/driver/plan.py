@@ -58,6 +58,7 @@ class FitPlan:
             double_precision=self.dtype == torch.float64, long_labels=self.long_labels,
             classify=self.classify, train_rows=self.data.train_sizes,
             eval_rows=self.data.eval_sizes, num_workers=self.config.num_workers,
+            model_dtype=str(self.dtype).removeprefix("torch."),
             tls_ca_pem=tls_ca_pem)
 
 

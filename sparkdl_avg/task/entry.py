@@ -69,7 +69,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
                                 shape.train_rows + shape.eval_rows)
         with _final_on_device_errors(choice, "load its partition onto"):
             data = load_partition(batches, shape, cache=cache, spill=spill, device=device,
-                                  progress=progress)
+                                  dtype=getattr(torch, spec.model_dtype), progress=progress)
         cleanup.callback(data.close)
         hello = msg.WorkerHello(rank=rank, host=socket.gethostname())
         if config.mode == "sync":

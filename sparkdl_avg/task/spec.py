@@ -26,6 +26,9 @@ class WorkerSpec:
     eval_rows: list[int]
     """Rows per partition as validation counted them; a task that gets others stops."""
     num_workers: int = 1
+    model_dtype: str = "float32"
+    """The model's parameter dtype (a torch dtype's name): the memory cache holds features in
+    it, so the device keeps one copy of the partition."""
     load_monitor: tuple[str, int] | None = None
     """Where to report loading progress (`driver.load_monitor`), with `load_secret`."""
     load_secret: bytes = b""
