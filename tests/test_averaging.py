@@ -37,3 +37,25 @@ def test_mean_distance_is_the_mean_l2_norm_from_the_center():
 
 def test_non_finite_replicas_are_found():
     assert non_finite_replicas([np.ones(3), np.array([1.0, np.nan]), np.array([np.inf])]) == [1, 2]
+
+
+def test_the_flat_buffer_keeps_a_channels_last_model_channels_last():
+    import torch
+
+    from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).to(
+        memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    before = model(x).detach().clone()
+    values = [t.detach().clone() for t in averaged_tensors(model)]
+    flat = FlatBuffer(averaged_tensors(model), torch.float32)
+    weight = model[0].weight
+    assert weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(values, averaged_tensors(model), strict=True))
+    assert torch.equal(model(x), before)
+    # the wire buffer is the tensors' storage: a value written there is the model's
+    flat.array[:] = 0.5
+    flat.scatter()
+    assert bool((weight == 0.5).all()) and weight.is_contiguous(memory_format=torch.channels_last)

@@ -35,9 +35,9 @@ class FlatBuffer:
         with torch.no_grad():
             for t in tensors:
                 n = t.numel()
-                view = self.flat[offset:offset + n]
-                view.copy_(t.reshape(-1))
-                t.data = view.view_as(t)
+                placed = _same_layout(self.flat[offset:offset + n], t)
+                placed.copy_(t)
+                t.data = placed
                 offset += n
         if first.device.type == "cpu" and first.dtype == wire_dtype:
             self.host = self.flat
@@ -58,6 +58,15 @@ class FlatBuffer:
         if self.host is not self.flat:
             self.flat.copy_(self.host, non_blocking=True)
             _sync(self.flat)
+
+
+def _same_layout(segment: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`segment` shaped as `t`, keeping a channels_last layout (a conv model converted with
+    `model.to(memory_format=torch.channels_last)` stays so, and its kernels fast)."""
+    for fmt, dims in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if t.dim() == dims and not t.is_contiguous() and t.is_contiguous(memory_format=fmt):
+            return segment.as_strided(t.size(), t.stride())
+    return segment.view_as(t)
 
 
 def _sync(tensor: torch.Tensor) -> None:
