@@ -115,6 +115,12 @@ class TrainConfig:
     """"auto": the GPU Spark assigned to the task if CUDA works there, else CPU. "cuda" requires
     a GPU; "cpu" ignores any."""
 
+    deterministic: bool = False
+    """Each task runs torch in deterministic mode: `torch.use_deterministic_algorithms(True)`
+    (an op without a deterministic kernel raises), cuDNN's deterministic kernels without
+    benchmarking, and CUBLAS_WORKSPACE_CONFIG=:4096:8. What CUDA needs for repeatable results;
+    the CPU is deterministic without it."""
+
     eval_every: int = 1
     """Sync: evaluate the averaged model on `eval_df` every this many rounds (and after the
     last)."""
@@ -266,7 +272,7 @@ class TrainConfig:
                 (self.tls_ca is not None and self.tls_cert is None):
             raise ConfigError("TLS needs tls_cert and tls_key together (tls_ca only with "
                               "them)")
-        for name in ("average_optimizer_state", "shuffle", "log_model"):
+        for name in ("average_optimizer_state", "shuffle", "log_model", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -232,3 +232,27 @@ def test_the_result_carries_the_replicas_integer_buffers(spark, checkpoint_every
     steps = 3 * (120 // 10)
     assert int(result.model[1].num_batches_tracked) == steps
     assert result.history[-1]["round"] == -(-steps // 4) - 1
+
+
+class ChecksDeterminism(torch.nn.Module):
+    """Raises in a task's training step unless torch's deterministic mode is as expected."""
+
+    def __init__(self, expected: bool) -> None:
+        super().__init__()
+        self.expected = expected
+        self.lin = torch.nn.Linear(N_FEATURES, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.are_deterministic_algorithms_enabled() != self.expected:
+            raise ValueError(f"deterministic mode is {not self.expected}")
+        return self.lin(x.float())
+
+
+def test_deterministic_mode_is_set_in_each_task_and_reset_after(spark):
+    x, y = make_data(200, seed=1)
+    df = frame(spark, x, y)
+    base = dict(num_workers=2, epochs=1, batch_size=20, max_failures=0, log_model=False)
+    fit(df, lambda: ChecksDeterminism(True), TrainConfig(**base, deterministic=True))
+    # the same (reused) Python workers: the last fit's mode must not leak
+    fit(df, lambda: ChecksDeterminism(False), TrainConfig(**base))
+    assert not torch.are_deterministic_algorithms_enabled()  # the driver's is untouched

@@ -220,3 +220,18 @@ def device_shortfall(*, param_bytes: int, optimizer_slots: int, batch_bytes: int
             f"(gradients, optimizer state, the averaging buffer, minibatches), but "
             f"{free_bytes / mib:.0f} MiB are free: use a smaller model or batch_size, a GPU "
             "with more memory, or free this one (another process may hold it)")
+
+
+def set_deterministic(on: bool) -> None:
+    """torch's deterministic mode for this task, on or off (Spark reuses the worker, so an
+    earlier fit's choice must not leak into this one)."""
+    import os
+
+    import torch
+
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    if on:
+        torch.backends.cudnn.benchmark = False

@@ -43,13 +43,14 @@ def _run(spec: WorkerSpec, batches: Iterator):
     from sparkdl_avg.data.spill import SpillDir
     from sparkdl_avg.net import messages as msg
     from sparkdl_avg.task import memory
-    from sparkdl_avg.task.device import task_device
+    from sparkdl_avg.task.device import set_deterministic, task_device
     from sparkdl_avg.task.load_report import LoadReporter
     from sparkdl_avg.task.report import record_batch
 
     config = cloudpickle.loads(spec.config)
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
+    set_deterministic(config.deterministic)  # before CUDA starts: cuBLAS reads its setting
     choice = task_device(config.device)
     _refuse_shared_gpus(ctx, rank, choice)
     device = torch.device(choice.device)
