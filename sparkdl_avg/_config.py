@@ -315,12 +315,12 @@ class TrainConfig:
                     raise ConfigError(f"{name} is the parameter server's own setting when "
                                       f"ps_address is given: start the server with {option}")
 
-    def eval_rows(self, row_bytes: int) -> int:
+    def eval_rows(self, feature_bytes: int) -> int:
         """Rows of an evaluation (and scoring) chunk: eval_batch_size as given; by default 16
-        batches, and at most 8 MiB of a row of `row_bytes`."""
+        batches, and at most 8 MiB of features of `feature_bytes` a row."""
         if self.eval_batch_size is not None:
             return self.eval_batch_size
-        return max(1, min(16 * self.batch_size, (8 << 20) // max(1, row_bytes)))
+        return max(1, min(16 * self.batch_size, (8 << 20) // max(1, feature_bytes)))
 
     def waits(self) -> Waits:
         """Every wait of the fit, the unset ones derived from round_timeout."""

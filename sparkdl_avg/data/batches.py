@@ -86,16 +86,21 @@ class TrainBatches:
             self._order_epoch = epoch
         return self._order
 
+    def pieces(self, step: int) -> tuple[int, EpochOrder, list[tuple[int, int, int]]]:
+        """The minibatch at `step` as (epoch, its order, [(window, from, to)...])."""
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        order = self.order(epoch)
+        positions = batch_positions(in_epoch, self.batch_size, self.columns.rows)
+        return epoch, order, order.windows_of(*positions)
+
     def _take(self, step: int):
         """From memory: index the device tensors with the batch's rows."""
         import torch
 
         t0 = time.perf_counter()
-        epoch, in_epoch = divmod(step, self.steps_per_epoch)
-        order = self.order(epoch)
+        epoch, order, pieces = self.pieces(step)
         parts = []
-        for k, a, b in order.windows_of(*batch_positions(in_epoch, self.batch_size,
-                                                         self.columns.rows)):
+        for k, a, b in pieces:
             if self._window is None or self._window[:2] != (epoch, k):
                 rows = torch.from_numpy(order.rows(k)).to(self.device)
                 self._window = (epoch, k, rows)
@@ -158,11 +163,9 @@ class _Producer:
 
             while step < b.total_steps and not self.stopped.is_set():
                 t0 = time.perf_counter()
-                epoch, in_epoch = divmod(step, b.steps_per_epoch)
-                order = b.order(epoch)
+                epoch, order, pieces = b.pieces(step)
                 xs, ys = [], []
-                for k, a, c in order.windows_of(*batch_positions(in_epoch, b.batch_size,
-                                                                 cols.rows)):
+                for k, a, c in pieces:
                     if loaded != (epoch, k):
                         cols.read_into(order.ranges(k), window_x, window_y)
                         loaded, window_visit = (epoch, k), order.visit(k)

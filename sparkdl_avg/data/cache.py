@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import time
 
 import numpy as np
 
@@ -97,7 +96,6 @@ class DiskColumns:
         self.num_features = num_features
         self.row_bytes = (num_features * self.x_dtype.itemsize, self.y_dtype.itemsize)
         self._fds = [os.open(p, os.O_RDONLY) for p in paths]
-        self.bytes_read, self.read_s = 0, 0.0
         self.assemble_s, self.assembled_bytes = 0.0, 0
 
     def empty(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -106,14 +104,11 @@ class DiskColumns:
 
     def read_into(self, ranges: list[tuple[int, int]], x: np.ndarray, y: np.ndarray) -> int:
         """Rows of `ranges` one after another into the front of x and y; returns the rows."""
-        t0 = time.perf_counter()
         at = 0
         for start, stop in ranges:
             for fd, out, width in zip(self._fds, (x, y), self.row_bytes, strict=True):
                 _pread_exactly(fd, out[at:at + stop - start], start * width)
             at += stop - start
-        self.bytes_read += at * sum(self.row_bytes)
-        self.read_s += time.perf_counter() - t0
         return at
 
     @property

@@ -102,11 +102,7 @@ def load_partition(batches: Iterator, shape: Shape, *, cache: str, spill=None, d
         for writer in writers.values():
             writer.close()
         raise
-    train, evaluation = finished
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
+    train, evaluation = finished  # on the device already: the memory cache synchronised
     if progress is not None:
         progress(seen[TRAIN].count + seen[EVAL].count, done=True)
     spilled = sum(w.bytes for w in writers.values()) if cache == "disk" else 0

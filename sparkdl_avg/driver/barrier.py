@@ -27,13 +27,6 @@ _TASKS_END_S = 60.0
 """After a failure, how long the driver waits for the aborted job's tasks to leave their slots."""
 
 
-class _NoJob:
-    stageIds: tuple = ()
-
-
-_NO_JOB = _NoJob()
-
-
 class BarrierJob:
     """Runs `frame.mapInArrow(fn, schema, barrier=True).collect()` in a thread it owns.
 
@@ -158,11 +151,15 @@ class BarrierJob:
                 log.info("preparing the data: %d of %d Spark tasks done, %.0fs", done, total,
                          now - started)
 
+    def _jobs(self, tracker) -> list:
+        """The job group's jobs Spark still knows, those with stages."""
+        jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup(self._group)]
+        return [j for j in jobs if j is not None and len(j.stageIds)]
+
     def _spark_tasks(self) -> tuple[int, int]:
         """(done, all) tasks of the job group's stages so far."""
         tracker = self._frame.sparkSession.sparkContext.statusTracker()
-        stages = [tracker.getStageInfo(s) for j in tracker.getJobIdsForGroup(self._group)
-                  for s in (tracker.getJobInfo(j) or _NO_JOB).stageIds]
+        stages = [tracker.getStageInfo(s) for j in self._jobs(tracker) for s in j.stageIds]
         stages = [s for s in stages if s is not None]
         return sum(s.numCompletedTasks for s in stages), sum(s.numTasks for s in stages)
 
@@ -172,8 +169,7 @@ class BarrierJob:
         last job (earlier jobs and stages are the shuffle feeding it)."""
         sc = self._frame.sparkSession.sparkContext
         tracker, store = sc.statusTracker(), sc._jsc.sc().statusStore()
-        jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup(self._group)]
-        jobs = [j for j in jobs if j is not None and len(j.stageIds)]
+        jobs = self._jobs(tracker)
         if not jobs:
             return []
         stage_id = max(max(jobs, key=lambda j: j.jobId).stageIds)

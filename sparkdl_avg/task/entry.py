@@ -115,7 +115,7 @@ def _final_on_device_errors(choice, what: str):
             f"device memory ({exc}); spill the partition with data_cache='disk' or a smaller "
             "cache_budget_mb") from exc
     except RuntimeError as exc:
-        if "CUDA" not in str(exc) and "cuda" not in str(exc):
+        if "cuda" not in str(exc).lower():
             raise
         raise ClusterError(f"the task could not {what} {choice.device} (GPU "
                            f"{choice.gpu_address}): {exc}") from exc

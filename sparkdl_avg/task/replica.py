@@ -49,15 +49,17 @@ class Replica:
         self.model = cloudpickle.loads(spec.model_fn)().to(device)
         self.dtype = model_dtype(self.model)
         self.data, self.long_labels = data, spec.long_labels
-        self._eval_rows = config.eval_rows(spec.shape(rank).row_bytes)
+        row_bytes = spec.shape(rank).row_bytes
+        # the same rows a chunk as the returned model scores (FitResult.score_rows)
+        self._eval_rows = config.eval_rows(spec.num_features * self.dtype.itemsize)
         self.batches = TrainBatches(
-            data.train, cut=make_cut(spec.shape(rank).row_bytes, config.shuffle_buffer_mb),
+            data.train, cut=make_cut(row_bytes, config.shuffle_buffer_mb),
             seed=config.seed, worker=rank, shuffle=config.shuffle,
             batch_size=config.batch_size, steps_per_epoch=spec.schedule.steps_per_epoch,
             total_steps=spec.schedule.total_steps, device=device)
         self.wire_dtype = wire_dtype(self.dtype)
         if device.type == "cuda":
-            _check_device_memory(self.model, config, spec.shape(rank).row_bytes, device)
+            _check_device_memory(self.model, config, row_bytes, device)
         self.loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
         self.optimizer = None
         self.config, self.schedule, self.classify = config, spec.schedule, spec.classify
