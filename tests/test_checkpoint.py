@@ -6,8 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparkdl_avg import ConfigError
-from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore, check_resumable
+from sparkdl_avg import ClusterError, ConfigError
+from sparkdl_avg.driver.checkpoints import (
+    Checkpoint,
+    DirStore,
+    MlflowStore,
+    check_devices,
+    check_resumable,
+)
 
 FINGERPRINT = {"averaging_frequency": 2, "lr": 0.1}
 
@@ -78,3 +84,15 @@ def test_resume_checks_name_each_difference():
     with pytest.raises(ConfigError, match="raise epochs"):
         check_resumable(checkpoint(3), FINGERPRINT, total_steps=6, source="x")
     check_resumable(checkpoint(3), FINGERPRINT, total_steps=100, source="x")
+
+
+def test_a_deterministic_restart_on_other_devices_is_refused_naming_them():
+    point = checkpoint(3)
+    point.fingerprint = {**FINGERPRINT, "devices": ["cuda/NVIDIA A100", "cuda/NVIDIA A100"]}
+    with pytest.raises(ClusterError, match=r"partition 1: cuda/NVIDIA A100 then, cpu now"):
+        check_devices(point, ["cuda/NVIDIA A100", "cpu"], deterministic=True)
+    with pytest.raises(ClusterError, match=r"partition 0: .*H100 now; partition 1"):
+        check_devices(point, ["cuda/NVIDIA H100", "cuda/NVIDIA H100"], deterministic=True)
+    check_devices(point, ["cuda/NVIDIA A100", "cuda/NVIDIA A100"], deterministic=True)
+    check_devices(point, ["cpu", "cpu"], deterministic=False)  # not asked to be bit-identical
+    check_devices(checkpoint(3), ["cpu", "cpu"], deterministic=True)  # nothing recorded

@@ -200,3 +200,16 @@ def test_a_replica_that_cannot_fit_its_device_is_named_with_the_numbers():
     assert "needs at least 404 MiB more" in problem and "300 MiB are free" in problem
     assert device_shortfall(param_bytes=100 * mib, optimizer_slots=0, batch_bytes=mib,
                             free_bytes=300 * mib) is None  # plain SGD needs 204 MiB
+
+
+def test_a_device_is_recorded_by_its_kind_and_gpu_model(monkeypatch):
+    import torch
+
+    from sparkdl_avg.task.device import device_identity
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda d: asked.append(d) or "NVIDIA H100 80GB HBM3")
+    assert device_identity(torch.device("cpu")) == "cpu"
+    assert device_identity(torch.device("cuda:1")) == "cuda/NVIDIA H100 80GB HBM3"
+    assert asked == [torch.device("cuda:1")]  # the task's own GPU, not the current one

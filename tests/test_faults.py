@@ -15,7 +15,7 @@ from functools import partial
 import pytest
 from faulty import FaultyMLP, always_fails, dataset, latest_run, same_parameters
 
-from sparkdl_avg import ConfigError, TrainConfig, TrainingError, fit
+from sparkdl_avg import ClusterError, ConfigError, TrainConfig, TrainingError, fit
 
 pytestmark = pytest.mark.spark
 
@@ -96,6 +96,26 @@ def test_resume_refuses_a_different_fit_before_training(data, tmp_path):
         fit(data, FaultyMLP, TrainConfig(**BASE, checkpoint_dir=folder))  # would prune them
     with pytest.raises(ConfigError, match="neither an existing directory nor an MLflow run"):
         fit(data, FaultyMLP, TrainConfig(**BASE), resume_from=str(tmp_path / "nothing"))
+
+
+def test_deterministic_resume_refuses_devices_other_than_the_checkpoints(data, tmp_path,
+                                                                         mlflow_client):
+    folder = tmp_path / "ckpt"
+    first = fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 1}, deterministic=True,
+                                             checkpoint_dir=str(folder)))
+    assert mlflow_client.get_run(first.run_id).data.tags["sparkdl_avg.devices"] == "cpu"
+    for meta_file in folder.glob("round-*/checkpoint.json"):
+        meta = json.loads(meta_file.read_text())
+        assert meta["fingerprint"]["devices"] == ["cpu", "cpu"]  # each partition's device
+        meta["fingerprint"]["devices"] = ["cpu", "cuda/NVIDIA H100 80GB HBM3"]  # as if it had
+        meta_file.write_text(json.dumps(meta))
+    more = {**BASE, "epochs": 2, "checkpoint_dir": str(folder)}
+    with pytest.raises(ClusterError, match="partition 1: cuda/NVIDIA H100 80GB HBM3 then, "
+                                           "cpu now") as info:
+        fit(data, FaultyMLP, TrainConfig(**more, deterministic=True), resume_from=str(folder))
+    assert "deterministic=False" in str(info.value)
+    assert latest_run(mlflow_client, "faults").info.status == "FAILED"
+    fit(data, FaultyMLP, TrainConfig(**more), resume_from=str(folder))  # not asked: it resumes
 
 
 def test_resume_after_the_driver_process_was_killed(data, reference, mlflow_client, tmp_path):

@@ -113,9 +113,11 @@ class Coordinator(Server):
         return False
 
     def accept_workers(self, initial: np.ndarray, deadline_s: float, *, start_round: int = 0,
-                       states: list[tuple[list, np.ndarray]] | None = None) -> None:
-        """Wait for every worker to connect and authenticate, then send the parameters to
-        start from: before `start_round`, with each worker's optimizer state when restarting."""
+                       states: list[tuple[list, np.ndarray]] | None = None,
+                       vet: Callable[[list[msg.WorkerHello]], None] | None = None) -> None:
+        """Wait for every worker to connect and authenticate, let `vet` see their hellos (by
+        rank; it raises to stop), then send the parameters to start from: before
+        `start_round`, with each worker's optimizer state when restarting."""
         deadline = time.monotonic() + deadline_s
         while True:
             self._check_job(0)
@@ -133,6 +135,8 @@ class Coordinator(Server):
                         "the executors (spark.driver.host)?")
                 self._lock.wait(_POLL_S)
         self.stop_accepting()  # everyone is here: nobody else may connect
+        if vet is not None:
+            vet([self.hellos[rank] for rank in range(self.num_workers)])
         self.average[:initial.size] = initial  # the result if no round is left to run
         start = msg.Average(round=start_round - 1, state_follows=states is not None,
                             **msg.tensor(initial))

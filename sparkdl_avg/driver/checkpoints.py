@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from sparkdl_avg._background import BackgroundWriter
-from sparkdl_avg._errors import ConfigError
+from sparkdl_avg._errors import ClusterError, ConfigError
 
 log = logging.getLogger("sparkdl_avg")
 FORMAT = 1
@@ -81,6 +81,22 @@ def check_resumable(checkpoint: Checkpoint, expected: dict, *, total_steps: int,
     if checkpoint.steps != checkpoint.round * expected["averaging_frequency"]:
         raise ConfigError(f"cannot resume from {source}: it was taken after a partial last "
                           "round, so more epochs would not line up with the original rounds")
+
+
+def check_devices(point: Checkpoint, devices: list[str], *, deterministic: bool) -> None:
+    """With `deterministic=True`, refuse (ClusterError, naming each partition that moved) to
+    take up `point` on devices other than those it recorded: another GPU model, or the CPU,
+    rounds differently, so the result would not be the one the checkpoint leads to."""
+    recorded = point.fingerprint.get("devices")
+    if not deterministic or recorded is None or recorded == devices:
+        return
+    moved = [f"partition {rank}: {before} then, {now} now"
+             for rank, (before, now) in enumerate(zip(recorded, devices, strict=True))
+             if before != now]
+    raise ClusterError(
+        f"deterministic=True, but the replicas would continue round {point.round} on other "
+        f"devices than those that trained it ({'; '.join(moved)}), so the result could not be "
+        f"bit-identical: run on the same devices, or set deterministic=False to continue anyway")
 
 
 # --- one checkpoint <-> one local folder -------------------------------------------------

@@ -17,6 +17,7 @@ from sparkdl_avg.driver.barrier import BarrierJob
 from sparkdl_avg.driver.checkpoints import (
     Checkpoint,
     MlflowStore,
+    check_devices,
     check_resumable,
     end_source_run,
     fingerprint,
@@ -109,7 +110,7 @@ class _Attempt:
         ) as job:
             try:
                 coord.accept_workers(point.params, waits.connect, start_round=point.round,
-                                     states=point.states)
+                                     states=point.states, vet=self._check_devices)
                 self.t_train = self.t_train or time.perf_counter()
                 for r in range(point.round, plan.schedule.num_rounds):
                     self._round(coord, r)
@@ -122,6 +123,16 @@ class _Attempt:
                 coord.close()  # the surviving workers stop waiting for the next average
                 raise
         return sorted((row.asDict() for row in rows), key=lambda w: w["partition"])
+
+    def _check_devices(self, hellos: list) -> None:
+        """The restart point's recorded devices against the workers' (`check_devices`); the
+        devices this attempt trains on are then the ones its checkpoints record."""
+        devices = [hello.device for hello in hellos]
+        check_devices(self.point, devices, deterministic=self.plan.config.deterministic)
+        if self.expected.get("devices") != devices:
+            # a new dict: checkpoints still being written keep the devices they came from
+            self.expected = {**self.expected, "devices": devices}
+            self.run_logger.set_tags({"sparkdl_avg.devices": ", ".join(sorted(set(devices)))})
 
     def _round(self, coord: Coordinator, r: int) -> None:
         config, schedule = self.plan.config, self.plan.schedule

@@ -111,11 +111,12 @@ class Refusal(Message):
 
 @dataclass(frozen=True, slots=True)
 class WorkerHello(Message):
-    """A sync worker introduces itself in its AUTH: its partition, and its host for the
-    driver's messages about it (the task's full report comes with the job's result)."""
+    """A sync worker introduces itself in its AUTH: its partition, its host (for the driver's
+    messages) and its device ("cpu" or "cuda/<GPU name>", which checkpoints record)."""
 
     rank: int
     host: str
+    device: str = "cpu"
 
     def check(self) -> None:
         if self.rank < 0:

@@ -181,6 +181,16 @@ def task_device(preference: str) -> DeviceChoice:
                          gpus=visible_gpus() if available else None)
 
 
+def device_identity(device) -> str:
+    """What a result's bits depend on, for checkpoints: "cpu", or "cuda/<GPU name>" (two GPUs
+    of one model compute alike; another model, or the CPU, may round differently)."""
+    if device.type != "cuda":
+        return device.type
+    import torch
+
+    return f"cuda/{torch.cuda.get_device_name(device)}"
+
+
 def visible_gpus() -> VisibleGpus:
     """torch's devices' UUIDs, and NVML's physical numbering where nvidia-ml-py is there."""
     import torch

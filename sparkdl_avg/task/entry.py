@@ -43,7 +43,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
     from sparkdl_avg.data.spill import SpillDir
     from sparkdl_avg.net import messages as msg
     from sparkdl_avg.task import memory
-    from sparkdl_avg.task.device import set_deterministic, task_device
+    from sparkdl_avg.task.device import device_identity, set_deterministic, task_device
     from sparkdl_avg.task.load_report import LoadReporter
     from sparkdl_avg.task.report import record_batch
 
@@ -72,7 +72,8 @@ def _run(spec: WorkerSpec, batches: Iterator):
             data = load_partition(batches, shape, cache=cache, spill=spill, device=device,
                                   dtype=getattr(torch, spec.model_dtype), progress=progress)
         cleanup.callback(data.close)
-        hello = msg.WorkerHello(rank=rank, host=socket.gethostname())
+        hello = msg.WorkerHello(rank=rank, host=socket.gethostname(),
+                                device=device_identity(device))
         if config.mode == "sync":
             from sparkdl_avg.averaging.driver_channel import DriverChannel
             from sparkdl_avg.task.sync_loop import train_sync
