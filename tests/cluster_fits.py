@@ -1,10 +1,11 @@
 """Run by test_gpu_assignment in its own process, as the driver of an application on the test
 session's standalone cluster (two workers, one fake GPU each). Two fits: one that reports
 which GPU each task got, and the same fit whose model kills its executor's JVM once
-mid-training (a lost executor; the worker starts a new one). Writes the task reports, the
+mid-training (a lost executor; the worker starts a new one). Then the fit with the executors'
+CUDA faked to disagree with the discovery scripts. Writes the task reports, the
 recovered failures, the rounds the second fit logged, how many training steps partition
 `FAULT_PARTITION` ran in all (recomputed ones included), the schedule the fault fired in and
-whether both fits ended with the same parameters as JSON."""
+whether both fits ended with the same parameters, and what the fake-GPU fits did, as JSON."""
 
 import json
 import math
@@ -71,8 +72,30 @@ def _executor_pid() -> int:
     raise RuntimeError("no executor JVM above this process")
 
 
+def fake_gpu_fits(df, fake_cuda: Path) -> dict:
+    """The same fit with the executors' CUDA faked (`fake_cuda/sitecustomize.py`) to show
+    GPUs that disagree with the discovery scripts' addresses "0" and "1": what each fit raised,
+    and each device a task went on to set ("<pid> cuda:N")."""
+    found = {}
+    for name, visible in [("hidden", "1,2"), ("reordered", "1,0")]:
+        fake_cuda.write_text(json.dumps({"visible": visible}))
+        try:
+            fit(df, KillsItsExecutor, CONFIG)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the test reads what it was
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            fake_cuda.unlink()
+        chosen = Path(f"{fake_cuda}.set")
+        found[name] = {"error": error, "set_device": chosen.read_text().split("\n")[:-1]
+                       if chosen.exists() else []}
+        chosen.unlink(missing_ok=True)
+    return found
+
+
 def main(out_path: str, master: str) -> None:
     folder = tempfile.mkdtemp()
+    fake_cuda = Path(folder, "fake-cuda.json")  # absent: the executors' torch is untouched
     spark = (
         SparkSession.builder.master(master)
         .config("spark.ui.enabled", "false")
@@ -83,6 +106,8 @@ def main(out_path: str, master: str) -> None:
         .config("spark.executor.resource.gpu.amount", "1")
         # no spark.task.resource.gpu.amount: the fit gives the training stage its GPUs
         # through a stage-level resource profile
+        .config("spark.executorEnv.PYTHONPATH", str(Path(__file__).with_name("fake_cuda")))
+        .config("spark.executorEnv.SPARKDL_AVG_FAKE_CUDA", str(fake_cuda))
         .getOrCreate()
     )
     try:
@@ -104,7 +129,8 @@ def main(out_path: str, master: str) -> None:
                        "killed": os.path.exists(os.path.join(folder, "killed")),
                        "rounds": [h["round"] for h in recovered.history],
                        "fault_partition_steps": steps.stat().st_size if steps.exists() else 0,
-                       "schedule": schedule, "same_parameters": same}, f)
+                       "schedule": schedule, "same_parameters": same,
+                       "fake_gpus": fake_gpu_fits(df, fake_cuda)}, f)
     finally:
         spark.stop()
 

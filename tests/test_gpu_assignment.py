@@ -1,11 +1,13 @@
-"""GPU scheduling without a GPU: fake GPUs on the standalone cluster, and refusal in local
-mode; on the same cluster, a fit that survives losing an executor."""
+"""GPU scheduling without a GPU: fake GPUs on the standalone cluster (discovered, and faked in
+the executors' torch to disagree with discovery), and refusal in local mode; on the same
+cluster, a fit that survives losing an executor."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,29 @@ def test_each_task_trains_on_its_own_spark_assigned_gpu(cluster_fits):
     for w in workers:  # the cluster hides any real GPU: the task says so, trains on the CPU
         assert w["device"] == "cpu"
         assert "CUDA is not available" in w["warning"]
+
+
+@pytest.mark.cluster
+def test_a_gpu_hidden_by_cuda_visible_devices_is_refused_before_any_device_is_used(
+        cluster_fits):
+    """Discovery says "0" and "1", CUDA_VISIBLE_DEVICES says "1,2": the old rule put both
+    tasks on cuda:0; now the task given GPU 0 stops the fit before anyone touches a GPU."""
+    hidden = cluster_fits["fake_gpus"]["hidden"]
+    assert "Spark assigned GPU 0, but CUDA_VISIBLE_DEVICES='1,2' hides it" in hidden["error"]
+    assert hidden["error"].startswith("TrainingError: partition ")  # final: not retried
+    assert hidden["set_device"] == []
+
+
+@pytest.mark.cluster
+def test_gpus_listed_out_of_order_are_each_found_by_their_id(cluster_fits):
+    """CUDA_VISIBLE_DEVICES="1,0": GPU 0 is cuda:1 and GPU 1 is cuda:0, one task each; the
+    fake devices then refuse to run, which stops the fit as a final device error."""
+    reordered = cluster_fits["fake_gpus"]["reordered"]
+    assert re.search(r"could not start on (cuda:1 \(GPU 0\)|cuda:0 \(GPU 1\)): CUDA error",
+                     reordered["error"]), reordered["error"]
+    devices = [line.split()[1] for line in reordered["set_device"]]
+    assert devices and set(devices) <= {"cuda:0", "cuda:1"}
+    assert len(devices) == len(set(devices))  # never two tasks on one device
 
 
 @pytest.mark.cluster
