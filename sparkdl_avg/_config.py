@@ -121,6 +121,13 @@ class TrainConfig:
     benchmarking, and CUBLAS_WORKSPACE_CONFIG=:4096:8. What CUDA needs for repeatable results;
     the CPU is deterministic without it."""
 
+    driver_address: str | None = None
+    """"host" or "host:port": where the executors reach this process's servers (the sync
+    coordinator, listening on that port when given, or the async parameter server beside
+    it). None: `spark.driver.host` on a classic session; on Spark Connect, this process's
+    address on its route to the Connect server. Checked from every executor before
+    training."""
+
     eval_every: int = 1
     """Sync: evaluate the averaged model on `eval_df` every this many rounds (and after the
     last)."""
@@ -240,6 +247,8 @@ class TrainConfig:
         self._check_cache()
         if self.eval_batch_size is not None:
             _require_int("eval_batch_size", self.eval_batch_size, minimum=1)
+        if self.driver_address is not None:
+            self.driver_host_port()
         if self.checkpoint_dir is not None and (
                 not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise ConfigError(f"checkpoint_dir must be a directory path, got "
@@ -314,6 +323,18 @@ class TrainConfig:
                 if getattr(self, name) != default:
                     raise ConfigError(f"{name} is the parameter server's own setting when "
                                       f"ps_address is given: start the server with {option}")
+
+    def driver_host_port(self) -> tuple[str | None, int]:
+        """`driver_address` as (host or None, port or 0)."""
+        if self.driver_address is None:
+            return None, 0
+        text = self.driver_address if isinstance(self.driver_address, str) else ""
+        host, colon, port = text.rpartition(":") if text.count(":") == 1 else ("", "", "")
+        host = host if colon else text
+        if not host or (colon and not (port.isdigit() and 0 < int(port) < 65536)):
+            raise ConfigError(f"driver_address={self.driver_address!r} must be 'host' or "
+                              "'host:port' (a port from 1 to 65535)")
+        return host, int(port) if colon else 0
 
     def eval_rows(self, feature_bytes: int) -> int:
         """Rows of an evaluation (and scoring) chunk: eval_batch_size as given; by default 16

@@ -79,9 +79,12 @@ class WorkerLostError(TrainingError):
     checkpoint while `max_failures` allows, else reports it as a TrainingError."""
 
     def __init__(self, message: str, *, partition: int | None = None,
-                 reported: str | None = None) -> None:
+                 reported: str | None = None, host: str | None = None) -> None:
         super().__init__(message)
         self.partition = partition
+        self.host = host
+        """The task's host as it told the driver, where it did (Connect has no status store
+        to ask)."""
         self.reported = reported
         """The exception the worker itself sent (None: a lost socket, a hang, a crash)."""
         self.details: dict | None = None

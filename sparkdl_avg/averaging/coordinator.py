@@ -57,9 +57,10 @@ class Coordinator(Server):
 
     def __init__(self, *, host: str, advertise: str, num_workers: int, secret: bytes,
                  timeout: float, dtype: np.dtype, model_numel: int,
-                 check_job: Callable[[float], None], tls: ssl.SSLContext | None = None) -> None:
-        super().__init__(secret=secret, host=host, max_connections=num_workers, tls=tls,
-                         name="coordinator")
+                 check_job: Callable[[float], None], tls: ssl.SSLContext | None = None,
+                 port: int = 0) -> None:
+        super().__init__(secret=secret, host=host, port=port, max_connections=num_workers,
+                         tls=tls, name="coordinator")
         self.num_workers = num_workers
         self._timeout = timeout
         self._check_job = check_job
@@ -247,15 +248,15 @@ class Coordinator(Server):
             raise WorkerLostError(
                 f"partition {rank} (host {host}) sent nothing for {self._timeout:g}s "
                 "(round_timeout): the task hangs or its executor is stuck",
-                partition=rank) from None
+                partition=rank, host=host) from None
         except (ProtocolError, OSError) as exc:
             raise WorkerLostError(f"lost the worker of partition {rank} (host {host}): {exc}",
-                                  partition=rank) from exc
+                                  partition=rank, host=host) from exc
         if isinstance(message, msg.WorkerFailed):
             if message.final:
                 raise TrainingError(f"partition {rank} failed: {message.message}")
             raise WorkerLostError(f"partition {rank} failed: {message.message}",
-                                  partition=rank, reported=message.message)
+                                  partition=rank, reported=message.message, host=host)
         if not isinstance(message, cls):
             raise TrainingError(f"worker {rank} sent {message.KIND.name}, expected "
                                 f"{cls.KIND.name}")

@@ -46,7 +46,7 @@ class SpillDir:
         problems = []
         for i in range(len(dirs)):
             base = dirs[(rank + i) % len(dirs)]
-            problem = _unusable(base, needed_bytes)
+            problem = unusable(base, needed_bytes)
             if problem is None:
                 root = os.path.join(base, SPILL_FOLDER)
                 os.makedirs(root, exist_ok=True)
@@ -93,7 +93,8 @@ class SpillDir:
         self.remove()
 
 
-def _unusable(base: str, needed_bytes: int) -> str | None:
+def unusable(base: str, needed_bytes: int) -> str | None:
+    """Why `base` cannot hold `needed_bytes` of spill files; None if it can."""
     if not os.path.isdir(base):
         return "does not exist"
     if not os.access(base, os.W_OK | os.X_OK):

@@ -23,7 +23,7 @@ import numpy as np
 from sparkdl_avg._errors import ConfigError, PeerRefused, TrainingError, WorkerLostError
 from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
 from sparkdl_avg.driver.barrier import BarrierJob
-from sparkdl_avg.driver.cluster import driver_addresses
+from sparkdl_avg.driver.cluster import driver_address
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
@@ -64,13 +64,13 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
         user_address = (host, int(port))
     else:
         secret = new_secret()
-        bind, advertise = driver_addresses(spark)
-        sidecar_or_none = Sidecar(server_settings(config), host=bind,
+        listen = driver_address(spark, config)
+        sidecar_or_none = Sidecar(server_settings(config), host=listen.bind, port=listen.port,
                                   secret=secret, checkpoint_dir=config.checkpoint_dir)
     history: list[dict] = []
     restarts = Restarts(spark, config, run)
     with sidecar_or_none as sidecar:
-        address = user_address if sidecar is None else (advertise, sidecar.port)
+        address = user_address if sidecar is None else (listen.advertise, sidecar.port)
 
         def connect() -> PSClient:
             return PSClient(address, secret=secret, worker=DRIVER, numel=flat.array.size,
@@ -88,7 +88,7 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
                 server.revive(len(history))
                 with BarrierJob.training(plan.data.frame, spec, "sparkdl-avg: async "
                                          f"training, {config.num_workers} workers",
-                                         device=config.device) as job:
+                                         config) as job:
                     while not job.done(config.eval_interval_s):
                         server.call(intervals.log, len(history))
                     rows = job.wait(waits.finish)

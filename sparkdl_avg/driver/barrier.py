@@ -3,6 +3,7 @@ Spark says about its tasks (which failed, where, why); and which failures are fi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -15,6 +16,7 @@ from functools import partial
 from pyspark.sql import DataFrame
 
 from sparkdl_avg._errors import TrainingError, WorkerLostError
+from sparkdl_avg.driver import session
 from sparkdl_avg.driver.load_monitor import LoadMonitor
 
 log = logging.getLogger("sparkdl_avg")
@@ -36,23 +38,23 @@ class BarrierJob:
     fills in which task failed, where and why (`explain`)."""
 
     @classmethod
-    def training(cls, frame: DataFrame, spec, description: str,
-                 device: str = "auto") -> BarrierJob:
+    def training(cls, frame: DataFrame, spec, description: str, config) -> BarrierJob:
         """The job of a fit's training tasks (`task.entry.run_task` on every partition),
         with a `LoadMonitor` the tasks report their loading to."""
-        from sparkdl_avg.driver.cluster import driver_addresses, training_profile
+        from sparkdl_avg.driver.cluster import driver_address, training_profile
         from sparkdl_avg.task import report
         from sparkdl_avg.task.entry import run_task
 
-        bind, advertise = driver_addresses(frame.sparkSession)
-        monitor = LoadMonitor(host=bind, advertise=advertise, num_workers=len(spec.train_rows))
+        address = driver_address(frame.sparkSession, config)
+        monitor = LoadMonitor(host=address.bind, advertise=address.advertise,
+                              num_workers=len(spec.train_rows))
         monitor.start()  # here: the tasks need its port; the job closes it
         try:
             spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,
                                        load_secret=monitor.secret)
             job = cls(frame, partial(run_task, spec), report.DDL, description,
                       rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
-            job.profile = training_profile(frame.sparkSession, device)
+            job.profile = training_profile(frame.sparkSession, config.device)
             return job
         except BaseException:
             monitor.close()
@@ -91,14 +93,17 @@ class BarrierJob:
             self._monitor.close()
 
     def _run(self) -> None:
-        sc = self._frame.sparkSession.sparkContext
+        spark = self._frame.sparkSession
         try:
-            sc.setJobGroup(self._group, self._description, interruptOnCancel=True)
+            spark.addTag(self._group)  # per thread: this one runs the job; `cancel` uses it
+            session.set_job_group(spark, self._group, self._description)
             self.rows = self._frame.mapInArrow(self._fn, self._schema, barrier=True,
                                                profile=self.profile).collect()
         except BaseException as exc:  # reported to the driver loop through check()
             self.error = exc
         finally:
+            with contextlib.suppress(Exception):
+                spark.removeTag(self._group)
             self._done.set()
 
     def check(self, wait_s: float = 0) -> None:
@@ -131,10 +136,11 @@ class BarrierJob:
             if loaded == self._monitor.num_workers:
                 return
             try:
-                done, total = self._spark_tasks()
+                done, total = session.group_tasks_done(self._frame.sparkSession,
+                                                       self._group) or (None, None)
             except Exception:  # noqa: BLE001 - progress only; the job reports real errors
                 return
-            if heard or total - done <= self._monitor.num_workers:  # the tasks are loading
+            if heard or (total is not None and total - done <= self._monitor.num_workers):
                 if (rows, heard, loaded) != last:
                     last, last_change = (rows, heard, loaded), now
                 elif now - last_change > SILENT_TASKS_S:
@@ -147,42 +153,20 @@ class BarrierJob:
                          "%.0fs", f"{rows:,}", f"{self._rows:,}",
                          100 * rows / max(1, self._rows), loaded, self._monitor.num_workers,
                          now - started)
-            else:
+            elif total is not None:
                 log.info("preparing the data: %d of %d Spark tasks done, %.0fs", done, total,
                          now - started)
+            else:  # Connect: no status tracker
+                log.info("preparing the data, %.0fs", now - started)
 
-    def _jobs(self, tracker) -> list:
-        """The job group's jobs Spark still knows, those with stages."""
-        jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup(self._group)]
-        return [j for j in jobs if j is not None and len(j.stageIds)]
-
-    def _spark_tasks(self) -> tuple[int, int]:
-        """(done, all) tasks of the job group's stages so far."""
-        tracker = self._frame.sparkSession.sparkContext.statusTracker()
-        stages = [tracker.getStageInfo(s) for j in self._jobs(tracker) for s in j.stageIds]
-        stages = [s for s in stages if s is not None]
-        return sum(s.numCompletedTasks for s in stages), sum(s.numTasks for s in stages)
-
-    def tasks(self) -> list[dict]:
+    def tasks(self) -> list[dict] | None:
         """The training tasks as the driver's status store knows them: partition, executor,
-        host, status and error. Only the barrier stage counts: the last stage of the group's
-        last job (earlier jobs and stages are the shuffle feeding it)."""
-        sc = self._frame.sparkSession.sparkContext
-        tracker, store = sc.statusTracker(), sc._jsc.sc().statusStore()
-        jobs = self._jobs(tracker)
-        if not jobs:
-            return []
-        stage_id = max(max(jobs, key=lambda j: j.jobId).stageIds)
-        stage = tracker.getStageInfo(stage_id)
-        tasks = store.taskList(stage_id, stage.currentAttemptId if stage else 0, 10_000)
-        out = []
-        for i in range(tasks.size()):
-            t = tasks.apply(i)
-            error = t.errorMessage()
-            out.append({"partition": t.index(), "executor": t.executorId(), "host": t.host(),
-                        "status": t.status(),
-                        "error": _spark_reason(error.get()) if error.isDefined() else None})
-        return out
+        host, status and error; None on Connect, which has no status store."""
+        tasks = session.group_last_stage_tasks(self._frame.sparkSession, self._group)
+        if tasks is None:
+            return None
+        return [dict(t, error=_spark_reason(t["error"]) if t["error"] else None)
+                for t in tasks]
 
     def explain(self, exc: WorkerLostError) -> None:
         """After a failure: stop the job, wait for its tasks to leave their slots, and fill
@@ -194,6 +178,8 @@ class BarrierJob:
             tasks = self.tasks()
         except Exception:  # noqa: BLE001 - the status store is best effort
             tasks = []
+        if tasks is None:  # Connect: what the job's exception says
+            tasks = _tasks_from_error(str(self.error or ""))
         failed = [t for t in tasks if t["status"] == "FAILED"]
         partition = exc.partition if exc.partition is not None else \
             (failed[0]["partition"] if failed else None)
@@ -204,14 +190,18 @@ class BarrierJob:
                 and not exc.reported:
             error = task["error"]  # Spark knows the root cause (a crash, a lost executor)
         exc.details = {"partition": partition, "executor": task["executor"] if task else None,
-                       "host": task["host"] if task else None, "error": error}
+                       "host": task["host"] if task and task["host"] else exc.host,
+                       "error": error}
 
     def wait_tasks_ended(self, timeout: float) -> bool:
         """After a failure: wait until no task of this job still runs (its slots are free)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if not any(t["status"] == "RUNNING" for t in self.tasks()):
+                tasks = self.tasks()
+                if tasks is None:  # Connect: the next job waits for the slots instead
+                    return self._done.wait(max(0.0, deadline - time.monotonic()))
+                if not any(t["status"] == "RUNNING" for t in tasks):
                     return True
             except Exception:  # noqa: BLE001 - the status store is best effort
                 return False
@@ -232,7 +222,7 @@ class BarrierJob:
         return self.rows
 
     def cancel(self) -> None:
-        self._frame.sparkSession.sparkContext.cancelJobGroup(self._group)
+        self._frame.sparkSession.interruptTag(self._group)
 
 
 _NOT_RETRYABLE = re.compile(r"cancelled job group|Job \d+ cancelled|SparkContext was shut down|"
@@ -242,6 +232,7 @@ _PYTHON_ERROR = re.compile(  # a Python error, module-qualified or not; no JVM c
     r"^(?!(?:org|java|javax|scala|py4j)\.)(?:[a-z_]\w*\.)*[A-Z]\w*"
     r"(Error|Exception|Exit|Interrupt)(: .*)?$")
 _FINAL_TASK = re.compile(r"FinalTaskError: (.*)")
+_LOST_TASK = re.compile(r"Lost task [\d.]+ in stage [\d.]+ \(TID \d+\) \((\S+) executor (\S+?)\)")
 _JVM_ERROR = re.compile(r"^:?\s*(?:org\.apache|java)\.[\w.$]*(?:Exception|Error): (.*)$")
 
 
@@ -257,3 +248,15 @@ def _spark_reason(text: str) -> str:
         if match and not match.group(1).startswith("Job aborted"):
             return match.group(1)[:2000]
     return text.strip()[:2000]
+
+
+def _tasks_from_error(text: str) -> list[dict]:
+    """The failed task as a job's exception names it (Connect has no status store): its
+    partition, and its host and executor where Spark's message says."""
+    failed = _FAILED_TASK.search(text)
+    if failed is None:
+        return []
+    lost = _LOST_TASK.search(text)
+    return [{"partition": int(failed.group(1)), "status": "FAILED",
+             "host": lost.group(1) if lost else None,
+             "executor": lost.group(2) if lost else None, "error": _spark_reason(text)}]

@@ -1,77 +1,122 @@
-"""Cluster checks before a fit starts (or restarts): slots, GPU settings, dynamic allocation,
-and the addresses the driver listens on and advertises."""
+"""Cluster checks before a fit starts (or restarts): GPU settings, dynamic allocation, task
+slots, and whether every executor reaches the address the driver's servers listen on; and
+those addresses. The same code for a classic session and a Spark Connect one (`session`)."""
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 
-from pyspark.sql import SparkSession
-
-from sparkdl_avg._errors import ClusterError
+from sparkdl_avg._errors import ClusterError, DataCacheError
+from sparkdl_avg.driver import session
 from sparkdl_avg.task.device import check_gpu_scheduling
 
+log = logging.getLogger("sparkdl_avg")
 SLOT_WAIT_S = 10.0
 """How long a fit waits for executors still registering."""
+PROBE_S = 30.0
+"""How long the probe job may take beyond waiting for slots (a cold cluster starts its Python
+workers)."""
 
 
-def driver_addresses(spark: SparkSession) -> tuple[str, str]:
-    """(bind, advertise): the coordinator listens where the driver binds and tells the executors
-    the host they already reach the driver at (they differ in containers: 0.0.0.0 vs a name)."""
-    conf = spark.sparkContext.getConf()
-    advertise = conf.get("spark.driver.host", "127.0.0.1")
-    return conf.get("spark.driver.bindAddress", None) or advertise, advertise
+@dataclass(frozen=True, slots=True)
+class DriverAddress:
+    """Where this process's servers listen (`bind`, `port`; 0: any free port) and the host
+    the executors are told to reach them at (`advertise`)."""
+
+    bind: str
+    advertise: str
+    port: int = 0
 
 
-def check_cluster(spark: SparkSession, num_workers: int, device: str,
-                  wait_s: float = SLOT_WAIT_S) -> int:
-    """Fail in seconds, with the numbers, where Spark would retry for minutes or hang. Waits
-    up to `wait_s` for executors still registering (or replacing a lost one)."""
-    sc = spark.sparkContext
-    conf = sc.getConf()
-    gpu_amount = float(conf.get("spark.task.resource.gpu.amount", "0"))
+def driver_address(spark, config) -> DriverAddress:
+    """`config.driver_address` if given; else `spark.driver.host` on a classic session, and on
+    Connect this process's address towards the Connect server (`session.client_address`).
+    A classic session binds where Spark's driver binds (containers: 0.0.0.0 behind a name);
+    a given or Connect address is bound as is where it is this machine's, else 0.0.0.0."""
+    host, port = config.driver_host_port()
+    if host is None and not session.is_connect(spark):
+        advertise = session.conf(spark, "spark.driver.host", "127.0.0.1")
+        bind = session.conf(spark, "spark.driver.bindAddress", None) or advertise
+        return DriverAddress(bind, advertise, port)
+    advertise = host or session.client_address(spark)
+    return DriverAddress(advertise if _is_local(advertise) else "0.0.0.0", advertise, port)
+
+
+def _is_local(host: str) -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S) -> None:
+    """Fail in seconds, with the numbers, where Spark would retry for minutes or hang, or the
+    tasks would wait out their connect timeout: GPU settings, dynamic allocation, slots for
+    `num_workers` tasks at once (waiting up to `wait_s` for executors still registering or
+    replacing a lost one), then one probe job (`probe_cluster`)."""
+    num_workers, device = config.num_workers, config.device
+    master = session.conf(spark, "spark.master", "")
+    gpu_amount = float(session.conf(spark, "spark.task.resource.gpu.amount", "0"))
     profile = training_profile(spark, device)
-    check_gpu_scheduling(sc.master, 1.0 if profile is not None else gpu_amount, device)
-    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+    gpus = 1.0 if profile is not None else gpu_amount
+    check_gpu_scheduling(master, gpus, device)
+    if session.conf(spark, "spark.dynamicAllocation.enabled", "false").lower() == "true":
         raise ClusterError("spark.dynamicAllocation.enabled=true: the training tasks run as one "
                            "barrier stage, which Spark refuses under dynamic allocation; "
                            "disable it for training")
-    deadline = time.monotonic() + wait_s
-    while True:
-        slots = _concurrent_slots(spark, profile)
+    local = master.startswith("local") and not master.startswith("local-cluster")
+    deadline = time.monotonic() + (0 if local else wait_s)  # a local master has all it gets
+    while (slots := session.concurrent_slots(spark, profile)) is not None:
         if slots >= num_workers or time.monotonic() > deadline:
             break
         time.sleep(0.5)  # executors of a just-started cluster are still registering
-    if slots < num_workers:
-        cpus = conf.get("spark.task.cpus", "1")
-        raise ClusterError(
-            f"num_workers={num_workers} but the cluster runs only {slots} tasks at once "
-            f"(master {sc.master}, spark.task.cpus={cpus}, "
-            f"GPUs a task {1 if profile is not None else gpu_amount:g}); all workers must run "
-            f"together, so lower num_workers to {max(slots, 1)} or add executors/cores"
-        )
-    return slots
+    if slots is not None and slots < num_workers:
+        raise _too_few_slots(spark, num_workers, gpus, f"runs only {slots} tasks at once")
+    from sparkdl_avg.driver.probe import probe_cluster
+
+    probe_cluster(spark, config, profile, driver_address(spark, config), wait_s + PROBE_S,
+                  too_few_slots=lambda s: _too_few_slots(spark, num_workers, gpus,
+                                                         f"did not run {num_workers} tasks at once "
+                                                         f"within {s:.0f}s"))
 
 
-def training_profile(spark: SparkSession, device: str):
+def _too_few_slots(spark, num_workers: int, gpus: float, what: str) -> ClusterError:
+    cpus = session.conf(spark, "spark.task.cpus", "1")
+    master = session.conf(spark, "spark.master", "?")
+    return ClusterError(
+        f"num_workers={num_workers} but the cluster {what} (master {master}, "
+        f"spark.task.cpus={cpus}, GPUs a task {gpus:g}); all workers must run together, so "
+        "lower num_workers or add executors/cores")
+
+
+def training_profile(spark, device: str):
     """A stage-level resource profile giving each training task one GPU, where executors
     have GPUs but tasks in general are not given any (`spark.task.resource.gpu.amount`
     unset): the GPUs then go to the training stage only, not to the validation and shuffle
     stages before it. None where the session's own settings already decide."""
-    conf = spark.sparkContext.getConf()
-    if device == "cpu" or float(conf.get("spark.task.resource.gpu.amount", "0")) > 0 \
-            or float(conf.get("spark.executor.resource.gpu.amount", "0")) <= 0:
+    cpus = session.conf(spark, "spark.task.cpus", "1")
+    if device == "cpu" or float(session.conf(spark, "spark.task.resource.gpu.amount", "0")) > 0 \
+            or float(session.conf(spark, "spark.executor.resource.gpu.amount", "0")) <= 0:
         return None
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
-    requests = TaskResourceRequests().cpus(int(conf.get("spark.task.cpus", "1"))) \
-        .resource("gpu", 1.0)
+    requests = TaskResourceRequests().cpus(int(cpus)).resource("gpu", 1.0)
     return ResourceProfileBuilder().require(requests).build
 
 
-def _concurrent_slots(spark: SparkSession, profile=None) -> int:
-    jsc = spark.sparkContext._jsc.sc()
-    manager = jsc.resourceProfileManager()
-    if profile is None:
-        return int(jsc.maxNumConcurrentTasks(manager.defaultResourceProfile()))
-    manager.addResourceProfile(profile._java_resource_profile)  # known before its stage runs
-    return int(jsc.maxNumConcurrentTasks(profile._java_resource_profile))
+def check_local_dirs(problems: dict[str, str], data_cache: str) -> None:
+    """A disk cache needs a usable local directory on every executor (`probe_cluster`)."""
+    if problems and data_cache == "disk":
+        where = "; ".join(f"{host}: {why}" for host, why in sorted(problems.items()))
+        raise DataCacheError(f"data_cache='disk' but no local directory on these executors "
+                             f"can hold spill files ({where}): point spark.local.dir "
+                             "(SPARK_LOCAL_DIRS) at a writable disk")
+    for host, why in problems.items():
+        log.warning("executor on %s has no usable local directory (%s): a partition too big "
+                    "for the memory cache would fail there", host, why)

@@ -12,9 +12,10 @@ from sparkdl_avg.task.load_report import LoadReport
 
 
 class LoadMonitor(Server):
-    def __init__(self, *, host: str, advertise: str, num_workers: int) -> None:
-        super().__init__(secret=new_secret(), host=host, max_connections=num_workers,
-                         name="load monitor")
+    def __init__(self, *, host: str, advertise: str, num_workers: int, port: int = 0,
+                 name: str = "load monitor") -> None:
+        super().__init__(secret=new_secret(), host=host, port=port,
+                         max_connections=num_workers, name=name)
         self.advertise, self.num_workers = advertise, num_workers
         self._loaded: dict[int, tuple[int, int, bool]] = {}
 

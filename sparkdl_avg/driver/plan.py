@@ -79,7 +79,7 @@ class TrainOutcome:
 def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, features_col,
               label_col: str, loss, resume: Resume | None = None) -> FitPlan:
     loss_fn, classify = make_loss(loss)
-    check_cluster(spark, config.num_workers, config.device)
+    check_cluster(spark, config)
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     model = build_model(model_fn)
     dtype = model_dtype(model)

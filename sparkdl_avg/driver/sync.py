@@ -24,7 +24,7 @@ from sparkdl_avg.driver.checkpoints import (
     target_store,
     writing,
 )
-from sparkdl_avg.driver.cluster import driver_addresses
+from sparkdl_avg.driver.cluster import driver_address
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
@@ -98,15 +98,16 @@ class _Attempt:
         plan, config, flat, point = self.plan, self.plan.config, self.flat, self.point
         waits = config.waits()
         secret = new_secret()
-        bind, advertise = driver_addresses(self.spark)
+        address = driver_address(self.spark, config)
         with Coordinator(
-            host=bind, advertise=advertise, num_workers=config.num_workers, secret=secret,
+            host=address.bind, port=address.port, advertise=address.advertise,
+            num_workers=config.num_workers, secret=secret,
             timeout=waits.round, dtype=flat.array.dtype, model_numel=flat.array.size,
             check_job=lambda wait_s: job.check(wait_s), tls=self.tls,
         ) as coord, BarrierJob.training(
             plan.data.frame, plan.worker_spec(coord.address, secret, self.tls_ca_pem),
             f"sparkdl-avg: train {config.num_workers} replicas from round {point.round}",
-            device=config.device,
+            config,
         ) as job:
             try:
                 coord.accept_workers(point.params, waits.connect, start_round=point.round,

@@ -24,14 +24,15 @@ class Sidecar:
     that state on the same port, where its workers reconnect."""
 
     def __init__(self, settings: ServerSettings, *, host: str, secret: bytes,
-                 checkpoint_dir: str | None = None) -> None:
+                 checkpoint_dir: str | None = None, port: int = 0) -> None:
         self._checkpoint_dir = checkpoint_dir
         self.restarts = 0
         self._args = ["--host", host, "--parent-pid", str(os.getpid()), *settings.to_argv()]
         self._secret = secret
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
-        self.port = 0
+        self.port = port
+        """Where the server listens: given, or (0) the one it picked, once it runs."""
 
     def __enter__(self) -> Sidecar:
         self._dir = tempfile.TemporaryDirectory(prefix="sparkdl-avg-ps-")
@@ -41,7 +42,7 @@ class Sidecar:
         with contextlib.suppress(FileNotFoundError):  # a previous fit's: never to be resumed
             os.remove(self.checkpoint_file)
         self._args += ["--checkpoint-file", self.checkpoint_file]
-        self._launch([])
+        self._launch(["--port", str(self.port)] if self.port else [])
         return self
 
     def alive(self, grace_s: float = 0.0) -> bool:

@@ -1,0 +1,101 @@
+"""One small barrier job before training answers everything the driver must know first, on
+either kind of session, so a cold fit pays for one job:
+
+- whether the cluster runs `num_workers` tasks at once (a barrier stage needs them all; on
+  Connect there is no other way to ask, and Spark's own slot check would retry for about ten
+  minutes, so the probe runs under a job tag interrupted at a deadline);
+- whether every executor reaches the address the driver's servers will listen on (a laptop
+  talking to a remote cluster must hear so in seconds, not after the connect timeout);
+- whether each executor has a local directory for spill files (`data_cache="disk"`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from functools import partial
+
+from sparkdl_avg._errors import ClusterError
+from sparkdl_avg.driver.load_monitor import LoadMonitor
+
+
+def probe_cluster(spark, config, profile, address, deadline_s: float, *,
+                  too_few_slots) -> None:
+    """Run the probe job (`task.probe`) on `config.num_workers` barrier tasks; raise a
+    ClusterError naming the problem, `too_few_slots(deadline_s)` if the tasks did not all run
+    within `deadline_s`."""
+    from sparkdl_avg.driver.cluster import check_local_dirs
+    from sparkdl_avg.task.probe import SCHEMA, probe_task
+
+    n = config.num_workers
+    server = LoadMonitor(host=address.bind, advertise=address.advertise, num_workers=n,
+                         port=address.port, name="probe server")
+    try:
+        server.start()
+    except OSError as exc:
+        raise ClusterError(f"cannot listen on {address.bind}:{address.port} for the "
+                           f"executors: {exc}; choose another driver_address") from exc
+    try:
+        fn = partial(probe_task, server.reachable_at, server.secret)
+        frame = spark.range(n, numPartitions=n)
+        job = _TaggedJob(spark, lambda: frame.mapInArrow(fn, SCHEMA, barrier=True,
+                                                         profile=profile).collect())
+        rows = job.run(deadline_s)
+    finally:
+        server.close()
+    if rows is None:
+        raise too_few_slots(deadline_s)
+    unreachable = [r for r in rows if r["unreachable"]]
+    if unreachable:
+        where = "; ".join(f"partition {r['partition']} on {r['host']}: {r['unreachable']}"
+                          for r in unreachable[:4])
+        host, port = server.reachable_at
+        raise ClusterError(
+            f"{len(unreachable)} of {n} executors cannot reach this process at {host}:{port} "
+            f"({where}). The averaging runs here, so the executors must reach it: set "
+            "TrainConfig(driver_address=...) to an address of this machine they can reach "
+            "(host, or host:port for a port the firewall opens), or run this client where "
+            "they can reach it (a Databricks notebook runs on the driver node; a laptop "
+            "outside the cluster's network cannot host the averaging)")
+    check_local_dirs({r["host"]: r["local_dirs"] for r in rows if r["local_dirs"]},
+                     config.data_cache)
+
+
+class _TaggedJob:
+    """`action()` in a thread of its own whose Spark jobs carry a fresh tag, so a deadline can
+    interrupt them on either kind of session (tags are per thread)."""
+
+    def __init__(self, spark, action) -> None:
+        self._spark, self._action = spark, action
+        self._tag = f"sparkdl-avg-probe-{uuid.uuid4().hex[:12]}"
+        self._rows, self._error = None, None
+
+    def _run(self) -> None:
+        try:
+            self._spark.addTag(self._tag)
+            self._rows = [row.asDict() for row in self._action()]
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            self._error = exc
+        finally:
+            with contextlib.suppress(Exception):  # the thread ends anyway
+                self._spark.removeTag(self._tag)
+
+    def run(self, deadline_s: float) -> list[dict] | None:
+        """The rows; None if the deadline passed first (the job is interrupted)."""
+        thread = threading.Thread(target=self._run, name="sparkdl-avg-probe", daemon=True)
+        thread.start()
+        thread.join(deadline_s)
+        if thread.is_alive():
+            # A job still waiting for its barrier slots is not running yet, so the interrupt
+            # may only reach it at Spark's next slot check; the fit need not wait for that.
+            self._spark.interruptTag(self._tag)
+            thread.join(5)
+            return None
+        if self._error is not None:
+            from sparkdl_avg.driver.barrier import _spark_reason
+
+            raise ClusterError(f"the probe job before training failed (is sparkdl-avg, with "
+                               f"this version, installed on the executors?): "
+                               f"{_spark_reason(str(self._error))}") from self._error
+        return self._rows

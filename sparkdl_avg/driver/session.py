@@ -1,0 +1,104 @@
+"""What differs between a classic SparkSession and a Spark Connect one, all in one place.
+
+The rest of the driver uses what both kinds offer: `spark.conf`, DataFrames, barrier
+`mapInArrow`, job tags (`addTag` in the thread that runs a job, `interruptTag` to stop it) and
+the job's own exception. A classic session also has the SparkContext: the exact number of
+task slots, and the status tracker and store (job progress, each task's executor and host).
+Here those are answered where there is a SparkContext, and None on Connect, where callers
+fall back to a probe job and the job's exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+
+
+def is_connect(spark) -> bool:
+    """By the session object's class, not `is_remote()` (a flag for the whole process)."""
+    try:
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+    except ImportError:  # Connect's client libraries are missing: this is not a Connect one
+        return False
+    return isinstance(spark, ConnectSession)
+
+
+def conf(spark, key: str, default: str | None = None) -> str | None:
+    """A Spark setting as the session sees it (the server's, on Connect)."""
+    return spark.conf.get(key, default)
+
+
+def client_address(spark) -> str | None:
+    """On Connect: this process's own address on the route to the Connect server, which is
+    where the server's executors can best hope to reach it (the driver node's address for a
+    Databricks notebook). None on a classic session."""
+    if not is_connect(spark):
+        return None
+    server = spark.client.host
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((server, 9))  # UDP: no packet is sent, the kernel only picks a route
+        return s.getsockname()[0]
+    return "127.0.0.1" if server in ("localhost", "127.0.0.1") else socket.gethostname()
+
+
+def concurrent_slots(spark, profile=None) -> int | None:
+    """How many tasks (of `profile`, else the default profile) the cluster runs at once;
+    on Connect, only a local master's (`local[N]`) is known, else None."""
+    if is_connect(spark):
+        match = re.fullmatch(r"local(?:\[(\d+)(?:,\s*\d+)?\])?", conf(spark, "spark.master", ""))
+        if match is None or profile is not None:
+            return None
+        cpus = int(conf(spark, "spark.task.cpus", "1"))
+        return int(match.group(1) or 1) // cpus
+    jsc = spark.sparkContext._jsc.sc()
+    manager = jsc.resourceProfileManager()
+    if profile is None:
+        return int(jsc.maxNumConcurrentTasks(manager.defaultResourceProfile()))
+    manager.addResourceProfile(profile._java_resource_profile)  # known before its stage runs
+    return int(jsc.maxNumConcurrentTasks(profile._java_resource_profile))
+
+
+def set_job_group(spark, group: str, description: str) -> None:
+    """Classic only: the job group the status tracker finds a job's stages by."""
+    if not is_connect(spark):
+        spark.sparkContext.setJobGroup(group, description, interruptOnCancel=True)
+
+
+def group_tasks_done(spark, group: str) -> tuple[int, int] | None:
+    """(done, all) tasks of the job group's stages so far; None on Connect."""
+    if is_connect(spark):
+        return None
+    tracker = spark.sparkContext.statusTracker()
+    stages = [tracker.getStageInfo(s) for j in _jobs(tracker, group) for s in j.stageIds]
+    stages = [s for s in stages if s is not None]
+    return sum(s.numCompletedTasks for s in stages), sum(s.numTasks for s in stages)
+
+
+def group_last_stage_tasks(spark, group: str) -> list[dict] | None:
+    """The tasks of the group's last stage (a barrier job's own stage; earlier jobs and stages
+    are the shuffle feeding it) as the status store knows them: partition, executor, host,
+    status and the raw error. None on Connect."""
+    if is_connect(spark):
+        return None
+    sc = spark.sparkContext
+    tracker, store = sc.statusTracker(), sc._jsc.sc().statusStore()
+    jobs = _jobs(tracker, group)
+    if not jobs:
+        return []
+    stage_id = max(max(jobs, key=lambda j: j.jobId).stageIds)
+    stage = tracker.getStageInfo(stage_id)
+    tasks = store.taskList(stage_id, stage.currentAttemptId if stage else 0, 10_000)
+    out = []
+    for i in range(tasks.size()):
+        t = tasks.apply(i)
+        error = t.errorMessage()
+        out.append({"partition": t.index(), "executor": t.executorId(), "host": t.host(),
+                    "status": t.status(), "error": error.get() if error.isDefined() else None})
+    return out
+
+
+def _jobs(tracker, group: str) -> list:
+    """The job group's jobs Spark still knows, those with stages."""
+    jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup(group)]
+    return [j for j in jobs if j is not None and len(j.stageIds)]
