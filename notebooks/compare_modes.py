@@ -7,8 +7,9 @@
 # MAGIC compensation (DC-ASGD). Every run logs the same parameters and its metrics by round,
 # MAGIC so MLflow's run comparison lines them up column by column.
 # MAGIC
-# MAGIC Cluster and install: as in the quickstart (Spark 4.1+, dedicated access mode, the wheel
-# MAGIC from a Volume).
+# MAGIC Cluster and install: as in the quickstart (Spark 4.3+, dedicated or standard access
+# MAGIC mode, the wheel from a Volume). CI runs this notebook on a classic session only; the
+# MAGIC quickstart also runs on Spark Connect.
 
 # COMMAND ----------
 

@@ -6,8 +6,12 @@
 # MAGIC replica on its partition (on its GPU when it has one), and every few minibatches the
 # MAGIC driver averages the replicas. The run lands in this notebook's MLflow experiment.
 # MAGIC
-# MAGIC Needs a cluster with Spark 4.1+ (Databricks Runtime with it) in dedicated (single user)
-# MAGIC access mode, with autoscaling off: training runs as one barrier stage. The next cell
+# MAGIC Needs a cluster with Spark 4.3+ (Databricks Runtime with it), with autoscaling off:
+# MAGIC training runs as one barrier stage. Either access mode works: dedicated (a classic
+# MAGIC session) or standard (a Spark Connect session); this notebook runs unchanged in our CI on
+# MAGIC both kinds of session (a local Spark and a Spark Connect server), not on Databricks
+# MAGIC itself. The driver node hosts the averaging, so the executors must reach it: they do on
+# MAGIC a Databricks cluster. The next cell
 # MAGIC installs the wheel you built (`pip wheel --no-deps . -w dist`) and uploaded to a
 # MAGIC Volume; change the path to yours.
 

@@ -1,5 +1,6 @@
-"""Test layers: pure tests need nothing; `spark` tests share one local[2] session; tests marked
-`cluster` use the session's standalone cluster or start their own processes. MLflow logs to a
+"""Test layers: pure tests need nothing; `spark` tests share one local[2] session (a Spark
+Connect one in the process test_connect starts); tests marked `cluster` use the session's
+standalone cluster or start their own processes. MLflow logs to a
 throwaway sqlite store per session."""
 
 from __future__ import annotations
@@ -31,10 +32,21 @@ def mlflow_store(tmp_path_factory):
         os.environ["MLFLOW_TRACKING_URI"] = old
 
 
+CONNECT_URL = os.environ.get("SPARKDL_AVG_TEST_CONNECT")
+"""Set by test_connect for the pytest process it starts: `spark` is then a Spark Connect
+session to that server, and the tests it runs (test_sessions, the quickstart notebook) run
+on Connect."""
+
+
 @pytest.fixture(scope="session")
 def spark():
     from pyspark.sql import SparkSession
 
+    if CONNECT_URL:
+        session = SparkSession.builder.remote(CONNECT_URL).getOrCreate()
+        yield session
+        session.stop()
+        return
     session = (
         SparkSession.builder.master("local[2]")
         .appName("sparkdl-avg-tests")

@@ -133,3 +133,12 @@ def test_the_readme_table_lists_every_field_with_its_mode():
     for name, mode in rows.items():
         expected = "sync" if name in SYNC_ONLY else "async" if name in ASYNC_ONLY else "both"
         assert mode == expected, name
+
+
+@pytest.mark.parametrize("value", ["", ":5", "h:", "h:x", "h:0", "h:70000", 5])
+def test_a_driver_address_is_a_host_or_host_and_port(value):
+    with pytest.raises(ConfigError, match="driver_address=.* must be 'host' or 'host:port'"):
+        TrainConfig(driver_address=value)
+    assert TrainConfig(driver_address="10.0.0.7").driver_host_port() == ("10.0.0.7", 0)
+    assert TrainConfig(driver_address="node-1:7100").driver_host_port() == ("node-1", 7100)
+    assert TrainConfig().driver_host_port() == (None, 0)

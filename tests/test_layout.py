@@ -114,3 +114,10 @@ def test_server_command_line_imports_neither_pyspark_nor_torch(tmp_path):
         imported = _cli_imports(command, tmp_path)
         assert "sparkdl_avg" in imported
         assert not imported & {"pyspark", "torch", "mlflow", "py4j"}, command
+
+
+def test_only_the_session_module_touches_what_spark_connect_lacks():
+    """A Connect session has no SparkContext: `driver/session.py` answers for both kinds."""
+    users = {name for name, path in modules().items()
+             if any(word in path.read_text() for word in ("sparkContext", "_jsc", "_jvm"))}
+    assert users == {"sparkdl_avg.driver.session"}

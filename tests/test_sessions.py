@@ -1,0 +1,153 @@
+"""The representative tests, run on both kinds of session: here on the classic local[2] one,
+and by test_connect in a pytest process of its own whose `spark` is a Spark Connect session
+(conftest). A sync fit on Connect must give the classic one's parameters bit for bit: the
+classic result comes in SPARKDL_AVG_TEST_REFERENCE."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from faulty import FaultyMLP, dataset, latest_run, same_parameters
+
+from sparkdl_avg import ClusterError, DataError, TrainConfig, fit
+from sparkdl_avg.driver import session as session_kind
+
+pytestmark = pytest.mark.spark
+SYNC = TrainConfig(num_workers=2, epochs=2, batch_size=15, averaging_frequency=2,
+                   optimizer="adam", lr=0.01, seed=5, log_model=False,
+                   experiment_name="sessions")
+REFERENCE = os.environ.get("SPARKDL_AVG_TEST_REFERENCE")
+
+
+@pytest.fixture(scope="module")
+def data(spark):
+    return dataset(spark).cache()
+
+
+def sync_fit(data, **kwargs):
+    return fit(data, FaultyMLP, SYNC, eval_df=data, **kwargs)
+
+
+def parameters(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def test_the_session_kind_is_told_by_the_session_object(spark):
+    assert session_kind.is_connect(spark) == bool(os.environ.get("SPARKDL_AVG_TEST_CONNECT"))
+
+
+@pytest.fixture(scope="module")
+def synced(data):
+    return sync_fit(data)
+
+
+def test_a_sync_fit_with_eval_df_learns_and_matches_the_classic_one_bit_for_bit(synced):
+    assert synced.history[-1]["eval_accuracy"] > 0.6
+    assert [w["partition"] for w in synced.workers] == [0, 1]
+    if REFERENCE:
+        with np.load(REFERENCE) as reference:
+            mine = parameters(synced.model)
+            assert sorted(reference.files) == sorted(mine)
+            for name, value in mine.items():
+                assert np.array_equal(reference[name], value), name
+
+
+def test_an_async_fit_trains_and_returns_the_servers_model(data):
+    result = fit(data, FaultyMLP, TrainConfig(mode="async", num_workers=2, epochs=2,
+                                              batch_size=15, lr=0.05, log_model=False,
+                                              experiment_name="sessions"), eval_df=data)
+    assert result.history and result.history[-1]["eval_accuracy"] > 0.5
+    assert not same_parameters(result.model, FaultyMLP())  # it trained
+
+
+def test_transform_and_predict_udf_score_as_the_model_does(synced, data):
+    local = data.toPandas()
+    with torch.no_grad():
+        features = torch.tensor(np.stack(local["features"]), dtype=torch.float32)
+        expected = synced.model(features).argmax(1).numpy()
+    scored = synced.transform(data).toPandas()
+    assert np.array_equal(scored["prediction"].to_numpy(), expected)
+    column = data.select(synced.predict_udf(batch_size=7)("features").alias("p")).toPandas()
+    assert np.array_equal(column["p"].to_numpy(), expected)
+
+
+def test_bad_input_is_refused_before_training_with_a_failed_run(data, mlflow_client):
+    with pytest.raises(DataError, match=r"no column 'feature'.*did you mean 'features'"):
+        fit(data, FaultyMLP, SYNC, features_col="feature")
+    assert latest_run(mlflow_client, "sessions").info.status == "FAILED"
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match=r"num_workers=3 but the cluster"):
+        fit(data, FaultyMLP, TrainConfig(num_workers=3, batch_size=15, log_model=False,
+                                         experiment_name="sessions"))
+    assert time.monotonic() - started < 30
+
+
+def test_a_task_failure_is_restarted_to_the_same_parameters(synced, data, tmp_path):
+    result = fit(data, partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired")),
+                 replace(SYNC, checkpoint_every=3), eval_df=data)
+    [failure] = result.failures
+    assert failure["partition"] == 1 and failure["host"]
+    assert "ValueError: injected failure in forward" in failure["error"]
+    assert same_parameters(result.model, synced.model)
+
+
+def test_resume_from_a_directory_continues_to_the_same_parameters(synced, data, tmp_path):
+    folder = str(tmp_path / "ckpt")
+    fit(data, FaultyMLP, replace(SYNC, epochs=1, checkpoint_dir=folder), eval_df=data)
+    resumed = fit(data, FaultyMLP, replace(SYNC, checkpoint_dir=folder),
+                  eval_df=data, resume_from=folder)
+    assert same_parameters(resumed.model, synced.model)
+
+
+def test_executors_that_cannot_reach_the_client_are_named_in_seconds(data, mlflow_client):
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match=r"2 of 2 executors cannot reach this process at "
+                                           r"nowhere\.invalid:\d+ .*driver_address"):
+        fit(data, FaultyMLP, replace(SYNC, driver_address="nowhere.invalid"))
+    assert time.monotonic() - started < 20
+    assert latest_run(mlflow_client, "sessions").info.status == "FAILED"
+
+
+def test_a_probe_job_without_its_slots_is_interrupted_at_its_deadline(spark):
+    """Spark's own barrier slot check would retry for about ten minutes."""
+    from sparkdl_avg.driver.cluster import driver_address
+    from sparkdl_avg.driver.probe import probe_cluster
+
+    config = TrainConfig(num_workers=3)
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match="too few"):
+        probe_cluster(spark, config, None, driver_address(spark, config), 3.0,
+                      too_few_slots=lambda s: ClusterError(f"too few after {s}s"))
+    assert time.monotonic() - started < 20
+    assert spark.range(4).count() == 4  # the interrupted job left the session usable
+
+
+def test_the_driver_address_is_chosen_for_the_session_kind_or_given(spark):
+    from sparkdl_avg.driver.cluster import driver_address
+
+    chosen = driver_address(spark, TrainConfig())
+    # classic: spark.driver.host; Connect: this process's address towards the server, which
+    # is loopback here
+    assert (chosen.bind, chosen.advertise, chosen.port) == ("127.0.0.1", "127.0.0.1", 0)
+    given = driver_address(spark, TrainConfig(driver_address="127.0.0.1:7123"))
+    assert (given.bind, given.advertise, given.port) == ("127.0.0.1", "127.0.0.1", 7123)
+    elsewhere = driver_address(spark, TrainConfig(driver_address="nowhere.invalid"))
+    assert (elsewhere.bind, elsewhere.advertise) == ("0.0.0.0", "nowhere.invalid")
+
+
+def test_a_fit_listens_on_the_port_it_is_given(data):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        config = replace(SYNC, epochs=1, driver_address=f"127.0.0.1:{port}")
+        with pytest.raises(ClusterError, match=f"cannot listen on 127.0.0.1:{port}"):
+            fit(data, FaultyMLP, config)
+    result = fit(data, FaultyMLP, config)  # the probe server, then the coordinator, on it
+    assert result.history
