@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sparkdl_avg._errors import ConfigError
-from sparkdl_avg.net.messages import MAX_WORKERS
+from sparkdl_avg.net.message_base import MAX_WORKERS
 from sparkdl_avg.ps.settings import check_rule
 
 OptimizerName = Literal["sgd", "adam"]

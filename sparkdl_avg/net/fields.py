@@ -17,7 +17,7 @@ import numpy as np
 from sparkdl_avg._errors import ProtocolError
 
 if TYPE_CHECKING:
-    from sparkdl_avg.net.messages import Message
+    from sparkdl_avg.net.message_base import Message
 
 MAX_NUMBER = 2 ** 53
 """No number on the wire is larger in magnitude (integers stay exact as floats)."""

@@ -2,64 +2,34 @@
 sends is validated once, in one place, before anyone acts on it; a frame that does not fit is
 refused with a `ProtocolError` whose reason is "malformed".
 
-`send`, `receive` and `expect` move messages over a `frames.Connection`. A payload (raw
-tensor bytes) travels beside a message; `PAYLOAD` says whether a kind must carry one.
+The parameter server's kinds live in `ps_messages` and are re-exported here, so every kind is
+`messages.<Name>`. `send`, `receive` and `expect` move messages over a `frames.Connection`. A
+payload (raw tensor bytes) travels beside a message; `PAYLOAD` says whether a kind must carry
+one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any
 
 from sparkdl_avg._errors import REASONS, PeerRefused, ProtocolError, Unacceptable
 from sparkdl_avg.net import fields
 from sparkdl_avg.net.fields import check_tensor, finite_or_none, into_checked, tensor  # noqa: F401
 from sparkdl_avg.net.frames import Connection, Kind
-
-M = TypeVar("M", bound="Message")
-MAX_WORKERS = 4096
-MAX_FINISHED_WAIT_S = 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """Fields are checked against their annotations (int, float, bool, str, dict, list and
-    `| None`; floats finite, integers within `MAX_NUMBER`), then by the kind's own
-    `check`."""
-
-    KIND: ClassVar[Kind | None] = None
-    PAYLOAD: ClassVar[bool | None] = False
-    """True: must carry a payload; False: must not; None: may."""
-
-    def __post_init__(self) -> None:
-        for name, expected in fields.hints(type(self)).items():
-            value = getattr(self, name)
-            if not fields.matches(value, expected):
-                raise ProtocolError(f"{type(self).__name__}.{name} must be "
-                                    f"{fields.type_name(expected)}, got {value!r}"[:500])
-        self.check()
-
-    def check(self) -> None:
-        """Checks beyond the types (ranges, codes); raise `invalid(...)`."""
-
-    def invalid(self, why: str) -> ProtocolError:
-        return ProtocolError(f"malformed {type(self).__name__}: {why}"[:500])
-
-    def to_meta(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_meta(cls: type[M], meta: dict[str, Any]) -> M:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(meta) - names)
-        if unknown:
-            raise ProtocolError(f"{cls.__name__} has no fields {unknown}"[:500])
-        try:
-            return cls(**meta)
-        except TypeError as exc:  # a required field is missing
-            raise ProtocolError(f"malformed {cls.__name__}: {exc}"[:500]) from None
-
+from sparkdl_avg.net.message_base import MAX_FINISHED_WAIT_S, MAX_WORKERS, M, Message  # noqa: F401
+from sparkdl_avg.net.ps_messages import (  # noqa: F401
+    Ack,
+    Evaluate,
+    Finished,
+    Init,
+    Params,
+    Pull,
+    ServerHello,
+    Settings,
+    Stats,
+    Update,
+)
 
 # --- the handshake (see `auth`) ----------------------------------------------------------
 
@@ -211,141 +181,6 @@ class WorkerFailed(Message):
     KIND = Kind.FAILED
     message: str
     final: bool = False
-
-
-# --- the parameter server ----------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class ServerHello(Message):
-    """A parameter-server client introduces itself in its AUTH; -1 is the driver."""
-
-    worker: int
-
-    def check(self) -> None:
-        if not -1 <= self.worker < MAX_WORKERS:
-            raise self.invalid(f"worker id {self.worker}")
-
-
-@dataclass(frozen=True, slots=True)
-class Init(Message):
-    """The driver (re)starts the server from the payload's parameters, expecting workers
-    0..workers-1, and names the settings the fit needs the server to have."""
-
-    KIND = Kind.INIT
-    PAYLOAD = True
-    dtype: str
-    numel: int
-    workers: int
-    expect: dict
-
-    def check(self) -> None:
-        if not 0 <= self.workers <= MAX_WORKERS:
-            raise self.invalid(f"workers {self.workers}")
-        fields.payload_description(self)
-
-
-@dataclass(frozen=True, slots=True)
-class Settings(Message):
-    """The server's answer to INIT: its settings (`ps.settings.ServerSettings.to_dict`)."""
-
-    KIND = Kind.SETTINGS
-    settings: dict
-
-
-@dataclass(frozen=True, slots=True)
-class Pull(Message):
-    KIND = Kind.PULL
-    evaluate: bool = False
-    """The snapshot of the request in `Ack.evaluate`: no read for the staleness bound."""
-
-
-@dataclass(frozen=True, slots=True)
-class Params(Message):
-    """The server's parameters; `progress`: the puller's steps the server has applied."""
-
-    KIND = Kind.PARAMS
-    PAYLOAD = True
-    version: int
-    """The updates applied to these parameters."""
-    progress: int
-    dtype: str
-    numel: int
-    evaluate: int | None = None
-    """The evaluation request these parameters are the snapshot of; None: the current ones."""
-
-    def check(self) -> None:
-        fields.request_id(self, self.evaluate)
-        fields.payload_description(self)
-
-
-@dataclass(frozen=True, slots=True)
-class Update(Message):
-    """A worker's accumulated update (w <- w - update by the server's rule). `steps`: the
-    worker's local steps including this update (where it resumes after a restart)."""
-
-    KIND = Kind.UPDATE
-    PAYLOAD = True
-    dtype: str
-    numel: int
-    samples: int = 0
-    loss_sum: float | None = 0.0
-    """None: not finite."""
-    steps: int | None = None
-
-    def check(self) -> None:
-        if self.samples < 0 or (self.steps is not None and self.steps < 0):
-            raise self.invalid(f"samples {self.samples}, steps {self.steps}")
-        fields.payload_description(self)
-
-
-@dataclass(frozen=True, slots=True)
-class Ack(Message):
-    """The server's answer to an UPDATE, an EVAL or a FINISHED."""
-
-    KIND = Kind.ACK
-    applied: int
-    """The updates the server has applied."""
-    staleness: int = 0
-    """Of the acknowledged update: updates applied since the worker last pulled."""
-    evaluate: int | None = None
-    """An evaluation request the worker has yet to answer (`Pull(evaluate=True)`, EVAL)."""
-    done: bool = False
-    """To a FINISHED: the worker has answered the final evaluation (or none will come)."""
-
-    def check(self) -> None:
-        fields.request_id(self, self.evaluate)
-
-
-@dataclass(frozen=True, slots=True)
-class Stats(Message):
-    """Asked for with no report; answered with the server's counters (also to EVALUATE)."""
-
-    KIND = Kind.STATS
-    report: dict | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Evaluate(Message):
-    """The driver asks the workers to evaluate the server's current parameters: the server
-    keeps a copy under a new request id, which its STATS answer (taken at the same moment)
-    names under evaluations.pending."""
-
-    KIND = Kind.EVALUATE
-
-
-@dataclass(frozen=True, slots=True)
-class Finished(Message):
-    """A worker has pushed its last update and waits for evaluation requests, up to the
-    final one (made once every worker is finished). The server holds the answer (an ACK)
-    for up to `wait_s` seconds until there is a request for it or it may end."""
-
-    KIND = Kind.FINISHED
-    wait_s: float
-
-    def check(self) -> None:
-        fields.durations(self, "wait_s")
-        if self.wait_s > MAX_FINISHED_WAIT_S:
-            raise self.invalid(f"wait_s={self.wait_s} exceeds {MAX_FINISHED_WAIT_S:g}")
 
 
 MESSAGES: dict[Kind, type[Message]] = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from sparkdl_avg.net.messages import Message
+from sparkdl_avg.net.message_base import Message
 
 REPORT_EVERY_S = 2.0
 _TIMEOUT_S = 5.0
