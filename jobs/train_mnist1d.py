@@ -47,6 +47,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cache-budget-mb", type=int, default=512,
                    help="largest partition a task keeps in memory under --data-cache auto")
     p.add_argument("--shuffle-buffer-mb", type=int, default=64, help="the shuffle window")
+    p.add_argument("--lr-schedule", choices=["cosine", "linear"], help="default: constant lr")
+    p.add_argument("--warmup-steps", type=int, default=0, help="optimizer steps of warmup")
+    p.add_argument("--grad-clip-norm", type=float, help="clip the gradients' global norm")
+    p.add_argument("--grad-accumulation", type=int, default=1,
+                   help="micro-batches (of --batch-size) per optimizer step")
+    p.add_argument("--precision", choices=["bf16", "fp16"], help="autocast (fp16: CUDA only)")
+    p.add_argument("--early-stopping-patience", type=int,
+                   help="stop after this many evaluations without a better eval_loss, and "
+                        "return the best evaluation's model")
     return p.parse_args(argv)
 
 
@@ -57,7 +66,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    from sparkdl_avg import TrainConfig, fit
+    from sparkdl_avg import EarlyStopping, TrainConfig, fit
     from sparkdl_avg.examples import mnist1d
 
     per_mode = {name: getattr(args, name) for name in (
@@ -73,6 +82,11 @@ def main(argv: list[str]) -> int:
         log_model=not args.no_log_model, max_failures=args.max_failures,
         checkpoint_dir=args.checkpoint_dir, data_cache=args.data_cache,
         cache_budget_mb=args.cache_budget_mb, shuffle_buffer_mb=args.shuffle_buffer_mb,
+        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+        grad_clip_norm=args.grad_clip_norm, grad_accumulation=args.grad_accumulation,
+        precision=args.precision,
+        early_stopping=EarlyStopping(patience=args.early_stopping_patience)
+        if args.early_stopping_patience else None,
         **per_mode)
     builder = SparkSession.builder.appName("sparkdl-avg-mnist1d")
     if args.master:

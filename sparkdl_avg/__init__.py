@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sparkdl_avg._config import TrainConfig
+from sparkdl_avg._controls import EarlyStopping
 from sparkdl_avg._errors import (
     ClusterError,
     ConfigError,
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigError",
     "DataCacheError",
     "DataError",
+    "EarlyStopping",
     "FitResult",
     "ModelError",
     "ProtocolError",

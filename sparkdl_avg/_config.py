@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from sparkdl_avg._checks import require_float, require_int
+from sparkdl_avg._controls import EarlyStopping, check_controls
 from sparkdl_avg._errors import ConfigError
 from sparkdl_avg.net.message_base import MAX_WORKERS
 from sparkdl_avg.ps.settings import check_rule
@@ -17,6 +18,8 @@ OptimizerName = Literal["sgd", "adam"]
 Mode = Literal["sync", "async"]
 Device = Literal["auto", "cpu", "cuda"]
 DataCache = Literal["auto", "memory", "disk"]
+LrSchedule = Literal["cosine", "linear"]
+Precision = Literal["bf16", "fp16"]
 
 _OPTIMIZERS = typing.get_args(OptimizerName)
 _DEVICES = typing.get_args(Device)
@@ -84,6 +87,32 @@ class TrainConfig:
 
     weight_decay: float = 0.0
     """L2 weight decay of the built-in optimizers."""
+
+    lr_schedule: LrSchedule | Callable[[Any], Any] | None = None
+    """None: a constant lr. "cosine": lr * (1 + cos(pi t / T)) / 2 at optimizer step t after
+    warmup, T the optimizer steps after warmup; "linear": lr * (1 - t / T). Or a picklable
+    callable `optimizer -> torch.optim.lr_scheduler.LRScheduler`, stepped after every
+    optimizer step. Every replica follows it identically; async pushes carry their lr."""
+
+    warmup_steps: int = 0
+    """The first this many optimizer steps take lr * (t + 1) / warmup_steps, then the
+    schedule (built-in schedules and None only)."""
+
+    grad_clip_norm: float | None = None
+    """Clip the gradients' global norm to this before every optimizer step."""
+
+    grad_accumulation: int = 1
+    """Micro-batches of batch_size per optimizer step, their gradients averaged by sample
+    count (an epoch's last group may be short). averaging_frequency, push_every and
+    fetch_every count optimizer steps."""
+
+    precision: Precision | None = None
+    """None: the model's own dtype. "bf16" or "fp16": autocast, while parameters, optimizer
+    state and averaging keep the model's dtype; "fp16" adds a gradient scaler and needs
+    CUDA."""
+
+    early_stopping: EarlyStopping | None = None
+    """Stop once the evaluations stop improving (needs eval_df): see `EarlyStopping`."""
 
     average_optimizer_state: bool = False
     """Sync: also average optimizer state (momentum buffers, Adam moments) at every round."""
@@ -239,14 +268,14 @@ class TrainConfig:
                     f"({f.default!r})")
         for name in ("num_workers", "epochs", "batch_size", "averaging_frequency", "eval_every",
                      "push_every"):
-            _require_int(name, getattr(self, name), minimum=1)
+            require_int(name, getattr(self, name), minimum=1)
         if self.num_workers > MAX_WORKERS:
             raise ConfigError(f"num_workers={self.num_workers}: at most {MAX_WORKERS}")
         for name in ("max_failures", "checkpoint_every", "ps_checkpoint_every", "seed"):
-            _require_int(name, getattr(self, name), minimum=0)
+            require_int(name, getattr(self, name), minimum=0)
         self._check_cache()
         if self.eval_batch_size is not None:
-            _require_int("eval_batch_size", self.eval_batch_size, minimum=1)
+            require_int("eval_batch_size", self.eval_batch_size, minimum=1)
         if self.driver_address is not None:
             self.driver_host_port()
         if self.checkpoint_dir is not None and (
@@ -261,18 +290,19 @@ class TrainConfig:
                 )
         elif not callable(self.optimizer):
             raise ConfigError(f"optimizer must be a name or a callable, got {self.optimizer!r}")
-        _require_float("lr", self.lr, positive=True)
-        _require_float("momentum", self.momentum)
-        _require_float("weight_decay", self.weight_decay)
+        require_float("lr", self.lr, positive=True)
+        require_float("momentum", self.momentum)
+        require_float("weight_decay", self.weight_decay)
         if self.momentum >= 1:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        _require_float("round_timeout", self.round_timeout, positive=True)
+        require_float("round_timeout", self.round_timeout, positive=True)
         for name in ("connect_timeout", "reply_timeout", "finish_timeout", "reconnect_timeout"):
             if getattr(self, name) is not None:
-                _require_float(name, getattr(self, name), positive=True)
+                require_float(name, getattr(self, name), positive=True)
         if self.device not in _DEVICES:
             raise ConfigError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
         self._check_async()
+        check_controls(self)
         for name in ("tls_cert", "tls_key", "tls_ca"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -289,8 +319,8 @@ class TrainConfig:
         if self.data_cache not in _CACHES:
             raise ConfigError(f"data_cache={self.data_cache!r} is not supported; use one of "
                               f"{_CACHES}")
-        _require_int("cache_budget_mb", self.cache_budget_mb, minimum=1)
-        _require_int("shuffle_buffer_mb", self.shuffle_buffer_mb, minimum=1)
+        require_int("cache_budget_mb", self.cache_budget_mb, minimum=1)
+        require_int("shuffle_buffer_mb", self.shuffle_buffer_mb, minimum=1)
         if self.data_cache != "memory" and self.shuffle_buffer_mb > self.cache_budget_mb:
             raise ConfigError(
                 f"shuffle_buffer_mb={self.shuffle_buffer_mb} is more than cache_budget_mb="
@@ -300,16 +330,16 @@ class TrainConfig:
     def _check_async(self) -> None:
         check_rule(self.algorithm, self.dc_lambda)
         if self.fetch_every is not None:
-            _require_int("fetch_every", self.fetch_every, minimum=1)
+            require_int("fetch_every", self.fetch_every, minimum=1)
             if self.fetch_every % self.push_every:
                 raise ConfigError(f"fetch_every={self.fetch_every} must be a multiple of "
                                   f"push_every={self.push_every} (a fetch would drop steps "
                                   "not yet pushed)")
         if self.staleness_bound is not None:
-            _require_int("staleness_bound", self.staleness_bound, minimum=0)
+            require_int("staleness_bound", self.staleness_bound, minimum=0)
         if self.dc_lambda is not None:
-            _require_float("dc_lambda", self.dc_lambda)
-        _require_float("eval_interval_s", self.eval_interval_s, positive=True)
+            require_float("dc_lambda", self.dc_lambda)
+        require_float("eval_interval_s", self.eval_interval_s, positive=True)
         if self.ps_address is not None:
             host, _, port = self.ps_address.rpartition(":")
             if not host or not port.isdigit():
@@ -365,19 +395,3 @@ class TrainConfig:
                 value = getattr(value, "__qualname__", type(value).__name__)
             out[field.name] = str(value)
         return out
-
-
-def _require_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be at least {minimum}, got {value}")
-
-
-def _require_float(name: str, value: object, *, positive: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ConfigError(f"{name} must be positive, got {value}")
-    if not positive and value < 0:
-        raise ConfigError(f"{name} must not be negative, got {value}")

@@ -89,3 +89,8 @@ def dataset(spark, rows: int = 600, seed: int = 3):
 def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def halving_every_3_steps(optimizer):
+    """A user's schedule (`lr_schedule=`): torch's StepLR, picklable by reference."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)

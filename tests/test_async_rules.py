@@ -24,6 +24,16 @@ def test_dcasgd_constant_lambda_by_hand():
     np.testing.assert_allclose(s.params, [1.5 - 0.1 * 2.08, 1.0 - 0.1 * -1.04], rtol=1e-15)
 
 
+def test_dcasgd_takes_the_learning_rate_the_push_was_computed_with():
+    # A schedule's push at lr 0.05 (the server's is 0.1): g = [0.2, -0.1] / 0.05 = [4, -2]
+    s = make_rule("dcasgd", np.array([1.0, 2.0]), lr=0.1, dc_lambda=0.04)
+    s.pull(0)
+    s.params[:] = [1.5, 1.0]
+    s.apply(0, np.array([0.2, -0.1]), lr=0.05)
+    # w - lr*(g + lam*g*g*(w - backup)) = [1.5 - 0.05*(4 + 0.04*16*0.5), 1 - 0.05*(-2 - 0.04*4)]
+    np.testing.assert_allclose(s.params, [1.5 - 0.05 * 4.32, 1.0 - 0.05 * -2.16], rtol=1e-15)
+
+
 def test_dcasgd_keeps_one_backup_per_worker():
     s = make_rule("dcasgd", np.array([0.0]), lr=1.0, dc_lambda=1.0)
     s.pull(0)                 # worker 0's backup: 0

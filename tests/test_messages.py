@@ -19,8 +19,9 @@ VALID = {
     msg.Welcome: {"mac": "cd" * 32},
     msg.Refusal: {"message": "no", "reason": "shape"},
     msg.Push: {"round": 0, "samples": 8, "loss_sum": 1.5, "compute_s": 0.1, "setup_s": 0.0,
-               "dtype": "float32", "numel": 10},
-    msg.Average: {"round": -1, "state_follows": True, "dtype": "float64", "numel": 10},
+               "dtype": "float32", "numel": 10, "lr": 0.01},
+    msg.Average: {"round": -1, "state_follows": True, "dtype": "float64", "numel": 10,
+                  "stop": False},
     msg.State: {"layout": []},
     msg.Eval: {"loss_sum": 3.0, "correct": 2, "count": 4, "eval_s": 0.01, "request": 7},
     msg.Done: {"layout": []},
@@ -29,11 +30,13 @@ VALID = {
     msg.Settings: {"settings": {"algorithm": "downpour"}},
     msg.Pull: {"evaluate": True},
     msg.Params: {"version": 3, "progress": 16, "dtype": "float32", "numel": 4, "evaluate": 2},
-    msg.Update: {"samples": 8, "loss_sum": None, "steps": 16, "dtype": "float32", "numel": 4},
-    msg.Ack: {"applied": 4, "staleness": 1, "evaluate": 0, "done": False},
+    msg.Update: {"samples": 8, "loss_sum": None, "steps": 16, "dtype": "float32", "numel": 4,
+                 "lr": 0.005},
+    msg.Ack: {"applied": 4, "staleness": 1, "evaluate": 0, "done": False, "stop": True},
     msg.Stats: {"report": {"applied": 4}},
     msg.Evaluate: {},
     msg.Finished: {"wait_s": 2.0},
+    msg.Stop: {},
 }
 
 INVALID = [
@@ -68,6 +71,12 @@ INVALID = [
     (msg.Finished, {"wait_s": -1.0}, "wait_s=-1.0 is no duration"),
     (msg.Finished, {"wait_s": 3600.0}, "wait_s=3600.0 exceeds 60"),
     (msg.Evaluate, {"request": 1}, r"Evaluate has no fields \['request'\]"),
+    # the training controls: a push's learning rate, and stopping
+    (msg.Update, {"lr": 0.0}, "lr 0.0"),
+    (msg.Update, {"lr": float("inf")}, "Update.lr must be float or null"),
+    (msg.Push, {"lr": "0.1"}, "Push.lr must be float or null"),
+    (msg.Average, {"stop": 1}, "Average.stop must be bool"),
+    (msg.Stop, {"now": True}, r"Stop has no fields \['now'\]"),
 ]
 
 

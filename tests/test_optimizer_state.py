@@ -61,3 +61,19 @@ def test_state_that_cannot_be_checkpointed_is_a_model_error():
     opt.state[m.weight]["history"] = [1, 2]  # a list: not a tensor or a number
     with pytest.raises(ModelError, match="cannot be checkpointed"):
         pack(opt, m)
+
+
+def test_the_fp16_gradient_scaler_travels_with_the_optimizer_state():
+    """fp16's scaler (its scale and growth counter) is part of a checkpoint: restored, a
+    restarted worker scales its losses as the original did."""
+    model = torch.nn.Linear(3, 2)
+    opt = make_optimizer(TrainConfig(optimizer="adam"), model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=5)
+    scaler.scale(torch.ones(()))  # the scale exists once a loss has been scaled
+    scaler.update(512.0)  # as after a step that overflowed
+    layout, payload = pack(opt, model, scaler)
+    fresh = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=5)
+    restore(make_optimizer(TrainConfig(optimizer="adam"), model.parameters()), model, layout,
+            payload, scaler=fresh)
+    assert fresh.get_scale() == 512.0
+    assert fresh.state_dict() == scaler.state_dict()

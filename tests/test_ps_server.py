@@ -236,3 +236,19 @@ def test_a_stale_connection_ending_does_not_unregister_its_replacement():
         new.pull()
         new.push(np.ones(4, np.float32))
         new.close()
+
+
+def test_the_drivers_stop_is_said_to_every_later_push_and_only_the_driver_may_stop():
+    with server() as ps, client(ps, 0) as worker, client(ps, -1) as driver:
+        worker.pull()
+        assert not worker.push(np.ones(4, np.float32), lr=0.05).stop
+        with pytest.raises(ProtocolError, match="unexpected STOP"):
+            msg.send(worker._conn, msg.Stop())
+            msg.expect(worker._conn, msg.Stats)
+    with server() as ps, client(ps, 0) as worker, client(ps, -1) as driver:
+        worker.pull()
+        worker.push(np.ones(4, np.float32), lr=0.05)
+        stats = driver.stop()
+        assert stats["stopped"] and stats["lr"] == 0.05
+        assert worker.push(np.ones(4, np.float32)).stop  # the update is still applied
+        assert driver.stats()["applied"] == 2

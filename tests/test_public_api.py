@@ -3,7 +3,8 @@ import sparkdl_avg
 
 def test_public_names_are_exactly_the_documented_surface():
     assert sorted(sparkdl_avg.__all__) == sorted([
-        "ClusterError", "ConfigError", "DataCacheError", "DataError", "FitResult", "ModelError",
+        "ClusterError", "ConfigError", "DataCacheError", "DataError", "EarlyStopping",
+        "FitResult", "ModelError",
         "ProtocolError",
         "SparkdlAvgError", "TrainConfig", "TrainingError", "__version__", "fit",
     ])

@@ -151,3 +151,17 @@ def test_a_fit_listens_on_the_port_it_is_given(data):
             fit(data, FaultyMLP, config)
     result = fit(data, FaultyMLP, config)  # the probe server, then the coordinator, on it
     assert result.history
+
+
+def test_an_async_fit_on_a_given_port_restarts_after_a_task_failure(data, tmp_path):
+    """The parameter server holds the port while the restart checks the cluster again."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as free:
+        port = free.getsockname()[1]
+    result = fit(data, partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired")),
+                 TrainConfig(mode="async", num_workers=2, epochs=2, batch_size=15,
+                             driver_address=f"127.0.0.1:{port}", log_model=False,
+                             experiment_name="sessions"))
+    [failure] = result.failures
+    assert failure["partition"] == 1

@@ -45,6 +45,9 @@ class RoundStats:
     averaging_s: float
     divergence: float
     eval: dict | None = None
+    lr: float | None = None
+    """The learning rate of the round's last optimizer step (worker 0's: all follow one
+    schedule)."""
     states: list[tuple[list, np.ndarray]] | None = None
     """At checkpoint rounds: each worker's optimizer state (layout, bytes)."""
     phases: list[dict[str, tuple[float, float]]] | None = None
@@ -154,7 +157,9 @@ class Coordinator(Server):
     # --- rounds ---------------------------------------------------------------------------
 
     def run_round(self, round_index: int, *, model_numel: int, allow_state: bool,
-                  evaluate: bool, checkpoint: bool = False) -> RoundStats:
+                  evaluate: bool, checkpoint: bool = False, stop: bool = False) -> RoundStats:
+        """One round: every push, their average back (`stop`: as the last; the workers then
+        send DONE), and what the driver asked for after it."""
         pushes = self._all(lambda rank, conn: self._recv_push(rank, conn, round_index,
                                                               model_numel, allow_state))
         sizes = {push.numel for push, _ in pushes}
@@ -175,8 +180,10 @@ class Coordinator(Server):
         divergence = mean_distance([b[:model_numel] for b in self._buffers],
                                    self.average[:model_numel])
         t_averaged = time.perf_counter()
-        reply = msg.Average(round=round_index, evaluate=evaluate, checkpoint=checkpoint,
+        reply = msg.Average(round=round_index, evaluate=evaluate and not stop,
+                            checkpoint=checkpoint and not stop, stop=stop,
                             **msg.tensor(self.average))
+        evaluate, checkpoint = reply.evaluate, reply.checkpoint
         self._all(lambda rank, conn: msg.send(conn, reply, self.average))
         stats = RoundStats(
             samples=sum(weights),
@@ -185,6 +192,7 @@ class Coordinator(Server):
             round_s=0.0,
             averaging_s=t_averaged - t_avg,
             divergence=divergence,
+            lr=pushes[0][0].lr,
         )
         if checkpoint:
             stats.states = self._all(self._recv_state)

@@ -46,7 +46,8 @@ class DriverChannel(Transport):
     def exchange(self, push: msg.Push, params: np.ndarray) -> RoundReply:
         msg.send(self._conn, push, params)
         reply, _ = msg.expect(self._conn, msg.Average, into=msg.into_checked(params, "the driver"))
-        return RoundReply(evaluate=reply.evaluate, checkpoint=reply.checkpoint)
+        return RoundReply(evaluate=reply.evaluate, checkpoint=reply.checkpoint,
+                          stop=reply.stop)
 
     def send_state(self, layout: list, payload: np.ndarray) -> None:
         msg.send(self._conn, msg.State(layout=layout), payload)

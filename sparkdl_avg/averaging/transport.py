@@ -29,6 +29,8 @@ class RoundReply:
 
     evaluate: bool
     checkpoint: bool
+    stop: bool = False
+    """Early stopping: this average is the last; the worker sends DONE."""
 
 
 class Transport(ABC):

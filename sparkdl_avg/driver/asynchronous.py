@@ -24,6 +24,7 @@ from sparkdl_avg._errors import ConfigError, PeerRefused, TrainingError, WorkerL
 from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
 from sparkdl_avg.driver.barrier import BarrierJob
 from sparkdl_avg.driver.cluster import driver_address
+from sparkdl_avg.driver.early_stop import EarlyStopper
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
@@ -92,8 +93,10 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
                     while not job.done(config.eval_interval_s):
                         server.call(intervals.log, len(history))
                     rows = job.wait(waits.finish)
-                _check_complete(server.call(lambda ps: ps.stats()["progress"], len(history)),
-                                config.num_workers, plan.schedule.total_steps)
+                stats = server.call(lambda ps: ps.stats(), len(history))
+                if not stats["stopped"]:  # early stopping ends workers before their last step
+                    _check_complete(stats["progress"], config.num_workers,
+                                    plan.schedule.total_steps)
                 server.call(intervals.log_final, len(history))
                 return rows
 
@@ -103,6 +106,7 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
             workers = sorted((row.asDict() for row in rows), key=lambda w: w["partition"])
             train_s = time.perf_counter() - t_train
             run.log_dict(server.call(lambda ps: ps.stats(), len(history)), "server_stats.json")
+            intervals.stopper.record(run, history)
         finally:
             server.close()
     return TrainOutcome(history=history, workers=workers, failures=restarts.failures,
@@ -182,6 +186,9 @@ class _Intervals:
         self.evaluates = plan.data.eval_sizes[0] > 0
         self.asked: tuple[int, dict] | None = None
         """The request in flight, and the history row it is of."""
+        self.stopper = EarlyStopper(plan.config.early_stopping)
+        self.asked_params: np.ndarray | None = None
+        """Early stopping: a copy of the parameters the request in flight evaluates."""
         self.previous = {"t": time.perf_counter(), "applied": 0, "samples": 0, "loss_sum": 0.0}
 
     def log(self, ps: PSClient) -> None:
@@ -192,17 +199,20 @@ class _Intervals:
         if ask and pending is not None and not pending["final"] \
                 and pending["applied"] == report["applied"]:
             self.asked = (pending["request"], row)
-        self._collect(report["evaluations"])
+            if self.stopper.on:  # the snapshot itself: the server moves on meanwhile
+                request = ps.pull_snapshot()
+                self.asked_params = ps.params.copy() if request == pending["request"] \
+                    else None
+        self._collect(report["evaluations"], ps)
 
     def log_final(self, ps: PSClient) -> None:
         """After the job: the final parameters into the driver's model, the last interval,
         and the workers' evaluation of those parameters."""
         ps.pull()
         np.copyto(self.flat.array, ps.params)
-        self.flat.scatter()
         report = ps.stats()
         row = self._row(report)
-        self._collect(report["evaluations"])
+        self._collect(report["evaluations"], ps)
         # the server asks nothing after its final request: that result stays its newest
         final = [r for r in report["evaluations"]["results"]
                  if r["final"] and r["applied"] == report["applied"]]
@@ -213,8 +223,12 @@ class _Intervals:
                         "(a worker gave up waiting reply_timeout for its peers, or the "
                         "server restarted after it); the last eval metrics are of earlier "
                         "parameters")
+        chosen = self.stopper.result()  # early stopping: the best, or where it stopped
+        if chosen is not None:
+            np.copyto(self.flat.array, chosen)
+        self.flat.scatter()
 
-    def _collect(self, evaluations: dict) -> None:
+    def _collect(self, evaluations: dict, ps: PSClient) -> None:
         """The result of the request in flight, logged once complete. A request in flight
         that is neither pending nor complete was replaced by the final one or lost with a
         restarted server: the next call asks anew."""
@@ -222,6 +236,10 @@ class _Intervals:
             if self.asked is not None and not result["final"] \
                     and result["request"] == self.asked[0]:
                 self._log_eval(self.asked[1], result)
+                if self.stopper.observe(self.history, self.asked_params, self.asked[1]) \
+                        and not self.stopper.stopped_sent:
+                    ps.stop()  # the workers push no more; the job ends as at the last step
+                    self.stopper.stopped_sent = True
                 self.asked = None
         pending = evaluations["pending"]
         if self.asked is not None and (pending is None or pending["final"]
@@ -253,6 +271,8 @@ class _Intervals:
         elapsed = max(now - previous["t"], 1e-9)
         metrics = {"updates_applied": stats["applied"],
                    "updates_per_s": (stats["applied"] - previous["applied"]) / elapsed}
+        if stats.get("lr") is not None:
+            metrics["lr"] = stats["lr"]
         samples = stats["samples"] - previous["samples"]
         if samples > 0:
             metrics["train_loss"] = (stats["loss_sum"] - previous["loss_sum"]) / samples

@@ -226,7 +226,7 @@ class BarrierJob:
 
 
 _NOT_RETRYABLE = re.compile(r"cancelled job group|Job \d+ cancelled|SparkContext was shut down|"
-                            r"killed via the Web UI")
+                            r"killed via the Web UI|OPERATION_CANCELED")
 _FAILED_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)")
 _PYTHON_ERROR = re.compile(  # a Python error, module-qualified or not; no JVM class
     r"^(?!(?:org|java|javax|scala|py4j)\.)(?:[a-z_]\w*\.)*[A-Z]\w*"

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from sparkdl_avg._background import BackgroundWriter
+from sparkdl_avg._controls import FINGERPRINT_DEFAULTS
+from sparkdl_avg._controls import fingerprint as controls_fingerprint
 from sparkdl_avg._errors import ClusterError, ConfigError
 
 log = logging.getLogger("sparkdl_avg")
@@ -49,10 +51,13 @@ class Checkpoint:
     """What a fit must match to continue from here (see `fingerprint`)."""
     history: list[dict] = field(default_factory=list)
     """The per-round metrics up to here."""
+    best: np.ndarray | None = None
+    """Early stopping with restore_best: the averaged parameters of the best evaluation so
+    far (`best.npy`)."""
 
 
 def fingerprint(config, *, train_rows: list[int], num_features: int, model_numel: int,
-                dtype: str) -> dict:
+                dtype: str, total_steps: int) -> dict:
     """The settings that decide the trajectory; epochs may grow (to train further), and the
     data cache may change (it never changes the trajectory)."""
     optimizer = config.optimizer if isinstance(config.optimizer, str) else \
@@ -64,14 +69,15 @@ def fingerprint(config, *, train_rows: list[int], num_features: int, model_numel
             "momentum": config.momentum, "weight_decay": config.weight_decay,
             "average_optimizer_state": config.average_optimizer_state,
             "train_rows": list(train_rows), "num_features": num_features,
-            "model_numel": model_numel, "dtype": dtype}
+            "model_numel": model_numel, "dtype": dtype, **controls_fingerprint(config, total_steps)}
 
 
 def check_resumable(checkpoint: Checkpoint, expected: dict, *, total_steps: int,
                     source: str) -> None:
     """Raise ConfigError, naming each difference, if this fit cannot continue `checkpoint`."""
-    diffs = [f"{k}: checkpoint {checkpoint.fingerprint.get(k)!r}, this fit {v!r}"
-             for k, v in expected.items() if checkpoint.fingerprint.get(k) != v]
+    recorded = {**FINGERPRINT_DEFAULTS, **checkpoint.fingerprint}  # older checkpoints
+    diffs = [f"{k}: checkpoint {recorded.get(k)!r}, this fit {v!r}"
+             for k, v in expected.items() if recorded.get(k) != v]
     if diffs:
         raise ConfigError(f"cannot resume from {source}: the fit differs from the one that "
                           f"wrote the checkpoint ({'; '.join(diffs)})")
@@ -104,6 +110,8 @@ def check_devices(point: Checkpoint, devices: list[str], *, deterministic: bool)
 def write_folder(checkpoint: Checkpoint, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     files = {"params.npy": checkpoint.params}
+    if checkpoint.best is not None:
+        files["best.npy"] = checkpoint.best
     layouts = None
     if checkpoint.states is not None:
         layouts = [layout for layout, _ in checkpoint.states]
@@ -128,13 +136,15 @@ def read_folder(folder: Path) -> Checkpoint:
             if _sha256(folder / name) != digest:
                 raise ValueError(f"{name} does not match its SHA-256: the checkpoint is damaged")
         params = np.load(folder / "params.npy", allow_pickle=False)
+        best = np.load(folder / "best.npy", allow_pickle=False) \
+            if "best.npy" in meta["sha256"] else None
         states = None
         if meta["state_layouts"] is not None:
             states = [(layout, np.load(folder / f"state-{rank}.npy", allow_pickle=False))
                       for rank, layout in enumerate(meta["state_layouts"])]
         return Checkpoint(round=int(meta["round"]), steps=int(meta["steps"]), params=params,
                           states=states, fingerprint=meta["fingerprint"],
-                          history=meta["history"])
+                          history=meta["history"], best=best)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"cannot read the checkpoint in {folder}: {exc}") from exc
 

@@ -41,25 +41,32 @@ def driver_address(spark, config) -> DriverAddress:
         bind = session.conf(spark, "spark.driver.bindAddress", None) or advertise
         return DriverAddress(bind, advertise, port)
     advertise = host or session.client_address(spark)
-    return DriverAddress(advertise if _is_local(advertise) else "0.0.0.0", advertise, port)
+    return DriverAddress(advertise if _bindable_ip(advertise) else "0.0.0.0", advertise, port)
 
 
-def _is_local(host: str) -> bool:
+def _bindable_ip(host: str) -> bool:
+    """An IP address of this machine. A host name is bound as 0.0.0.0: it may resolve here
+    to an address others cannot reach (127.0.1.1 in many /etc/hosts)."""
+    import ipaddress
     import socket
 
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
         return True
-    except OSError:
+    except (ValueError, OSError):
         return False
 
 
-def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S) -> None:
+def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S, *,
+                  restart: bool = False) -> None:
     """Fail in seconds, with the numbers, where Spark would retry for minutes or hang, or the
     tasks would wait out their connect timeout: GPU settings, dynamic allocation, slots for
     `num_workers` tasks at once (waiting up to `wait_s` for executors still registering or
-    replacing a lost one), then one probe job (`probe_cluster`)."""
+    replacing a lost one), then one probe job (`probe_cluster`). Before a `restart`, the
+    probe runs only where the slots are not known otherwise (Connect), on a port of its own
+    (the fit's servers hold theirs)."""
     num_workers, device = config.num_workers, config.device
     master = session.conf(spark, "spark.master", "")
     gpu_amount = float(session.conf(spark, "spark.task.resource.gpu.amount", "0"))
@@ -78,12 +85,23 @@ def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S) -> None:
         time.sleep(0.5)  # executors of a just-started cluster are still registering
     if slots is not None and slots < num_workers:
         raise _too_few_slots(spark, num_workers, gpus, f"runs only {slots} tasks at once")
+    if restart and slots is not None:
+        return
     from sparkdl_avg.driver.probe import probe_cluster
 
-    probe_cluster(spark, config, profile, driver_address(spark, config), wait_s + PROBE_S,
-                  too_few_slots=lambda s: _too_few_slots(spark, num_workers, gpus,
-                                                         f"did not run {num_workers} tasks at once "
-                                                         f"within {s:.0f}s"))
+    address = driver_address(spark, config)
+    if restart:
+        address = DriverAddress(address.bind, address.advertise)
+    if slots is None:
+        def too_late(s: float) -> ClusterError:
+            return _too_few_slots(spark, num_workers, gpus,
+                                  f"did not run {num_workers} tasks at once within {s:.0f}s")
+    else:
+        def too_late(s: float) -> ClusterError:
+            return ClusterError(f"the probe job before training did not finish within "
+                                f"{s:.0f}s, though the cluster has {slots} task slots: "
+                                "are the executors' Python workers starting?")
+    probe_cluster(spark, config, profile, address, wait_s + PROBE_S, too_few_slots=too_late)
 
 
 def _too_few_slots(spark, num_workers: int, gpus: float, what: str) -> ClusterError:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparkdl_avg._config import TrainConfig
+from sparkdl_avg._controls import check_against_plan
 from sparkdl_avg._errors import DataError
 from sparkdl_avg._model import (
     LossFn,
@@ -79,6 +80,8 @@ class TrainOutcome:
 def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, features_col,
               label_col: str, loss, resume: Resume | None = None) -> FitPlan:
     loss_fn, classify = make_loss(loss)
+    check_against_plan(config, total_steps=None, has_eval=eval_df is not None,
+                       classify=classify)
     check_cluster(spark, config)
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     model = build_model(model_fn)
@@ -104,9 +107,12 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
             f"batch_size={config.batch_size}; lower batch_size or num_workers"
         )
     schedule = make_schedule(smallest, config.batch_size, config.epochs,
-                             config.averaging_frequency)
+                             config.averaging_frequency, config.grad_accumulation)
+    check_against_plan(config, total_steps=schedule.total_steps, has_eval=True,
+                       classify=classify)
     params = {"num_features": data.num_features, "train_rows": sum(data.train_sizes),
               "eval_rows": sum(data.eval_sizes), "steps_per_epoch": schedule.steps_per_epoch,
+              "micro_batches_per_epoch": schedule.micro_batches_per_epoch,
               "num_rounds": schedule.num_rounds, "dtype": str(dtype),
               "model_parameters": sum(p.numel() for p in model.parameters())}
     return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,

@@ -85,12 +85,17 @@ class _TaggedJob:
         """The rows; None if the deadline passed first (the job is interrupted)."""
         thread = threading.Thread(target=self._run, name="sparkdl-avg-probe", daemon=True)
         thread.start()
-        thread.join(deadline_s)
+        try:
+            thread.join(deadline_s)
+        finally:
+            if thread.is_alive():  # the deadline, or Ctrl-C: stop the job either way
+                # A job still waiting for its barrier slots is not registered as running, so
+                # the interrupt may not reach it: Spark then resubmits it until its own slot
+                # check gives up (about 10 minutes). The fit does not wait for that.
+                with contextlib.suppress(Exception):
+                    self._spark.interruptTag(self._tag)
+                thread.join(5)
         if thread.is_alive():
-            # A job still waiting for its barrier slots is not running yet, so the interrupt
-            # may only reach it at Spark's next slot check; the fit need not wait for that.
-            self._spark.interruptTag(self._tag)
-            thread.join(5)
             return None
         if self._error is not None:
             from sparkdl_avg.driver.barrier import _spark_reason

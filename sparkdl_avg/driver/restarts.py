@@ -43,7 +43,7 @@ class Restarts:
                                 f"max_failures={limit}; the last failure: {where}") from exc
         log.warning("restart %d of at most %d, from %s, after a failure: %s",
                     len(self.failures), limit, resume_at, where)
-        check_cluster(self._spark, self._config, wait_s=_REPLACE_EXECUTOR_S)
+        check_cluster(self._spark, self._config, wait_s=_REPLACE_EXECUTOR_S, restart=True)
 
     def run(self, attempt: Callable[[], T], resume_at: Callable[[WorkerLostError], str],
             step: Callable[[], int]) -> T:

@@ -11,17 +11,24 @@ fall back to a probe job and the job's exception.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import socket
 
 
 def is_connect(spark) -> bool:
     """By the session object's class, not `is_remote()` (a flag for the whole process)."""
+    connect_class = _connect_session_class()
+    return connect_class is not None and isinstance(spark, connect_class)
+
+
+@functools.cache
+def _connect_session_class():
     try:
         from pyspark.sql.connect.session import SparkSession as ConnectSession
-    except ImportError:  # Connect's client libraries are missing: this is not a Connect one
-        return False
-    return isinstance(spark, ConnectSession)
+    except ImportError:  # Connect's client libraries are missing: no session is a Connect one
+        return None
+    return ConnectSession
 
 
 def conf(spark, key: str, default: str | None = None) -> str | None:
@@ -35,11 +42,25 @@ def client_address(spark) -> str | None:
     Databricks notebook). None on a classic session."""
     if not is_connect(spark):
         return None
-    server = spark.client.host
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    server = spark.client.host.strip("[]")
+    route = None
+    with contextlib.suppress(OSError), socket.socket(
+            socket.AF_INET6 if ":" in server else socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((server, 9))  # UDP: no packet is sent, the kernel only picks a route
-        return s.getsockname()[0]
-    return "127.0.0.1" if server in ("localhost", "127.0.0.1") else socket.gethostname()
+        route = s.getsockname()[0]
+    if route is not None and not _loopback(route):
+        return route
+    # The server is on this machine (a notebook beside its driver): its driver's address is
+    # this machine's, as the executors see it; loopback does only for a local master.
+    driver_host = conf(spark, "spark.driver.host", None)
+    if driver_host and not _loopback(driver_host) and \
+            not conf(spark, "spark.master", "").startswith("local"):
+        return driver_host
+    return route or socket.gethostname()
+
+
+def _loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost")
 
 
 def concurrent_slots(spark, profile=None) -> int | None:

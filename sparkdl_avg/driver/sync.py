@@ -25,6 +25,7 @@ from sparkdl_avg.driver.checkpoints import (
     writing,
 )
 from sparkdl_avg.driver.cluster import driver_address
+from sparkdl_avg.driver.early_stop import EarlyStopper
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
@@ -44,7 +45,7 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
     flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
     expected = fingerprint(config, train_rows=plan.data.train_sizes,
                            num_features=plan.data.num_features, model_numel=flat.array.size,
-                           dtype=str(plan.dtype))
+                           dtype=str(plan.dtype), total_steps=plan.schedule.total_steps)
     resume = plan.resume
     store = target_store(config, run.run_id, run.tracking_uri,
                          resume.source if resume is not None else None)
@@ -60,6 +61,7 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
         point = Checkpoint(round=0, steps=0, params=flat.gather().copy(), states=None,
                            fingerprint=expected)
     attempt = _Attempt(spark, plan, flat, run, point, expected)
+    attempt.stopper = EarlyStopper(config.early_stopping, best=point.best)
     restarts = Restarts(spark, config, run)
     with contextlib.closing(attempt.progress), writing(store) as attempt.writer:
         workers = restarts.run(attempt.run, resume_at=lambda exc: f"round {attempt.point.round}",
@@ -67,6 +69,7 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
         train_s = time.perf_counter() - attempt.t_train
     if attempt.writer.errors:
         run.set_tags({"sparkdl_avg.checkpoint_errors": attempt.writer.errors})
+    attempt.stopper.record(run, attempt.history)
     run.log_dict_quietly({"rounds": attempt.timeline}, "worker_timeline.json")
     run.log_figure(lambda: worker_timeline(attempt.timeline, config.num_workers),
                    "plots/worker_timeline.png")
@@ -91,6 +94,9 @@ class _Attempt:
         self.progress = Progress(plan.schedule.num_rounds)
         self.writer = None
         self.t_train = 0.0
+        self.stopper: EarlyStopper | None = None
+        self.stop_round: int | None = None
+        """Early stopping: the round whose evaluation stopped the fit; the next is the last."""
         self.timeline: list[dict] = []
         """Per round: each worker's phases, seconds since training began (for the picture)."""
 
@@ -114,9 +120,13 @@ class _Attempt:
                                      states=point.states, vet=self._check_devices)
                 self.t_train = self.t_train or time.perf_counter()
                 for r in range(point.round, plan.schedule.num_rounds):
-                    self._round(coord, r)
+                    stop = self.stop_round is not None and r > self.stop_round
+                    self._round(coord, r, stop=stop)
+                    if stop:
+                        break
                 buffers = coord.finish()
-                flat.array[:] = coord.average[:flat.array.size]
+                final = self.stopper.result()
+                flat.array[:] = coord.average[:flat.array.size] if final is None else final
                 flat.scatter()
                 worker_state.restore(None, plan.model, *buffers)
                 rows = job.wait(waits.finish)
@@ -135,15 +145,17 @@ class _Attempt:
             self.expected = {**self.expected, "devices": devices}
             self.run_logger.set_tags({"sparkdl_avg.devices": ", ".join(sorted(set(devices)))})
 
-    def _round(self, coord: Coordinator, r: int) -> None:
+    def _round(self, coord: Coordinator, r: int, stop: bool = False) -> None:
+        """Round `r`; `stop`: early stopping decided last round, so this average ends it."""
         config, schedule = self.plan.config, self.plan.schedule
         last = r == schedule.num_rounds - 1
         every = config.checkpoint_every
+        numel = self.flat.array.size
         stats = coord.run_round(
-            r, model_numel=self.flat.array.size, allow_state=config.average_optimizer_state,
+            r, model_numel=numel, allow_state=config.average_optimizer_state,
             evaluate=self.plan.data.eval_sizes[0] > 0 and (
                 last or (r + 1) % config.eval_every == 0),
-            checkpoint=every > 0 and (last or (r + 1) % every == 0),
+            checkpoint=every > 0 and (last or (r + 1) % every == 0), stop=stop,
         )
         if r >= len(self.history):  # a round redone after a restart is logged once
             metrics = round_metrics(stats)
@@ -151,6 +163,9 @@ class _Attempt:
             metrics.update({f"refused_{k}": v for k, v in coord.refusals().items()})
             self.history.append({"round": r, **metrics})
             self.run_logger.log_metrics(metrics, step=r)
+            if self.stopper.observe(self.history, coord.average[:numel]) and \
+                    self.stop_round is None and not stop:
+                self.stop_round = r
             self.progress.update(r, stats.train_loss, metrics.get("eval_accuracy"))
             self.timeline.append({"round": r, "workers": [
                 {name: (a - self.t_train, b - self.t_train) for name, (a, b) in w.items()}
@@ -159,8 +174,9 @@ class _Attempt:
             self.point = Checkpoint(
                 round=r + 1, steps=min((r + 1) * schedule.averaging_frequency,
                                        schedule.total_steps),
-                params=coord.average[:self.flat.array.size].copy(), states=stats.states,
-                fingerprint=self.expected, history=list(self.history[:r + 1]))
+                params=coord.average[:numel].copy(), states=stats.states,
+                fingerprint=self.expected, history=list(self.history[:r + 1]),
+                best=self.stopper.best)
             self.writer.submit(self.point)
 
 
@@ -176,6 +192,8 @@ def round_metrics(stats: RoundStats) -> dict[str, float]:
         "time_averaging_s": stats.averaging_s,
         "replica_divergence": stats.divergence,
     }
+    if stats.lr is not None:
+        metrics["lr"] = stats.lr
     if stats.eval is not None:
         metrics["eval_loss"] = stats.eval["loss"]
         metrics["time_eval_s"] = eval_s

@@ -59,6 +59,8 @@ class Kind(enum.IntEnum):
     # async evaluation: the driver asks for one; a worker past its last push waits for one
     EVALUATE = 18
     FINISHED = 19
+    # early stopping of an async fit (the driver to the parameter server)
+    STOP = 20
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from sparkdl_avg.net.ps_messages import (  # noqa: F401
     ServerHello,
     Settings,
     Stats,
+    Stop,
     Update,
 )
 
@@ -107,6 +108,8 @@ class Push(Message):
     setup_s: float
     dtype: str
     numel: int
+    lr: float | None = None
+    """The learning rate of the round's last optimizer step."""
 
     def check(self) -> None:
         if self.round < 0 or self.samples < 1:
@@ -129,6 +132,8 @@ class Average(Message):
     evaluate: bool = False
     checkpoint: bool = False
     state_follows: bool = False
+    stop: bool = False
+    """Early stopping: the fit ends here; the worker sends DONE."""
 
     def check(self) -> None:
         if self.round < -1:

@@ -87,8 +87,13 @@ class Update(Message):
     loss_sum: float | None = 0.0
     """None: not finite."""
     steps: int | None = None
+    lr: float | None = None
+    """The mean learning rate of the update's steps (DC-ASGD's g = update / lr); None: the
+    server's lr."""
 
     def check(self) -> None:
+        if self.lr is not None and self.lr <= 0:
+            raise self.invalid(f"lr {self.lr}")
         if self.samples < 0 or (self.steps is not None and self.steps < 0):
             raise self.invalid(f"samples {self.samples}, steps {self.steps}")
         fields.payload_description(self)
@@ -107,6 +112,8 @@ class Ack(Message):
     """An evaluation request the worker has yet to answer (`Pull(evaluate=True)`, EVAL)."""
     done: bool = False
     """To a FINISHED: the worker has answered the final evaluation (or none will come)."""
+    stop: bool = False
+    """To an UPDATE: the driver ended training early (early stopping); push no more."""
 
     def check(self) -> None:
         fields.request_id(self, self.evaluate)
@@ -127,6 +134,14 @@ class Evaluate(Message):
     names under evaluations.pending."""
 
     KIND = Kind.EVALUATE
+
+
+@dataclass(frozen=True, slots=True)
+class Stop(Message):
+    """The driver ends training early (early stopping): from now on every ACK to an UPDATE
+    says stop, and the workers go on as if they had pushed their last. Answered with STATS."""
+
+    KIND = Kind.STOP
 
 
 @dataclass(frozen=True, slots=True)

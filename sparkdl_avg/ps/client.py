@@ -68,11 +68,12 @@ class PSClient:
         return msg.expect(self._conn, msg.Ack)[0]
 
     def push(self, update: np.ndarray, *, samples: int = 0, loss_sum: float = 0.0,
-             steps: int | None = None) -> msg.Ack:
+             steps: int | None = None, lr: float | None = None) -> msg.Ack:
         """Send an update (the server applies w <- w - update by its rule). `steps`: the
-        worker's local steps including this update (its progress)."""
+        worker's local steps including this update (its progress); `lr`: the learning rate
+        it was computed with (None: the server's)."""
         msg.send(self._conn, msg.Update(samples=samples, loss_sum=msg.finite_or_none(loss_sum),
-                                        steps=steps, **msg.tensor(update)), update)
+                                        steps=steps, lr=lr, **msg.tensor(update)), update)
         return msg.expect(self._conn, msg.Ack)[0]
 
     def init(self, params: np.ndarray, workers: int = 0,
@@ -83,6 +84,11 @@ class PSClient:
         msg.send(self._conn, msg.Init(workers=workers, expect=expect or {},
                                       **msg.tensor(params)), params)
         return msg.expect(self._conn, msg.Settings)[0].settings
+
+    def stop(self) -> dict:
+        """Driver only: end training early (early stopping); returns the server's stats."""
+        msg.send(self._conn, msg.Stop())
+        return msg.expect(self._conn, msg.Stats)[0].report or {}
 
     def stats(self) -> dict:
         msg.send(self._conn, msg.Stats())

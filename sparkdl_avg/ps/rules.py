@@ -50,14 +50,15 @@ class UpdateRule:
         """The parameters a worker fetches."""
         return self.params
 
-    def apply(self, worker: int, update: np.ndarray) -> None:
-        """Apply a worker's update. `update` is scratch: it may be scaled in place. Raises
-        ValueError for an update the rule cannot take."""
+    def apply(self, worker: int, update: np.ndarray, lr: float | None = None) -> None:
+        """Apply a worker's update, computed at learning rate `lr` (None: the server's).
+        `update` is scratch: it may be scaled in place. Raises ValueError for an update the
+        rule cannot take."""
         if self.update_scale != 1.0:
             update *= self.update_scale
-        self._step(worker, update)
+        self._step(worker, update, self.lr if lr is None else lr)
 
-    def _step(self, worker: int, update: np.ndarray) -> None:
+    def _step(self, worker: int, update: np.ndarray, lr: float) -> None:
         raise NotImplementedError
 
     def state(self) -> dict[str, np.ndarray]:
@@ -72,7 +73,7 @@ class UpdateRule:
 class Downpour(UpdateRule):
     name = "downpour"
 
-    def _step(self, worker: int, update: np.ndarray) -> None:
+    def _step(self, worker: int, update: np.ndarray, lr: float) -> None:
         self.params -= update
 
 
@@ -100,12 +101,12 @@ class DcAsgd(UpdateRule):
             np.copyto(backup, self.params)
         return self.params
 
-    def _step(self, worker: int, update: np.ndarray) -> None:
+    def _step(self, worker: int, update: np.ndarray, lr: float) -> None:
         backup = self.backups.get(worker)
         if backup is None:  # never pulled: it trained from the initial parameters it was sent
             raise ValueError(f"worker {worker} pushed before it pulled")
-        g = update / self.lr
-        self.params -= self.lr * (g + self._lambda(g) * g * g * (self.params - backup))
+        g = update / lr
+        self.params -= lr * (g + self._lambda(g) * g * g * (self.params - backup))
 
     def _lambda(self, g: np.ndarray) -> float | np.ndarray:
         return self.dc_lambda

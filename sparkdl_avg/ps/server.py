@@ -74,6 +74,11 @@ class ParameterServer(Server):
         """Per worker: the local steps its applied pushes cover (where a restarted one
         resumes)."""
         self.evaluations = Evaluations()
+        self.lrs: dict[int, float] = {}
+        """Per worker: the learning rate of its newest update (a schedule's); the stats
+        report their mean."""
+        self.stopped = False
+        """Early stopping: the driver's STOP; every ACK to an UPDATE then says stop."""
         self._checkpoint = BackgroundWriter(functools.partial(_save_npz, checkpoint_path),
                                             f"the server checkpoint {checkpoint_path}") \
             if checkpoint_path else None
@@ -98,6 +103,7 @@ class ParameterServer(Server):
         self.applied, self.samples, self.loss_sum = (meta["applied"], meta["samples"],
                                                      meta["loss_sum"])
         self.progress = {int(w): int(s) for w, s in meta["progress"].items()}
+        self.stopped = bool(meta.get("stopped", False))
         self.refused.update(meta["refused"])
         self._announce(int(meta.get("workers", 0)))
         self.evaluations.reset(self._announced, results=meta.get("evaluations", []))
@@ -112,7 +118,7 @@ class ParameterServer(Server):
         meta = {"applied": self.applied, "samples": self.samples, "loss_sum": self.loss_sum,
                 "progress": {str(w): s for w, s in self.progress.items()},
                 "refused": dict(self.refused), "workers": self._announced,
-                "evaluations": list(self.evaluations.results)}
+                "evaluations": list(self.evaluations.results), "stopped": self.stopped}
         self._checkpoint.submit((arrays, meta))
 
     def stats(self) -> dict:
@@ -126,7 +132,9 @@ class ParameterServer(Server):
                     "clocks": {str(w): c for w, c in self._clocks.items()},
                     "progress": {str(w): s for w, s in self.progress.items()},
                     "samples": self.samples, "loss_sum": self.loss_sum,
-                    "staleness": staleness, "evaluations": self.evaluations.report()}
+                    "staleness": staleness, "evaluations": self.evaluations.report(),
+                    "lr": float(np.mean(list(self.lrs.values()))) if self.lrs else None,
+                    "stopped": self.stopped}
 
     def serve(self, conn: Connection, hello: dict) -> bool:
         try:
@@ -208,6 +216,11 @@ class ParameterServer(Server):
                 self._finished(conn, worker, message)
             elif isinstance(message, msg.Evaluate) and worker == DRIVER:
                 self._evaluate(conn)
+            elif isinstance(message, msg.Stop) and worker == DRIVER:
+                with self._lock:
+                    self.stopped = True
+                    self._save_checkpoint()
+                msg.send(conn, msg.Stats(report=self.stats()))
             elif isinstance(message, msg.Init) and worker == DRIVER:
                 self._init(conn, message, payload)
             elif isinstance(message, msg.Stats) and message.report is None:
@@ -249,7 +262,7 @@ class ParameterServer(Server):
                 self.refuse("timeout", "timed out waiting for slower workers", worker, conn)
                 return False
             try:
-                self.rule.apply(worker, update)
+                self.rule.apply(worker, update, lr=message.lr)
             except ValueError as exc:
                 self.refuse("malformed", exc, worker, conn)
                 return True
@@ -259,6 +272,8 @@ class ParameterServer(Server):
             self._clocks[worker] = clock + 1
             self._lock.notify_all()
             applied = self.applied
+            if message.lr is not None:
+                self.lrs[worker] = message.lr
             if message.loss_sum is not None:
                 self.samples += message.samples
                 self.loss_sum += message.loss_sum
@@ -268,7 +283,8 @@ class ParameterServer(Server):
             if every and applied % every == 0:
                 self._save_checkpoint()
             offer = self.evaluations.offer(worker)
-        msg.send(conn, msg.Ack(applied=applied, staleness=staleness, evaluate=offer))
+        msg.send(conn, msg.Ack(applied=applied, staleness=staleness, evaluate=offer,
+                               stop=self.stopped))
         return True
 
     def _pull_snapshot(self, conn: Connection, worker: int) -> bool:
@@ -363,6 +379,8 @@ class ParameterServer(Server):
             self._announce(init.workers)
             self.rule = self._new_rule(params)
             self.applied, self.samples, self.loss_sum = 0, 0, 0.0
+            self.stopped = False
+            self.lrs.clear()
             self.progress.clear()
             self._pulled_version.clear()
             self.staleness.clear()

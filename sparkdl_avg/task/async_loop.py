@@ -50,10 +50,10 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
         pushes = 0
         while True:
             try:
-                while replica.step < total:
-                    loss_sum, samples = replica.run_steps(
+                while replica.step < total and not link.stopped:
+                    loss_sum, samples, lr = replica.run_steps(
                         min(config.push_every, total - replica.step))
-                    request = link.push(loss_sum, samples, replica.step)
+                    request = link.push(loss_sum, samples, replica.step, lr)
                     pushes += 1
                     if pushes % fetch_every == 0 or replica.step >= total:
                         link.pull()
@@ -83,6 +83,8 @@ class ServerLink:
         self.waits = config.waits()
         self.anchor = flat.array.copy()  # the parameters the next update is measured from
         self._own: np.ndarray | None = None  # the model's parameters while it evaluates others
+        self.stopped = False
+        """The server said stop (early stopping): push no more, as if at the last step."""
         self.ps = None
         self.reconnect(None, self.waits.connect)  # a server being restarted may not be back
 
@@ -108,13 +110,15 @@ class ServerLink:
         self.flat.scatter()
         np.copyto(self.anchor, self.flat.array)
 
-    def push(self, loss_sum: float, samples: int, steps: int) -> int | None:
-        """The update since the anchor, which moves to the current parameters. Returns an
-        evaluation request the server has for this worker, if any."""
+    def push(self, loss_sum: float, samples: int, steps: int, lr: float) -> int | None:
+        """The update since the anchor (computed at mean learning rate `lr`), which moves to
+        the current parameters. Returns an evaluation request the server has for this
+        worker, if any; `stopped` says whether the driver ended training."""
         current = self.flat.gather()
         ack = self._call(self.ps.push, self.anchor - current, samples=samples,
-                         loss_sum=loss_sum, steps=steps)
+                         loss_sum=loss_sum, steps=steps, lr=lr)
         np.copyto(self.anchor, current)
+        self.stopped = ack.stop
         return ack.evaluate
 
     def answer(self, replica) -> None:

@@ -55,52 +55,61 @@ class Replica:
         self.batches = TrainBatches(
             data.train, cut=make_cut(row_bytes, config.shuffle_buffer_mb),
             seed=config.seed, worker=rank, shuffle=config.shuffle,
-            batch_size=config.batch_size, steps_per_epoch=spec.schedule.steps_per_epoch,
-            total_steps=spec.schedule.total_steps, device=device)
+            batch_size=config.batch_size,
+            steps_per_epoch=spec.schedule.micro_batches_per_epoch,
+            total_steps=spec.schedule.total_micro_batches, device=device)
         self.wire_dtype = wire_dtype(self.dtype)
         if device.type == "cuda":
             _check_device_memory(self.model, config, row_bytes, device)
         self.loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
-        self.optimizer = None
+        self.optimizer = self.steps = None
         self.config, self.schedule, self.classify = config, spec.schedule, spec.classify
         self.rank, self.device = rank, device
         self.step = 0
+        self.last_lr: float | None = None
+        """The learning rate of the last optimizer step."""
 
     def start(self, step: int = 0) -> None:
         """After the initial parameters are in: build the optimizer, enter training mode, and
         take up the data at `step` (a restart continues where its checkpoint left off)."""
         from sparkdl_avg._model import make_optimizer
+        from sparkdl_avg.task.optimizer_step import OptimizerSteps
 
         self.model.train()
         self.optimizer = make_optimizer(self.config, self.model.parameters())
+        self.steps = OptimizerSteps(self.config, self.schedule, self.optimizer, self.model,
+                                    self.device)
         self.rewind(step)
 
     def rewind(self, step: int) -> None:
-        """Take up the data at `step` (again, when steps after it were lost with a server)."""
+        """Take up the data and the learning-rate schedule at optimizer step `step` (again,
+        when steps after it were lost with a server)."""
         self.step = step
-        self.batches.start(step)
+        self.batches.start(self.schedule.first_micro_batch(step))
+        self.steps.at(step)
 
     def close(self) -> None:
         self.batches.close()
 
-    def run_steps(self, count: int) -> tuple[float, int]:
-        """`count` local minibatch steps; returns (summed loss x batch size, samples)."""
+    def run_steps(self, count: int) -> tuple[float, int, float]:
+        """`count` local optimizer steps; returns (summed loss x rows, rows, mean lr)."""
         import torch
 
         cfg = self.config
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        samples = 0
+        samples, lrs = 0, []
         torch.manual_seed(step_seed(cfg.seed, self.rank, self.step))
         for _ in range(count):
-            x, y = self._typed(*self.batches.next())
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self.loss_fn(self.model(x), y)
-            loss.backward()
-            self.optimizer.step()
-            loss_sum += loss.detach().double() * x.shape[0]
-            samples += x.shape[0]
+            step_loss, rows, lr = self.steps.run(
+                self.step, lambda: self._typed(*self.batches.next()),
+                lambda x, y: self.loss_fn(self.model(x), y))
+            loss_sum += step_loss
+            samples += rows
+            lrs.append(lr)
+            self.last_lr = lr
             self.step += 1
-        return float(loss_sum), samples
+        mean_lr = lrs[0] if len(set(lrs)) == 1 else sum(lrs) / len(lrs)  # exact when constant
+        return float(loss_sum), samples, mean_lr
 
     def _typed(self, x, y):
         """A batch in the model's precision (integer class labels stay integers)."""

@@ -1,5 +1,9 @@
 """The step and round structure every worker follows in lockstep (pure; computed by the
-driver's plan, followed by every task)."""
+driver's plan, followed by every task).
+
+A step is an optimizer step. With `accumulation` > 1 it takes that many consecutive
+micro-batches of the epoch's order (an epoch's last group may be short); the data's position
+is counted in micro-batches, the rounds and the learning-rate schedule in steps."""
 
 from __future__ import annotations
 
@@ -11,13 +15,24 @@ from dataclasses import dataclass
 class Schedule:
     """The step and round structure every worker follows in lockstep."""
 
-    steps_per_epoch: int
+    micro_batches_per_epoch: int
     epochs: int
     averaging_frequency: int
+    accumulation: int = 1
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch."""
+        return math.ceil(self.micro_batches_per_epoch / self.accumulation)
 
     @property
     def total_steps(self) -> int:
+        """Optimizer steps of the whole fit."""
         return self.steps_per_epoch * self.epochs
+
+    @property
+    def total_micro_batches(self) -> int:
+        return self.micro_batches_per_epoch * self.epochs
 
     @property
     def num_rounds(self) -> int:
@@ -27,10 +42,21 @@ class Schedule:
         start = round_index * self.averaging_frequency
         return min(self.averaging_frequency, self.total_steps - start)
 
+    def first_micro_batch(self, step: int) -> int:
+        """Where the data stands when optimizer step `step` begins."""
+        epoch, group = divmod(step, self.steps_per_epoch)
+        return epoch * self.micro_batches_per_epoch + group * self.accumulation
 
-def make_schedule(
-    smallest_partition: int, batch_size: int, epochs: int, averaging_frequency: int
-) -> Schedule:
-    """Every worker runs as many steps per epoch as the smallest partition allows (a final
-    partial batch included), so all replicas reach each averaging point together."""
-    return Schedule(math.ceil(smallest_partition / batch_size), epochs, averaging_frequency)
+    def micro_batches(self, step: int) -> int:
+        """How many micro-batches optimizer step `step` takes."""
+        group = step % self.steps_per_epoch
+        return min(self.accumulation,
+                   self.micro_batches_per_epoch - group * self.accumulation)
+
+
+def make_schedule(smallest_partition: int, batch_size: int, epochs: int,
+                  averaging_frequency: int, accumulation: int = 1) -> Schedule:
+    """Every worker runs as many micro-batches per epoch as the smallest partition allows (a
+    final partial batch included), so all replicas reach each averaging point together."""
+    return Schedule(math.ceil(smallest_partition / batch_size), epochs, averaging_frequency,
+                    accumulation)

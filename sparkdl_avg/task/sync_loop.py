@@ -40,12 +40,13 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
         flat.scatter()
         replica.start(step=start.round * schedule.averaging_frequency)
         if start.state is not None:
-            worker_state.restore(replica.optimizer, model, *start.state)
+            worker_state.restore(replica.optimizer, model, *start.state,
+                                 scaler=replica.steps.scaler)
         state: list = []
         for round_index in range(start.round, schedule.num_rounds):
             t0 = time.perf_counter()
             setup_s = t0 - ready
-            loss_sum, samples = replica.run_steps(schedule.steps_in_round(round_index))
+            loss_sum, samples, _ = replica.run_steps(schedule.steps_in_round(round_index))
             compute_s = time.perf_counter() - t0
             if config.average_optimizer_state:
                 # Optimizer state appears lazily (after a parameter's first step): re-home it
@@ -57,11 +58,14 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
             params = flat.gather()
             push = msg.Push(round=round_index, samples=samples,
                             loss_sum=msg.finite_or_none(loss_sum), compute_s=compute_s,
-                            setup_s=setup_s, **msg.tensor(params))
+                            setup_s=setup_s, lr=replica.last_lr, **msg.tensor(params))
             reply = transport.exchange(push, params)
             flat.scatter()
+            if reply.stop:  # early stopping: this average is the fit's
+                break
             if reply.checkpoint:
-                transport.send_state(*worker_state.pack(replica.optimizer, model))
+                transport.send_state(*worker_state.pack(replica.optimizer, model,
+                                                        replica.steps.scaler))
             if reply.evaluate:
                 t_eval = time.perf_counter()
                 result = replica.evaluate()

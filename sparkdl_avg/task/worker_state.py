@@ -17,10 +17,12 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
 
 _BUFFERS = -1
 """The layout's "parameter index" of the model's integer buffers."""
+_SCALER = -2
+"""... and of the fp16 gradient scaler's state (its scale and growth counter)."""
 
 
-def pack(optimizer: torch.optim.Optimizer | None,
-         model: torch.nn.Module) -> tuple[list, np.ndarray]:
+def pack(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module,
+         scaler=None) -> tuple[list, np.ndarray]:
     """`optimizer.state_dict()["state"]` (None: none) and the model's non-floating buffers as
     a JSON-able layout and one uint8 array.
 
@@ -31,7 +33,9 @@ def pack(optimizer: torch.optim.Optimizer | None,
     offset = 0
     buffers = {name: b for name, b in model.named_buffers() if not b.is_floating_point()}
     state_items = sorted(optimizer.state_dict()["state"].items()) if optimizer else []
-    for index, state in ([(_BUFFERS, buffers)] if buffers else []) + state_items:
+    scaler_state = scaler.state_dict() if scaler is not None else {}
+    for index, state in ([(_BUFFERS, buffers)] if buffers else []) + \
+            ([(_SCALER, scaler_state)] if scaler_state else []) + state_items:
         for key in sorted(state):
             value = state[key]
             if isinstance(value, torch.Tensor):
@@ -54,9 +58,9 @@ def pack(optimizer: torch.optim.Optimizer | None,
 
 
 def restore(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, layout: list,
-            payload) -> None:
-    """Load a `pack`ed state into `optimizer` (None: buffers only) and `model` (built over
-    the same parameters)."""
+            payload, scaler=None) -> None:
+    """Load a `pack`ed state into `optimizer` (None: buffers only), `model` (built over the
+    same parameters) and `scaler` (fp16's gradient scaler, when there is one)."""
     data = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
     state: dict[int, dict] = {}
     try:
@@ -84,6 +88,9 @@ def restore(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, lay
                 raise ProtocolError(f"malformed optimizer state: no buffer {name!r} of shape "
                                     f"{tuple(value.shape)}")
             buffers[name].copy_(value)
+    scaler_state = state.pop(_SCALER, {})
+    if scaler is not None and scaler_state:
+        scaler.load_state_dict(scaler_state)
     if optimizer is None:
         return
     current = optimizer.state_dict()
