@@ -92,11 +92,13 @@ def fit(
     loss: str | LossFn = "cross_entropy",
     eval_df=None,
     resume_from: str | None = None,
+    on_round: Callable[[dict], bool] | None = None,
 ) -> FitResult:
     """Train `model_fn()` on `train_df` across `config.num_workers` Spark tasks by periodic
     parameter averaging, logging the run to MLflow. `resume_from` (sync mode): a checkpoint
     directory or the MLflow run id of a fit whose driver died; it continues from that fit's
-    newest checkpoint. See README for the full contract."""
+    newest checkpoint. `on_round`: called with each logged round's metrics (and "round");
+    True stops the fit there. See README for the full contract."""
     config = TrainConfig() if config is None else config
     t_start = time.perf_counter()
     # The run opens before any check, so every failed fit leaves a FAILED run with its error.
@@ -116,7 +118,7 @@ def fit(
                                   "parameter server from the server's own checkpoint")
             resume = Resume(*open_source(resume_from, run.tracking_uri))
         plan = make_plan(spark, train_df, eval_df, model_fn, config, features_col=features_col,
-                         label_col=label_col, loss=loss, resume=resume)
+                         label_col=label_col, loss=loss, resume=resume, on_round=on_round)
         run.log_params(plan.params)
         validate_s = time.perf_counter() - t_start
         outcome = _TRAIN[config.mode](spark, plan, run)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import sys
 import sysconfig
@@ -55,13 +56,24 @@ def pickle_for_executors(name: str, value: object) -> bytes:
 
 
 def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
-    """The modules a callable comes from: its own, its class's, for a `functools.partial`
-    those of the function and of its arguments, for a dataclass those of its callables."""
+    """The modules a callable comes from: its own, its class's and their base classes', for
+    a function those of the classes and functions it names from its module, for a
+    `functools.partial` those of the function and of its arguments, for a dataclass those
+    of its callables (a few levels deep)."""
     found = set()
-    for obj in (value, type(value)):
+    classes = [value] if isinstance(value, type) else []
+    classes.append(type(value))
+    for obj in (value, *(base for cls in classes for base in cls.__mro__)):
         module = sys.modules.get(getattr(obj, "__module__", None) or "")
         if module is not None:
             found.add(module)
+    code = getattr(value, "__code__", None)
+    if code is not None and depth < 3:  # a factory naming a class of the user's
+        names = getattr(value, "__globals__", {})
+        for name in code.co_names:
+            named = names.get(name)
+            if isinstance(named, type) or inspect.isfunction(named):
+                found |= _modules_of(named, depth + 1)
     if isinstance(value, functools.partial) and depth < 3:
         for part in (value.func, *value.args, *value.keywords.values()):
             found |= _modules_of(part, depth + 1)

@@ -148,7 +148,7 @@ def test_early_stopping_stops_and_returns_the_best_evaluation(spark, mlflow_clie
     assert eval_loss(result.model, test) == pytest.approx(losses[best], rel=1e-5)
     assert eval_loss(result.model, test) < losses[-1]  # not the last parameters
     run = mlflow_client.get_run(result.run_id)
-    assert run.data.tags["sparkdl_avg.early_stopping"] == "stopped"
+    assert run.data.tags["sparkdl_avg.stopped_by"] == "early_stopping"
     assert "did not improve" in run.data.tags["sparkdl_avg.stop_reason"]
     assert run.data.metrics["best_eval_loss"] == pytest.approx(losses[best])
 
@@ -165,7 +165,7 @@ def test_async_early_stopping_stops_the_workers_and_keeps_the_best_server_parame
     lrs = [h["lr"] for h in result.history if "lr" in h]
     assert len(lrs) >= 3 and lrs[-1] < lrs[0] < 0.01
     run = mlflow_client.get_run(result.run_id)
-    assert run.data.tags["sparkdl_avg.early_stopping"] == "stopped"
+    assert run.data.tags["sparkdl_avg.stopped_by"] == "early_stopping"
     assert run.data.metrics["updates_applied"] < 2 * 400 * 2  # fewer than all the steps
     best = run.data.metrics["best_eval_loss"]
     assert eval_loss(result.model, test) == pytest.approx(best, rel=1e-5)
@@ -238,3 +238,53 @@ def test_plan_checks_refuse_before_training(data, mlflow_client):
     with pytest.raises(ConfigError, match=r"metric='eval_accuracy'\) needs a classifier"):
         fit(data, FaultyMLP, replace(CONTROLLED, early_stopping=EarlyStopping(
             metric="eval_accuracy", mode="max")), eval_df=data, loss="mse")
+
+
+def test_on_round_stops_a_sync_fit_at_the_round_it_says(data, mlflow_client):
+    seen = []
+
+    def stop_at_2(metrics: dict) -> bool:
+        seen.append(metrics["round"])
+        assert "train_loss" in metrics and "lr" in metrics
+        return metrics["round"] == 2
+
+    result = fit(data, FaultyMLP, replace(CONTROLLED, checkpoint_every=0), on_round=stop_at_2)
+    assert [h["round"] for h in result.history] == [0, 1, 2] and seen == [0, 1, 2]
+    run = mlflow_client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["sparkdl_avg.stopped_by"] == "on_round"
+    assert run.data.tags["sparkdl_avg.stopped_at_round"] == "2"
+
+
+def test_an_on_round_that_raises_fails_the_fit(data, mlflow_client):
+    def broken(metrics: dict) -> bool:
+        raise KeyError("val_loss")
+
+    with pytest.raises(TrainingError, match=r"on_round raised at round 0: KeyError"):
+        fit(data, FaultyMLP, CONTROLLED, on_round=broken)
+    assert latest_run(mlflow_client, "controls").info.status == "FAILED"
+
+
+def test_on_round_stops_an_async_fit_once_an_interval(data, mlflow_client):
+    calls = []
+    config = TrainConfig(mode="async", num_workers=2, epochs=200, batch_size=10,
+                         eval_interval_s=0.3, log_model=False, experiment_name="controls")
+    result = fit(data, _slow_wide_data, config,
+                 on_round=lambda m: calls.append(m["round"]) or len(calls) == 3)
+    run = mlflow_client.get_run(result.run_id)
+    assert run.data.tags["sparkdl_avg.stopped_by"] == "on_round"
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["updates_applied"] < 2 * 200 * 6  # stopped before the end
+
+
+def _slow_wide_data() -> torch.nn.Module:
+    return _SlowFaulty()
+
+
+class _SlowFaulty(FaultyMLP):
+    def forward(self, x):
+        import time
+
+        if self.training:
+            time.sleep(0.002)
+        return super().forward(x)

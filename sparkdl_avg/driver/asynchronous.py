@@ -24,7 +24,7 @@ from sparkdl_avg._errors import ConfigError, PeerRefused, TrainingError, WorkerL
 from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
 from sparkdl_avg.driver.barrier import BarrierJob
 from sparkdl_avg.driver.cluster import driver_address
-from sparkdl_avg.driver.early_stop import EarlyStopper
+from sparkdl_avg.driver.early_stop import Stopping
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
@@ -186,7 +186,7 @@ class _Intervals:
         self.evaluates = plan.data.eval_sizes[0] > 0
         self.asked: tuple[int, dict] | None = None
         """The request in flight, and the history row it is of."""
-        self.stopper = EarlyStopper(plan.config.early_stopping)
+        self.stopper = Stopping(plan.config.early_stopping, plan.on_round)
         self.asked_params: np.ndarray | None = None
         """Early stopping: a copy of the parameters the request in flight evaluates."""
         self.previous = {"t": time.perf_counter(), "applied": 0, "samples": 0, "loss_sum": 0.0}
@@ -199,11 +199,13 @@ class _Intervals:
         if ask and pending is not None and not pending["final"] \
                 and pending["applied"] == report["applied"]:
             self.asked = (pending["request"], row)
-            if self.stopper.on:  # the snapshot itself: the server moves on meanwhile
+            if self.stopper.rule is not None:  # the snapshot itself: the server moves on
                 request = ps.pull_snapshot()
                 self.asked_params = ps.params.copy() if request == pending["request"] \
                     else None
         self._collect(report["evaluations"], ps)
+        if self.stopper.ask(row, None):
+            self._stop(ps)
 
     def log_final(self, ps: PSClient) -> None:
         """After the job: the final parameters into the driver's model, the last interval,
@@ -236,15 +238,19 @@ class _Intervals:
             if self.asked is not None and not result["final"] \
                     and result["request"] == self.asked[0]:
                 self._log_eval(self.asked[1], result)
-                if self.stopper.observe(self.history, self.asked_params, self.asked[1]) \
-                        and not self.stopper.stopped_sent:
-                    ps.stop()  # the workers push no more; the job ends as at the last step
-                    self.stopper.stopped_sent = True
+                if self.stopper.judge(self.history, self.asked[1], self.asked_params):
+                    self._stop(ps)
                 self.asked = None
         pending = evaluations["pending"]
         if self.asked is not None and (pending is None or pending["final"]
                                        or pending["request"] != self.asked[0]):
             self.asked = None
+
+    def _stop(self, ps: PSClient) -> None:
+        """The workers push no more; the job ends as after their last steps."""
+        if not self.stopper.sent:
+            ps.stop()
+            self.stopper.sent = True
 
     def _log_eval(self, row: dict, result: dict) -> None:
         count = max(1, result["count"])

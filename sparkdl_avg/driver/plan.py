@@ -3,13 +3,14 @@ what training hands back (`TrainOutcome`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._controls import check_against_plan
-from sparkdl_avg._errors import DataError
+from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._model import (
     LossFn,
     build_model,
@@ -49,6 +50,8 @@ class FitPlan:
     params: dict[str, object]
     """What the plan learned, for the MLflow run's params."""
     resume: Resume | None = None
+    on_round: Callable[[dict], bool] | None = None
+    """`fit(on_round=)`: sees each logged round's metrics; True stops the fit."""
 
     def worker_spec(self, address: tuple[str, int], secret: bytes,
                     tls_ca_pem: str | None = None) -> WorkerSpec:
@@ -78,7 +81,11 @@ class TrainOutcome:
 
 
 def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, features_col,
-              label_col: str, loss, resume: Resume | None = None) -> FitPlan:
+              label_col: str, loss, resume: Resume | None = None,
+              on_round: Callable[[dict], bool] | None = None) -> FitPlan:
+    if on_round is not None and not callable(on_round):
+        raise ConfigError(f"on_round must be a callable metrics -> bool, got "
+                          f"{type(on_round).__name__}")
     loss_fn, classify = make_loss(loss)
     check_against_plan(config, total_steps=None, has_eval=eval_df is not None,
                        classify=classify)
@@ -118,4 +125,4 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,
                    loss_fn=loss_fn, classify=classify,
                    long_labels=data.integral_labels or loss == "cross_entropy",
-                   pickled=pickled, params=params, resume=resume)
+                   pickled=pickled, params=params, resume=resume, on_round=on_round)

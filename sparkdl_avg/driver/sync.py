@@ -25,7 +25,7 @@ from sparkdl_avg.driver.checkpoints import (
     writing,
 )
 from sparkdl_avg.driver.cluster import driver_address
-from sparkdl_avg.driver.early_stop import EarlyStopper
+from sparkdl_avg.driver.early_stop import Stopping
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.net.auth import new_secret
@@ -61,7 +61,7 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
         point = Checkpoint(round=0, steps=0, params=flat.gather().copy(), states=None,
                            fingerprint=expected)
     attempt = _Attempt(spark, plan, flat, run, point, expected)
-    attempt.stopper = EarlyStopper(config.early_stopping, best=point.best)
+    attempt.stopper = Stopping(config.early_stopping, plan.on_round, best=point.best)
     restarts = Restarts(spark, config, run)
     with contextlib.closing(attempt.progress), writing(store) as attempt.writer:
         workers = restarts.run(attempt.run, resume_at=lambda exc: f"round {attempt.point.round}",
@@ -94,9 +94,10 @@ class _Attempt:
         self.progress = Progress(plan.schedule.num_rounds)
         self.writer = None
         self.t_train = 0.0
-        self.stopper: EarlyStopper | None = None
+        self.stopper: Stopping | None = None
         self.stop_round: int | None = None
-        """Early stopping: the round whose evaluation stopped the fit; the next is the last."""
+        """The round at which early stopping or on_round stopped the fit: the workers take
+        the next round's steps, and its average is their last (it is not logged)."""
         self.timeline: list[dict] = []
         """Per round: each worker's phases, seconds since training began (for the picture)."""
 
@@ -146,7 +147,8 @@ class _Attempt:
             self.run_logger.set_tags({"sparkdl_avg.devices": ", ".join(sorted(set(devices)))})
 
     def _round(self, coord: Coordinator, r: int, stop: bool = False) -> None:
-        """Round `r`; `stop`: early stopping decided last round, so this average ends it."""
+        """Round `r`; `stop`: the fit stopped at the round before, so this average ends the
+        workers' training and the round is not part of the fit's history."""
         config, schedule = self.plan.config, self.plan.schedule
         last = r == schedule.num_rounds - 1
         every = config.checkpoint_every
@@ -157,14 +159,15 @@ class _Attempt:
                 last or (r + 1) % config.eval_every == 0),
             checkpoint=every > 0 and (last or (r + 1) % every == 0), stop=stop,
         )
-        if r >= len(self.history):  # a round redone after a restart is logged once
+        if r >= len(self.history) and not stop:  # a round redone after a restart: logged once
             metrics = round_metrics(stats)
             # strangers the coordinator refused, by reason, so far in this attempt
             metrics.update({f"refused_{k}": v for k, v in coord.refusals().items()})
             self.history.append({"round": r, **metrics})
             self.run_logger.log_metrics(metrics, step=r)
-            if self.stopper.observe(self.history, coord.average[:numel]) and \
-                    self.stop_round is None and not stop:
+            row, params = self.history[-1], coord.average[:numel]
+            if (self.stopper.judge(self.history, row, params)
+                    or self.stopper.ask(row, params)) and self.stop_round is None:
                 self.stop_round = r
             self.progress.update(r, stats.train_loss, metrics.get("eval_accuracy"))
             self.timeline.append({"round": r, "workers": [
