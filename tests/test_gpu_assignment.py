@@ -96,9 +96,11 @@ def test_a_fit_survives_losing_its_executor(cluster_fits):
 
 @pytest.mark.spark
 def test_local_mode_with_gpu_tasks_is_refused_not_hung(spark, monkeypatch):
-    conf = spark.sparkContext.getConf()
-    conf.set("spark.task.resource.gpu.amount", "1")
-    monkeypatch.setattr(type(spark.sparkContext), "getConf", lambda self: conf)
+    from sparkdl_avg.driver import session
+
+    real = session.conf
+    monkeypatch.setattr(session, "conf", lambda s, key, default=None: "1"
+                        if key == "spark.task.resource.gpu.amount" else real(s, key, default))
     df = spark.createDataFrame([([1.0], 0)] * 8, "features array<double>, label int")
     with pytest.raises(ClusterError, match="local mode cannot schedule GPU tasks"):
         fit(df, lambda: torch.nn.Linear(1, 2), TrainConfig(batch_size=2, log_model=False))

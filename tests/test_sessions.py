@@ -165,3 +165,45 @@ def test_an_async_fit_on_a_given_port_restarts_after_a_task_failure(data, tmp_pa
                              experiment_name="sessions"))
     [failure] = result.failures
     assert failure["partition"] == 1
+
+
+def test_cancelling_a_fits_jobs_stops_a_running_barrier_job(spark, tmp_path):
+    """What a failed or abandoned fit relies on to free the task slots."""
+    import threading
+
+    from sparkdl_avg.driver import session as sessions
+
+    ended = threading.Event()
+    folder = str(tmp_path)
+
+    def sleeps(batches):  # nested: it travels by value (executors cannot import this file)
+        import os
+        import time
+
+        from pyspark import TaskContext
+
+        open(os.path.join(folder, str(TaskContext.get().partitionId())), "w").close()
+        for batch in batches:
+            time.sleep(60)
+            yield batch
+
+    def run():
+        sessions.tag_jobs(spark, "sparkdl-avg-cancel-test", "a test job")
+        try:
+            spark.range(2, numPartitions=2).mapInArrow(sleeps, "id long",
+                                                       barrier=True).collect()
+        except Exception:  # noqa: BLE001 - cancelled, as meant
+            pass
+        finally:
+            sessions.untag_jobs(spark, "sparkdl-avg-cancel-test")
+            ended.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.iterdir())) < 2:  # both tasks are running
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    started = time.monotonic()
+    sessions.cancel_jobs(spark, "sparkdl-avg-cancel-test")
+    assert ended.wait(20), "the job ran on after it was cancelled"
+    assert time.monotonic() - started < 20

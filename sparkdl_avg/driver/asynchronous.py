@@ -164,7 +164,7 @@ class _ServerConnection:
         self.ps.close()
         self._restarts.record(WorkerLostError(
             f"the parameter server process died (exit code {self.sidecar.returncode})"),
-            "the server's last checkpoint", step=step)
+            "the server's last checkpoint", step=step, check_cluster_after=False)
         self.sidecar.restart()
         self._run.log_metrics({"ps_restarts": self.sidecar.restarts}, step=step)
         self.ps = self._connect()

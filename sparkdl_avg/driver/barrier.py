@@ -95,15 +95,14 @@ class BarrierJob:
     def _run(self) -> None:
         spark = self._frame.sparkSession
         try:
-            spark.addTag(self._group)  # per thread: this one runs the job; `cancel` uses it
-            session.set_job_group(spark, self._group, self._description)
+            session.tag_jobs(spark, self._group, self._description)  # this thread runs it
             self.rows = self._frame.mapInArrow(self._fn, self._schema, barrier=True,
                                                profile=self.profile).collect()
         except BaseException as exc:  # reported to the driver loop through check()
             self.error = exc
         finally:
             with contextlib.suppress(Exception):
-                spark.removeTag(self._group)
+                session.untag_jobs(spark, self._group)
             self._done.set()
 
     def check(self, wait_s: float = 0) -> None:
@@ -222,7 +221,7 @@ class BarrierJob:
         return self.rows
 
     def cancel(self) -> None:
-        self._frame.sparkSession.interruptTag(self._group)
+        session.cancel_jobs(self._frame.sparkSession, self._group)
 
 
 _NOT_RETRYABLE = re.compile(r"cancelled job group|Job \d+ cancelled|SparkContext was shut down|"

@@ -17,6 +17,7 @@ import uuid
 from functools import partial
 
 from sparkdl_avg._errors import ClusterError
+from sparkdl_avg.driver import session
 from sparkdl_avg.driver.load_monitor import LoadMonitor
 
 
@@ -73,13 +74,13 @@ class _TaggedJob:
 
     def _run(self) -> None:
         try:
-            self._spark.addTag(self._tag)
+            session.tag_jobs(self._spark, self._tag, "sparkdl-avg: probe the cluster")
             self._rows = [row.asDict() for row in self._action()]
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
             self._error = exc
         finally:
             with contextlib.suppress(Exception):  # the thread ends anyway
-                self._spark.removeTag(self._tag)
+                session.untag_jobs(self._spark, self._tag)
 
     def run(self, deadline_s: float) -> list[dict] | None:
         """The rows; None if the deadline passed first (the job is interrupted)."""
@@ -88,14 +89,15 @@ class _TaggedJob:
         try:
             thread.join(deadline_s)
         finally:
-            if thread.is_alive():  # the deadline, or Ctrl-C: stop the job either way
+            late = thread.is_alive()
+            if late:  # the deadline, or Ctrl-C: stop the job either way
                 # A job still waiting for its barrier slots is not registered as running, so
                 # the interrupt may not reach it: Spark then resubmits it until its own slot
                 # check gives up (about 10 minutes). The fit does not wait for that.
                 with contextlib.suppress(Exception):
-                    self._spark.interruptTag(self._tag)
+                    session.cancel_jobs(self._spark, self._tag)
                 thread.join(5)
-        if thread.is_alive():
+        if late:
             return None
         if self._error is not None:
             from sparkdl_avg.driver.barrier import _spark_reason

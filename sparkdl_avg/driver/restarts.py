@@ -29,7 +29,11 @@ class Restarts:
         self._spark, self._config, self._run = spark, config, run
         self.failures: list[dict] = []
 
-    def record(self, exc: WorkerLostError, resume_at: str, *, step: int) -> None:
+    def record(self, exc: WorkerLostError, resume_at: str, *, step: int,
+               check_cluster_after: bool = True) -> None:
+        """Count a failure (raising past max_failures) and, unless `check_cluster_after` is
+        False (the tasks still run: a parameter server restarted under them), wait for the
+        cluster to have its slots again."""
         failure = dict(exc.details or {"error": str(exc)}, restart_at=resume_at)
         self.failures.append(failure)
         self._run.log_metrics({"restarts": len(self.failures)}, step=step)
@@ -43,7 +47,8 @@ class Restarts:
                                 f"max_failures={limit}; the last failure: {where}") from exc
         log.warning("restart %d of at most %d, from %s, after a failure: %s",
                     len(self.failures), limit, resume_at, where)
-        check_cluster(self._spark, self._config, wait_s=_REPLACE_EXECUTOR_S, restart=True)
+        if check_cluster_after:
+            check_cluster(self._spark, self._config, wait_s=_REPLACE_EXECUTOR_S, restart=True)
 
     def run(self, attempt: Callable[[], T], resume_at: Callable[[WorkerLostError], str],
             step: Callable[[], int]) -> T:

@@ -1,11 +1,13 @@
 """What differs between a classic SparkSession and a Spark Connect one, all in one place.
 
 The rest of the driver uses what both kinds offer: `spark.conf`, DataFrames, barrier
-`mapInArrow`, job tags (`addTag` in the thread that runs a job, `interruptTag` to stop it) and
-the job's own exception. A classic session also has the SparkContext: the exact number of
-task slots, and the status tracker and store (job progress, each task's executor and host).
-Here those are answered where there is a SparkContext, and None on Connect, where callers
-fall back to a probe job and the job's exception.
+`mapInArrow` and the job's own exception. Marking a thread's jobs and cancelling them differ
+(`tag_jobs`, `cancel_jobs`): job tags on Connect, a job group on a classic session, where
+`interruptTag` does not stop a running `collect`. A classic session also has the
+SparkContext: the exact number of task slots, and the status tracker and store (job
+progress, each task's executor and host). Here those are answered where there is a
+SparkContext, and None on Connect, where callers fall back to a probe job and the job's
+exception.
 """
 
 from __future__ import annotations
@@ -80,10 +82,31 @@ def concurrent_slots(spark, profile=None) -> int | None:
     return int(jsc.maxNumConcurrentTasks(profile._java_resource_profile))
 
 
-def set_job_group(spark, group: str, description: str) -> None:
-    """Classic only: the job group the status tracker finds a job's stages by."""
-    if not is_connect(spark):
-        spark.sparkContext.setJobGroup(group, description, interruptOnCancel=True)
+def tag_jobs(spark, tag: str, description: str) -> None:
+    """Mark the jobs this thread starts from now on, for `cancel_jobs` (and, on a classic
+    session, for the status tracker): a job tag on Connect, a job group on a classic
+    session, where `interruptTag` does not reach a running `collect` (seen with pyspark
+    4.3: it finds no operation and the job runs on)."""
+    if is_connect(spark):
+        spark.addTag(tag)
+    else:
+        spark.sparkContext.setJobGroup(tag, description, interruptOnCancel=True)
+
+
+def untag_jobs(spark, tag: str) -> None:
+    """This thread's later jobs are no longer marked."""
+    if is_connect(spark):
+        spark.removeTag(tag)
+    else:
+        spark.sparkContext._jsc.clearJobGroup()  # pyspark's SparkContext has none
+
+
+def cancel_jobs(spark, tag: str) -> None:
+    """Stop the jobs `tag_jobs` marked, from any thread."""
+    if is_connect(spark):
+        spark.interruptTag(tag)
+    else:
+        spark.sparkContext.cancelJobGroup(tag)
 
 
 def group_tasks_done(spark, group: str) -> tuple[int, int] | None:
