@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from sparkdl_avg._errors import ConfigError
+from sparkdl_avg.ps.settings import check_rule
 
 
 def require_int(name: str, value: object, *, minimum: int) -> None:
@@ -21,3 +22,32 @@ def require_float(name: str, value: object, *, positive: bool = False) -> None:
         raise ConfigError(f"{name} must be positive, got {value}")
     if not positive and value < 0:
         raise ConfigError(f"{name} must not be negative, got {value}")
+
+
+def check_async(config) -> None:
+    """The async fields' own checks (a TrainConfig calls this when built)."""
+    check_rule(config.algorithm, config.dc_lambda)
+    if config.fetch_every is not None:
+        require_int("fetch_every", config.fetch_every, minimum=1)
+        if config.fetch_every % config.push_every:
+            raise ConfigError(f"fetch_every={config.fetch_every} must be a multiple of "
+                              f"push_every={config.push_every} (a fetch would drop steps "
+                              "not yet pushed)")
+    if config.staleness_bound is not None:
+        require_int("staleness_bound", config.staleness_bound, minimum=0)
+    if config.dc_lambda is not None:
+        require_float("dc_lambda", config.dc_lambda)
+    require_float("eval_interval_s", config.eval_interval_s, positive=True)
+    if config.ps_address is not None:
+        host, _, port = config.ps_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"ps_address={config.ps_address!r} must be 'host:port'")
+        if config.ps_secret_file is None:
+            raise ConfigError("ps_address needs ps_secret_file: the server's secret")
+        # The server's own settings: silently ignoring them would mislead.
+        for name, option in (("dc_lambda", "--dc-lambda"),
+                             ("ps_checkpoint_every", "--checkpoint-every")):
+            default = type(config).__dataclass_fields__[name].default
+            if getattr(config, name) != default:
+                raise ConfigError(f"{name} is the parameter server's own setting when "
+                                  f"ps_address is given: start the server with {option}")

@@ -8,11 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sparkdl_avg._checks import require_float, require_int
+from sparkdl_avg._checks import check_async, require_float, require_int
 from sparkdl_avg._controls import EarlyStopping, check_controls
 from sparkdl_avg._errors import ConfigError
 from sparkdl_avg.net.message_base import MAX_WORKERS
-from sparkdl_avg.ps.settings import check_rule
 
 OptimizerName = Literal["sgd", "adam"]
 Mode = Literal["sync", "async"]
@@ -198,10 +197,15 @@ class TrainConfig:
     """MLflow experiment; None uses the active one (MLflow's default, or the notebook's)."""
 
     run_name: str | None = None
-    """MLflow run name; None lets MLflow pick one."""
+    """MLflow run name; None: one that says what the fit is ("sync-2w-k8",
+    "async-dcasgd-4w")."""
 
     log_model: bool = True
     """Log the final model with `mlflow.pytorch.log_model` so `mlflow.pyfunc` can load it."""
+
+    registered_model_name: str | None = None
+    """Register the logged model as a new version of this MLflow model (needs log_model);
+    `fit` returns once the version is ready."""
 
     tls_cert: str | None = None
     """Sync: serve the averaging channel over TLS with this certificate (PEM file on the
@@ -301,7 +305,7 @@ class TrainConfig:
                 require_float(name, getattr(self, name), positive=True)
         if self.device not in _DEVICES:
             raise ConfigError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
-        self._check_async()
+        check_async(self)
         check_controls(self)
         for name in ("tls_cert", "tls_key", "tls_ca"):
             value = getattr(self, name)
@@ -311,6 +315,12 @@ class TrainConfig:
                 (self.tls_ca is not None and self.tls_cert is None):
             raise ConfigError("TLS needs tls_cert and tls_key together (tls_ca only with "
                               "them)")
+        if self.registered_model_name is not None and (
+                not isinstance(self.registered_model_name, str)
+                or not self.registered_model_name.strip() or not self.log_model):
+            raise ConfigError(f"registered_model_name={self.registered_model_name!r} must be "
+                              "a model name, with log_model=True (the version is the logged "
+                              "model)")
         for name in ("average_optimizer_state", "shuffle", "log_model", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -327,32 +337,11 @@ class TrainConfig:
                 f"{self.cache_budget_mb}: a task reading its partition from disk holds one "
                 "shuffle window in memory; lower shuffle_buffer_mb or raise cache_budget_mb")
 
-    def _check_async(self) -> None:
-        check_rule(self.algorithm, self.dc_lambda)
-        if self.fetch_every is not None:
-            require_int("fetch_every", self.fetch_every, minimum=1)
-            if self.fetch_every % self.push_every:
-                raise ConfigError(f"fetch_every={self.fetch_every} must be a multiple of "
-                                  f"push_every={self.push_every} (a fetch would drop steps "
-                                  "not yet pushed)")
-        if self.staleness_bound is not None:
-            require_int("staleness_bound", self.staleness_bound, minimum=0)
-        if self.dc_lambda is not None:
-            require_float("dc_lambda", self.dc_lambda)
-        require_float("eval_interval_s", self.eval_interval_s, positive=True)
-        if self.ps_address is not None:
-            host, _, port = self.ps_address.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"ps_address={self.ps_address!r} must be 'host:port'")
-            if self.ps_secret_file is None:
-                raise ConfigError("ps_address needs ps_secret_file: the server's secret")
-            # The server's own settings: silently ignoring them would mislead.
-            for name, option in (("dc_lambda", "--dc-lambda"),
-                                 ("ps_checkpoint_every", "--checkpoint-every")):
-                default = TrainConfig.__dataclass_fields__[name].default
-                if getattr(self, name) != default:
-                    raise ConfigError(f"{name} is the parameter server's own setting when "
-                                      f"ps_address is given: start the server with {option}")
+    def default_run_name(self) -> str:
+        """What the fit is, for the MLflow runs table."""
+        if self.mode == "sync":
+            return f"sync-{self.num_workers}w-k{self.averaging_frequency}"
+        return f"async-{self.algorithm}-{self.num_workers}w"
 
     def driver_host_port(self) -> tuple[str | None, int]:
         """`driver_address` as (host or None, port or 0)."""

@@ -20,6 +20,7 @@ from sparkdl_avg.driver.asynchronous import train_async
 from sparkdl_avg.driver.checkpoints import open_source
 from sparkdl_avg.driver.plan import FitPlan, Resume, TrainOutcome, make_plan
 from sparkdl_avg.driver.sync import train_sync
+from sparkdl_avg.tracking.datasets import log_datasets
 from sparkdl_avg.tracking.plots import learning_curves
 from sparkdl_avg.tracking.run import RunLogger
 
@@ -120,6 +121,8 @@ def fit(
         plan = make_plan(spark, train_df, eval_df, model_fn, config, features_col=features_col,
                          label_col=label_col, loss=loss, resume=resume, on_round=on_round)
         run.log_params(plan.params)
+        log_datasets(run, train_df, sum(plan.data.train_sizes), eval_df,
+                     sum(plan.data.eval_sizes))
         validate_s = time.perf_counter() - t_start
         outcome = _TRAIN[config.mode](spark, plan, run)
         _report_workers(outcome, run)
@@ -152,7 +155,8 @@ def _open_run(config) -> RunLogger:
     to MLflow's active (else default) experiment."""
     if not isinstance(config, TrainConfig):
         return RunLogger(experiment_name=None, run_name=None, tags={})
-    return RunLogger(experiment_name=config.experiment_name, run_name=config.run_name,
+    return RunLogger(experiment_name=config.experiment_name,
+                     run_name=config.run_name or config.default_run_name(),
                      tags={"sparkdl_avg.mode": config.mode})
 
 
@@ -180,4 +184,5 @@ _WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_
 def _log_model(run: RunLogger, plan: FitPlan) -> None:
     example = torch.zeros(2, plan.data.num_features, dtype=plan.dtype)
     half = plan.dtype in (torch.float16, torch.bfloat16)  # numpy has neither
-    run.log_model(plan.model, example.float().numpy() if half else example.numpy())
+    run.log_model(plan.model, example.float().numpy() if half else example.numpy(),
+                  registered_model_name=plan.config.registered_model_name)

@@ -121,3 +121,29 @@ def _assert_reloaded_model_predicts_like(result, rows: np.ndarray) -> None:
         expected = result.model(torch.from_numpy(rows)).numpy()
     np.testing.assert_allclose(np.asarray(loaded.predict(rows)), expected, rtol=1e-5,
                                atol=1e-6)
+
+
+def test_the_runs_table_shows_the_fits_names_and_datasets_in_a_browser(server_uri, tmp_path):
+    """The MLflow UI's runs table, rendered by headless Chromium: each run under its
+    descriptive name, and its datasets in the Datasets column. Runs after the fits above
+    (same server); a screenshot stays in tests/artifacts/ for people to look at."""
+    import shutil
+    from pathlib import Path
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert browser, "headless Chromium is needed: apt-get install chromium (.ci/run does)"
+    experiment = MlflowClient(server_uri).get_experiment_by_name("compare-modes")
+    assert experiment is not None, "run test_sync_and_async_runs_compare_column_by_column first"
+    url = f"{server_uri}/#/experiments/{experiment.experiment_id}/runs"
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu",
+              "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}",
+              "--virtual-time-budget=20000", "--window-size=1600,1000"]
+    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True,
+                         timeout=120).stdout
+    shots = Path(__file__).parent / "artifacts"
+    shots.mkdir(exist_ok=True)
+    subprocess.run([*common, f"--screenshot={shots / 'mlflow_runs_table.png'}", url],
+                   capture_output=True, timeout=120)
+    assert "sync-2w-k2" in dom and "async-downpour-2w" in dom, dom[-3000:]
+    assert "train_df" in dom and "eval_df" in dom, "the Datasets column shows no dataset"
+    assert (shots / "mlflow_runs_table.png").stat().st_size > 10_000

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import logging
-import os
 import ssl
 import time
 
@@ -30,6 +28,7 @@ from sparkdl_avg._errors import PeerClosed, ProtocolError, Unacceptable
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
 from sparkdl_avg.net.server import MAX_PENDING, Server
+from sparkdl_avg.ps import state_file
 from sparkdl_avg.ps.evaluations import Evaluations
 from sparkdl_avg.ps.rules import UpdateRule, make_rule
 from sparkdl_avg.ps.settings import ServerSettings
@@ -79,7 +78,7 @@ class ParameterServer(Server):
         report their mean."""
         self.stopped = False
         """Early stopping: the driver's STOP; every ACK to an UPDATE then says stop."""
-        self._checkpoint = BackgroundWriter(functools.partial(_save_npz, checkpoint_path),
+        self._checkpoint = BackgroundWriter(functools.partial(state_file.save, checkpoint_path),
                                             f"the server checkpoint {checkpoint_path}") \
             if checkpoint_path else None
 
@@ -95,9 +94,7 @@ class ParameterServer(Server):
 
     def restore(self, path: str) -> None:
         """Take up a checkpoint written by a server with the same settings (before start)."""
-        with np.load(path, allow_pickle=False) as saved:
-            meta = json.loads(saved["meta"].tobytes())
-            arrays = {k: saved[k].copy() for k in saved.files if k != "meta"}
+        arrays, meta = state_file.load(path)
         self.rule = self._new_rule(arrays.pop("params"))
         self.rule.load_state(arrays)
         self.applied, self.samples, self.loss_sum = (meta["applied"], meta["samples"],
@@ -396,12 +393,3 @@ class ParameterServer(Server):
         for w in range(workers):
             self._clocks.setdefault(w, 0)
             self._read_clocks.setdefault(w, -1)  # no push applies before its first read
-
-
-def _save_npz(path: str, item: tuple[dict, dict]) -> None:
-    """Arrays and a JSON `meta` to `path`, through a temporary file and a rename, so a
-    reader never sees half a checkpoint."""
-    arrays, meta = item
-    tmp = f"{path}.tmp.npz"
-    np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-    os.replace(tmp, path)

@@ -6,6 +6,7 @@ a slow tracking server (about 60 ms per REST call) never slows a round down.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import queue
@@ -19,6 +20,22 @@ import numpy as np
 log = logging.getLogger("sparkdl_avg")
 _FLUSH_EVERY_S = 1.0
 _MAX_BATCH = 1000
+
+
+_PARENT = threading.local()
+
+
+@contextlib.contextmanager
+def parent_run(run_id: str | None):
+    """Fits started in this block, on this thread, become children of `run_id` (as of an
+    active run). MLflow's active run is per thread, so a fit on a pool thread (CrossValidator
+    fits its folds there) would not see the caller's."""
+    previous = getattr(_PARENT, "run_id", None)
+    _PARENT.run_id = run_id
+    try:
+        yield
+    finally:
+        _PARENT.run_id = previous
 
 
 class RunLogger:
@@ -44,18 +61,24 @@ class RunLogger:
         self.tracking_uri = mlflow.get_tracking_uri()
         self._client = MlflowClient(self.tracking_uri)
         tags = dict(self._tags)
-        active = mlflow.active_run()
+        given = getattr(_PARENT, "run_id", None)
+        active = self._client.get_run(given).info if given else \
+            (mlflow.active_run().info if mlflow.active_run() else None)
         if self._experiment_name is not None:
             experiment = mlflow.set_experiment(self._experiment_name)
             experiment_id = experiment.experiment_id
         elif active is not None:
-            experiment_id = active.info.experiment_id
+            experiment_id = active.experiment_id
         else:
             from mlflow.tracking.fluent import _get_experiment_id
 
             experiment_id = _get_experiment_id()
-        if active is not None and active.info.experiment_id == experiment_id:
-            tags["mlflow.parentRunId"] = active.info.run_id
+        if active is not None and active.experiment_id == experiment_id:
+            tags["mlflow.parentRunId"] = active.run_id
+        from mlflow.tracking.context.registry import resolve_tags
+
+        # the source (job script or notebook), user and git commit, as mlflow.start_run sets
+        tags = resolve_tags(tags)
         run = self._client.create_run(experiment_id, run_name=self._run_name, tags=tags)
         self.run_id = run.info.run_id
         try:
@@ -97,6 +120,9 @@ class RunLogger:
         for start in range(0, len(items), 100):
             self._client.log_batch(self.run_id, params=items[start:start + 100])
 
+    def log_inputs(self, datasets: list) -> None:
+        self._client.log_inputs(self.run_id, datasets=datasets)
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         for key, value in tags.items():
             self._client.set_tag(self.run_id, key, str(value)[:4900])
@@ -126,7 +152,9 @@ class RunLogger:
         except Exception:  # noqa: BLE001
             log.warning("could not log %s", artifact_file, exc_info=True)
 
-    def log_model(self, model, input_example) -> None:
+    def log_model(self, model, input_example, registered_model_name: str | None = None) -> None:
+        """The model (and, named, a new registered version of it, ready before this
+        returns)."""
         import mlflow
         import torch
 
@@ -138,7 +166,8 @@ class RunLogger:
                         f"mlflow=={mlflow.__version__}"]
         with mlflow.start_run(run_id=self.run_id, nested=True):
             mlflow.pytorch.log_model(model, name="model", input_example=input_example,
-                                     pip_requirements=requirements)
+                                     pip_requirements=requirements,
+                                     registered_model_name=registered_model_name)
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(_FLUSH_EVERY_S):

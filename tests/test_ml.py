@@ -1,0 +1,149 @@
+"""Spark ML: the estimator in a Pipeline, saved and loaded, tuned by CrossValidator with
+nested MLflow runs."""
+
+from __future__ import annotations
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from faulty import FaultyMLP
+
+from sparkdl_avg import ConfigError, TrainConfig, fit
+from sparkdl_avg.ml import AveragingEstimator, AveragingModel
+
+pytestmark = pytest.mark.spark
+CONFIG = TrainConfig(num_workers=2, epochs=2, batch_size=16, averaging_frequency=2,
+                     optimizer="adam", lr=0.01, log_model=False, experiment_name="ml")
+
+
+@pytest.fixture(scope="module")
+def columns(spark):
+    """Five numeric columns and a label, as a pipeline starts from."""
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(160, 5))
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.3).astype(np.int64)
+    frame = pd.DataFrame(x, columns=[f"c{i}" for i in range(5)])
+    frame["label"] = y
+    return spark.createDataFrame(frame).cache()
+
+
+def pipeline(**params):
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import VectorAssembler
+
+    return Pipeline(stages=[
+        VectorAssembler(inputCols=[f"c{i}" for i in range(5)], outputCol="features"),
+        AveragingEstimator(model_fn=FaultyMLP, config=CONFIG, **params)])
+
+
+def test_a_pipeline_fits_saves_loads_and_predicts_the_same(columns, tmp_path):
+    from pyspark.ml import PipelineModel
+
+    fitted = pipeline(lr=0.02, epochs=3).fit(columns)
+    stage = fitted.stages[-1]
+    assert isinstance(stage, AveragingModel)
+    run = mlflow.get_run(stage.run_id)
+    assert run.data.params["lr"] == "0.02" and run.data.params["epochs"] == "3"  # Params win
+    before = fitted.transform(columns).select("prediction").toPandas()["prediction"]
+    path = str(tmp_path / "pipeline")
+    fitted.write().save(path)
+    loaded = PipelineModel.load(path)
+    after = loaded.transform(columns).select("prediction").toPandas()["prediction"]
+    assert before.tolist() == after.tolist()
+    assert sorted((tmp_path / "pipeline" / "stages").glob("*Averaging*/model/model.*"))
+    accuracy = (after.to_numpy() == columns.toPandas()["label"].to_numpy()).mean()
+    assert accuracy > 0.6
+
+
+def test_cross_validation_over_lr_nests_every_fold_under_the_callers_run(columns):
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.feature import VectorAssembler
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    assembled = VectorAssembler(inputCols=[f"c{i}" for i in range(5)],
+                                outputCol="features").transform(columns)
+    estimator = AveragingEstimator(model_fn=FaultyMLP, config=CONFIG)
+    grid = ParamGridBuilder().addGrid(estimator.lr, [0.003, 0.03]).build()
+    cv = CrossValidator(estimator=estimator, estimatorParamMaps=grid, numFolds=2,
+                        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
+                        parallelism=1)
+    mlflow.set_experiment("ml")
+    with mlflow.start_run(run_name="tuning") as parent:
+        best = cv.fit(assembled)
+    children = mlflow.search_runs(
+        experiment_names=["ml"], output_format="list",
+        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert len(children) == 2 * 2 + 1  # every fold of every lr, and the refit on all rows
+    assert {c.data.params["lr"] for c in children} == {"0.003", "0.03"}
+    assert all(c.info.status == "FINISHED" for c in children)
+    assert len(best.avgMetrics) == 2 and isinstance(best.bestModel, AveragingModel)
+
+
+def test_a_fit_inside_an_active_run_is_its_child_and_a_thread_may_name_the_parent(columns):
+    import threading
+
+    from sparkdl_avg.tracking.run import parent_run
+
+    df = columns.selectExpr("array(c0, c1, c2, c3, c4) AS features", "label")
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=16, log_model=False)
+    mlflow.set_experiment("ml")
+    with mlflow.start_run() as parent:
+        child = fit(df, FaultyMLP, config)
+        seen = {}
+
+        def elsewhere():  # another thread sees no active run, unless it is named
+            with parent_run(parent.info.run_id):
+                seen["id"] = fit(df, FaultyMLP, config).run_id
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+    for run_id in (child.run_id, seen["id"]):
+        assert mlflow.get_run(run_id).data.tags["mlflow.parentRunId"] == parent.info.run_id
+
+
+def test_an_estimator_without_a_model_fn_is_refused():
+    with pytest.raises(ConfigError, match="needs model_fn"):
+        AveragingEstimator(config=CONFIG)
+    with pytest.raises(ConfigError, match="averaging_frequency=.*applies to mode='sync'"):
+        AveragingEstimator(model_fn=FaultyMLP, config=TrainConfig(mode="async"),
+                           averagingFrequency=4).train_config()
+    assert torch.nn.Module  # the module imports torch lazily through fit
+
+
+def test_a_registered_fit_loads_from_the_registry_and_predicts_as_the_result(columns):
+    df = columns.selectExpr("array(c0, c1, c2, c3, c4) AS features", "label")
+    result = fit(df, FaultyMLP, TrainConfig(num_workers=2, epochs=1, batch_size=16,
+                                            experiment_name="ml",
+                                            registered_model_name="sparkdl-avg-test-model"),
+                 eval_df=df)
+    run = mlflow.get_run(result.run_id)
+    assert run.info.status == "FINISHED"  # fit returned after logging and registering
+    versions = mlflow.MlflowClient().search_model_versions("name='sparkdl-avg-test-model'")
+    [version] = [v for v in versions if v.run_id == result.run_id]
+    assert version.status == "READY"
+    uri = f"models:/sparkdl-avg-test-model/{version.version}"
+    assert mlflow.models.get_model_info(uri).signature is not None
+    x = np.random.default_rng(0).normal(size=(7, 5)).astype(np.float32)
+    with torch.no_grad():
+        expected = result.model(torch.from_numpy(x)).numpy()
+    assert np.allclose(np.asarray(mlflow.pyfunc.load_model(uri).predict(x)), expected,
+                       atol=1e-6)
+
+
+def test_runs_are_named_sourced_and_list_their_datasets(spark, columns, tmp_path):
+    columns.selectExpr("array(c0, c1, c2, c3, c4) AS features", "label") \
+        .write.parquet(str(tmp_path / "shapes"))
+    df = spark.read.parquet(str(tmp_path / "shapes"))
+    result = fit(df, FaultyMLP, CONFIG, eval_df=df.limit(40))
+    run = mlflow.get_run(result.run_id)
+    assert run.info.run_name == "sync-2w-k2"
+    assert run.data.tags["mlflow.source.name"] and run.data.tags["mlflow.user"]
+    inputs = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}
+    assert set(inputs) == {"training", "evaluation"}
+    assert inputs["training"].name == "shapes"
+    assert '"num_rows": 160' in inputs["training"].profile
+    assert '"num_rows": 40' in inputs["evaluation"].profile
+    assert "features" in inputs["training"].schema
