@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import pyspark
+from standalone_cluster import stop_daemons
 
 SPARK_HOME = Path(pyspark.__file__).parent
 TESTS = Path(__file__).parent
@@ -79,33 +79,18 @@ class ConnectServer:
 
     def stop(self) -> None:
         """stop-connect-server.sh, then SIGKILL if the server is still alive 10 s later."""
-        pids = []
-        for pid_file in (self.folder / "pids").glob("*.pid"):
-            with contextlib.suppress(OSError, ValueError):
-                pids.append(int(pid_file.read_text().strip()))
-        with contextlib.suppress(subprocess.SubprocessError, OSError):
-            subprocess.run(["bash", str(SPARK_HOME / "sbin" / "stop-connect-server.sh")],
-                           env=self._env(), capture_output=True, timeout=60)
-        deadline = time.monotonic() + 10
-        for pid in pids:
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if _alive(pid):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+        def stop_script() -> None:
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                subprocess.run(["bash", str(SPARK_HOME / "sbin" / "stop-connect-server.sh")],
+                               env=self._env(), capture_output=True, timeout=60)
+
+        stop_daemons(self.folder / "pids", stop_script, b"SparkConnectServer")
 
     def __enter__(self) -> ConnectServer:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return b"SparkConnectServer" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def main(argv: list[str]) -> int:

@@ -103,23 +103,14 @@ class StandaloneCluster:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        """Stop the workers and the master through spark-daemon.sh; SIGKILL any of the
-        daemons it started that is still alive 10 s later."""
-        pids = []
-        for pid_file in (self.folder / "pids").glob("*.pid"):
-            with contextlib.suppress(OSError, ValueError):
-                pids.append(int(pid_file.read_text().strip()))
-        for cls, instance in [*((WORKER_CLASS, w + 1) for w in range(self.workers)),
-                              (MASTER_CLASS, 1)]:
-            with contextlib.suppress(subprocess.SubprocessError, OSError):
-                self._daemon("stop", cls, instance, env=self._env())
-        deadline = time.monotonic() + 10
-        for pid in pids:
-            while _is_spark_daemon(pid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if _is_spark_daemon(pid):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+        """Stop the workers and the master through spark-daemon.sh (`stop_daemons`)."""
+        def stop_all() -> None:
+            for cls, instance in [*((WORKER_CLASS, w + 1) for w in range(self.workers)),
+                                  (MASTER_CLASS, 1)]:
+                with contextlib.suppress(subprocess.SubprocessError, OSError):
+                    self._daemon("stop", cls, instance, env=self._env())
+
+        stop_daemons(self.folder / "pids", stop_all, b"org.apache.spark.deploy")
 
     def __enter__(self) -> StandaloneCluster:
         return self.start()
@@ -128,9 +119,27 @@ class StandaloneCluster:
         self.stop()
 
 
-def _is_spark_daemon(pid: int) -> bool:
+def stop_daemons(pid_folder: Path, stop, marker: bytes) -> None:
+    """Read the pid files Spark's daemon scripts wrote, call `stop()` (the scripts' own stop),
+    then SIGKILL any of those processes (whose command line holds `marker`) still alive 10 s
+    later."""
+    pids = []
+    for pid_file in pid_folder.glob("*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pids.append(int(pid_file.read_text().strip()))
+    stop()
+    deadline = time.monotonic() + 10
+    for pid in pids:
+        while _alive(pid, marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(pid, marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int, marker: bytes) -> bool:
     try:
-        return b"org.apache.spark.deploy" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return marker in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
