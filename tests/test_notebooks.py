@@ -59,5 +59,5 @@ def test_notebook_runs_cell_by_cell(path, spark):
     assert kinds[0] == "md" and "pip" in kinds  # introduced, and installs like Databricks
 
 
-def test_there_are_the_two_notebooks():
-    assert [p.stem for p in NOTEBOOKS] == ["compare_modes", "quickstart"]
+def test_there_are_the_three_notebooks():
+    assert [p.stem for p in NOTEBOOKS] == ["compare_modes", "quickstart", "tune"]
