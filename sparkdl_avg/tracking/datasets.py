@@ -29,9 +29,13 @@ def dataset_entity(df, rows: int, fallback_name: str):
     source = {"path": folder, "files": len(files)}
     schema = None
     try:
+        import warnings
+
         from mlflow.types.utils import _infer_schema
 
-        schema = json.dumps({"mlflow_colspec": _infer_schema(df).to_dict()})
+        with warnings.catch_warnings():  # its hint about integer columns is for model inputs
+            warnings.simplefilter("ignore", UserWarning)
+            schema = json.dumps({"mlflow_colspec": _infer_schema(df).to_dict()})
     except Exception:  # noqa: BLE001 - the table shows the dataset without a schema
         log.debug("no MLflow schema for %s", fallback_name, exc_info=True)
     name = os.path.basename(folder.rstrip("/")) if folder else fallback_name
