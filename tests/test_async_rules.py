@@ -34,6 +34,13 @@ def test_dcasgd_takes_the_learning_rate_the_push_was_computed_with():
     np.testing.assert_allclose(s.params, [1.5 - 0.05 * 4.32, 1.0 - 0.05 * -2.16], rtol=1e-15)
 
 
+def test_dcasgd_skips_an_update_at_learning_rate_zero():
+    s = make_rule("dcasgd", np.array([1.0]), lr=0.1, dc_lambda=0.04)
+    s.pull(0)
+    s.apply(0, np.array([0.0]), lr=0.0)  # a schedule at zero: no step, and no 0/0
+    assert s.params.tolist() == [1.0]
+
+
 def test_dcasgd_keeps_one_backup_per_worker():
     s = make_rule("dcasgd", np.array([0.0]), lr=1.0, dc_lambda=1.0)
     s.pull(0)                 # worker 0's backup: 0

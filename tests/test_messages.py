@@ -72,7 +72,7 @@ INVALID = [
     (msg.Finished, {"wait_s": 3600.0}, "wait_s=3600.0 exceeds 60"),
     (msg.Evaluate, {"request": 1}, r"Evaluate has no fields \['request'\]"),
     # the training controls: a push's learning rate, and stopping
-    (msg.Update, {"lr": 0.0}, "lr 0.0"),
+    (msg.Update, {"lr": -0.1}, "lr -0.1"),
     (msg.Update, {"lr": float("inf")}, "Update.lr must be float or null"),
     (msg.Push, {"lr": "0.1"}, "Push.lr must be float or null"),
     (msg.Average, {"stop": 1}, "Average.stop must be bool"),

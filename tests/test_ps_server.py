@@ -250,5 +250,5 @@ def test_the_drivers_stop_is_said_to_every_later_push_and_only_the_driver_may_st
         worker.push(np.ones(4, np.float32), lr=0.05)
         stats = driver.stop()
         assert stats["stopped"] and stats["lr"] == 0.05
-        assert worker.push(np.ones(4, np.float32)).stop  # the update is still applied
-        assert driver.stats()["applied"] == 2
+        assert worker.push(np.ones(4, np.float32)).stop  # computed before it heard: dropped
+        assert driver.stats()["applied"] == 1

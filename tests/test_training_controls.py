@@ -288,3 +288,39 @@ class _SlowFaulty(FaultyMLP):
         if self.training:
             time.sleep(0.002)
         return super().forward(x)
+
+
+def test_on_round_takes_numpy_booleans_and_refuses_other_answers():
+    from sparkdl_avg.driver.early_stop import Stopping
+
+    stopping = Stopping(None, lambda m: np.float64(m["train_loss"]) < 1.0)
+    assert not stopping.ask({"round": 0, "train_loss": 2.0}, None)
+    assert stopping.ask({"round": 1, "train_loss": 0.5}, None)  # np.True_
+    assert stopping.stopped_by == "on_round"
+    with pytest.raises(TrainingError, match="must return True, False or None, got str"):
+        Stopping(None, lambda m: "stop").ask({"round": 0}, None)
+
+
+def test_a_decided_stop_travels_in_checkpoints(tmp_path):
+    from sparkdl_avg.driver.checkpoints import Checkpoint, read_folder, write_folder
+    from sparkdl_avg.driver.early_stop import Stopping
+
+    decided = Stopping(None, lambda m: m["round"] == 3)
+    decided.ask({"round": 3}, np.ones(2))
+    point = Checkpoint(round=4, steps=8, params=np.ones(2, np.float32), states=None,
+                       fingerprint={}, history=[{"round": 3}], stop=decided.state())
+    write_folder(point, tmp_path / "c")
+    resumed = Stopping(None, None)
+    read = read_folder(tmp_path / "c")
+    resumed.take_up(read.stop, read.history, read.params)
+    assert (resumed.stopped_by, resumed.stopped_at["round"]) == ("on_round", 3)
+    assert resumed.result().tolist() == [1.0, 1.0]  # the stopping round's parameters
+
+
+def test_a_schedule_that_is_not_step_driven_is_refused_before_any_job(data, mlflow_client):
+    def plateau(optimizer):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+
+    with pytest.raises(ConfigError, match="returned ReduceLROnPlateau"):
+        fit(data, FaultyMLP, replace(CONTROLLED, lr_schedule=plateau, warmup_steps=0))
+    assert latest_run(mlflow_client, "controls").info.status == "FAILED"

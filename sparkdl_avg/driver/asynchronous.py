@@ -196,15 +196,17 @@ class _Intervals:
         report = ps.evaluate() if ask else ps.stats()
         row = self._row(report)
         pending = report["evaluations"]["pending"]
+        # early stopping keeps the snapshot itself (the server moves on); a request replaced
+        # before it could be fetched is not followed: the next interval asks anew
         if ask and pending is not None and not pending["final"] \
-                and pending["applied"] == report["applied"]:
+                and pending["applied"] == report["applied"] \
+                and (self.stopper.rule is None or ps.pull_snapshot() == pending["request"]):
             self.asked = (pending["request"], row)
-            if self.stopper.rule is not None:  # the snapshot itself: the server moves on
-                request = ps.pull_snapshot()
-                self.asked_params = ps.params.copy() if request == pending["request"] \
-                    else None
+            self.asked_params = ps.params.copy() if self.stopper.rule else None
+        if self.stopper.stopped_by is not None and not report.get("stopped"):
+            self._stop(ps)  # a server restarted from a checkpoint older than the stop
         self._collect(report["evaluations"], ps)
-        if self.stopper.ask(row, None):
+        if not self.evaluates and self.stopper.ask(row, None):  # else: with its evaluation
             self._stop(ps)
 
     def log_final(self, ps: PSClient) -> None:
@@ -220,6 +222,7 @@ class _Intervals:
                  if r["final"] and r["applied"] == report["applied"]]
         if final:
             self._log_eval(row, final[-1])
+            self.stopper.judge(self.history, row, ps.params.copy())  # the best may be last
         elif self.evaluates:
             log.warning("the workers' evaluation of the final parameters did not complete "
                         "(a worker gave up waiting reply_timeout for its peers, or the "
@@ -238,7 +241,9 @@ class _Intervals:
             if self.asked is not None and not result["final"] \
                     and result["request"] == self.asked[0]:
                 self._log_eval(self.asked[1], result)
-                if self.stopper.judge(self.history, self.asked[1], self.asked_params):
+                row = self.asked[1]
+                if self.stopper.judge(self.history, row, self.asked_params) or \
+                        self.stopper.ask(row, self.asked_params):
                     self._stop(ps)
                 self.asked = None
         pending = evaluations["pending"]
@@ -247,10 +252,9 @@ class _Intervals:
             self.asked = None
 
     def _stop(self, ps: PSClient) -> None:
-        """The workers push no more; the job ends as after their last steps."""
-        if not self.stopper.sent:
-            ps.stop()
-            self.stopper.sent = True
+        """The workers push no more; the job ends as after their last steps. Said again to
+        a server restarted from a checkpoint taken before it heard."""
+        ps.stop()
 
     def _log_eval(self, row: dict, result: dict) -> None:
         count = max(1, result["count"])

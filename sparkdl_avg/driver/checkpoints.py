@@ -54,6 +54,9 @@ class Checkpoint:
     best: np.ndarray | None = None
     """Early stopping with restore_best: the averaged parameters of the best evaluation so
     far (`best.npy`)."""
+    stop: dict | None = None
+    """A stop already decided at this point (early stopping or on_round): by, round,
+    reason."""
 
 
 def fingerprint(config, *, train_rows: list[int], num_features: int, model_numel: int,
@@ -123,6 +126,7 @@ def write_folder(checkpoint: Checkpoint, folder: Path) -> None:
         digests[name] = _sha256(folder / name)
     meta = {"format": FORMAT, "round": checkpoint.round, "steps": checkpoint.steps,
             "fingerprint": checkpoint.fingerprint, "history": checkpoint.history,
+            "stop": checkpoint.stop,
             "state_layouts": layouts, "sha256": digests}
     (folder / "checkpoint.json").write_text(json.dumps(meta))
 
@@ -144,7 +148,7 @@ def read_folder(folder: Path) -> Checkpoint:
                       for rank, layout in enumerate(meta["state_layouts"])]
         return Checkpoint(round=int(meta["round"]), steps=int(meta["steps"]), params=params,
                           states=states, fingerprint=meta["fingerprint"],
-                          history=meta["history"], best=best)
+                          history=meta["history"], best=best, stop=meta.get("stop"))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"cannot read the checkpoint in {folder}: {exc}") from exc
 

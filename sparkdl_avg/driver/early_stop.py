@@ -28,8 +28,6 @@ class Stopping:
         self.stopped_at: dict | None = None
         """The history row at which the fit stopped."""
         self.reason = ""
-        self.sent = False
-        """Async: the parameter server was told to stop."""
         self._final: np.ndarray | None = None
 
     def judge(self, history: list[dict], row: dict, params: np.ndarray | None) -> bool:
@@ -55,9 +53,27 @@ class Stopping:
             except Exception as exc:
                 raise TrainingError(f"on_round raised at round {row['round']}: "
                                     f"{type(exc).__name__}: {exc}") from exc
-            if stop is True:
+            if stop is not None and not isinstance(stop, (bool, np.bool_)):
+                raise TrainingError(f"on_round must return True, False or None, got "
+                                    f"{type(stop).__name__} at round {row['round']}")
+            if stop:
                 self._stop("on_round", row, params, "on_round returned True")
         return self.stopped_by is not None
+
+    def state(self) -> dict | None:
+        """The decided stop, for checkpoints."""
+        if self.stopped_by is None:
+            return None
+        return {"by": self.stopped_by, "round": self.stopped_at["round"], "reason": self.reason}
+
+    def take_up(self, state: dict | None, history: list[dict],
+                params: np.ndarray | None) -> None:
+        """A checkpoint's decided stop (`state`) on resume: the fit stops where it would
+        have; `params` are the checkpoint's, of that round."""
+        if state is not None and self.stopped_by is None:
+            row = next((r for r in history if r["round"] == state["round"]),
+                       {"round": state["round"]})
+            self._stop(state["by"], row, params, state["reason"])
 
     def _stop(self, by: str, row: dict, params: np.ndarray | None, reason: str) -> None:
         if self.stopped_by is None:

@@ -22,6 +22,7 @@ from sparkdl_avg._model import (
 from sparkdl_avg.data.prepare import PreparedData, prepare
 from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
+from sparkdl_avg.task.optimizer_step import check_schedule
 from sparkdl_avg.task.schedule import Schedule, make_schedule
 from sparkdl_avg.task.spec import WorkerSpec
 
@@ -89,15 +90,16 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     loss_fn, classify = make_loss(loss)
     check_against_plan(config, total_steps=None, has_eval=eval_df is not None,
                        classify=classify)
-    check_cluster(spark, config)
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     model = build_model(model_fn)
     dtype = model_dtype(model)
+    check_schedule(config, model)
     if callable(config.optimizer):  # fails naming the optimizer, not the whole config
         pickle_for_executors("optimizer", config.optimizer)
     pickled = {"model_fn": pickle_for_executors("model_fn", model_fn),
                "loss": pickle_for_executors("loss", loss),
                "config": pickle_for_executors("config", config)}
+    check_cluster(spark, config)  # the first Spark job: after every check that needs none
     data = prepare(train_df, eval_df, features_col=features_col, label_col=label_col,
                    num_workers=config.num_workers, double_precision=dtype == torch.float64)
     if loss == "cross_entropy" and data.fractional_labels:

@@ -62,6 +62,9 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
                            fingerprint=expected)
     attempt = _Attempt(spark, plan, flat, run, point, expected)
     attempt.stopper = Stopping(config.early_stopping, plan.on_round, best=point.best)
+    attempt.stopper.take_up(point.stop, point.history, point.params)
+    if point.stop is not None:
+        attempt.stop_round = point.stop["round"]
     restarts = Restarts(spark, config, run)
     with contextlib.closing(attempt.progress), writing(store) as attempt.writer:
         workers = restarts.run(attempt.run, resume_at=lambda exc: f"round {attempt.point.round}",
@@ -179,7 +182,7 @@ class _Attempt:
                                        schedule.total_steps),
                 params=coord.average[:numel].copy(), states=stats.states,
                 fingerprint=self.expected, history=list(self.history[:r + 1]),
-                best=self.stopper.best)
+                best=self.stopper.best, stop=self.stopper.state())
             self.writer.submit(self.point)
 
 

@@ -92,7 +92,7 @@ class Update(Message):
     server's lr."""
 
     def check(self) -> None:
-        if self.lr is not None and self.lr <= 0:
+        if self.lr is not None and self.lr < 0:
             raise self.invalid(f"lr {self.lr}")
         if self.samples < 0 or (self.steps is not None and self.steps < 0):
             raise self.invalid(f"samples {self.samples}, steps {self.steps}")

@@ -105,6 +105,8 @@ class DcAsgd(UpdateRule):
         backup = self.backups.get(worker)
         if backup is None:  # never pulled: it trained from the initial parameters it was sent
             raise ValueError(f"worker {worker} pushed before it pulled")
+        if lr == 0:  # a schedule at zero: the update is zero, and g is undefined
+            return
         g = update / lr
         self.params -= lr * (g + self._lambda(g) * g * g * (self.params - backup))
 

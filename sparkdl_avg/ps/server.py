@@ -252,6 +252,9 @@ class ParameterServer(Server):
         if not np.isfinite(update).all():
             self.refuse("non_finite", "update holds NaN or Inf: refused", worker, conn)
             return True
+        if self.stopped:  # computed before the worker heard: the fit ended at the stop
+            msg.send(conn, msg.Ack(applied=self.applied, stop=True))
+            return True
         with self._lock:
             clock = self._clocks.get(worker, 0)
             if not self._wait_for(lambda: may_apply(self._read_clocks, worker, clock,

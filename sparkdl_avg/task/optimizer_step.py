@@ -14,6 +14,30 @@ from sparkdl_avg._controls import lr_factor
 from sparkdl_avg._errors import ConfigError
 
 
+def check_schedule(config, model) -> None:
+    """A callable lr_schedule, tried on a throwaway optimizer over `model` (on the driver,
+    before any job): it must give a scheduler driven by its step count."""
+    if not callable(config.lr_schedule):
+        return
+    from sparkdl_avg._model import make_optimizer
+
+    _scheduler(config, make_optimizer(config, model.parameters()))
+
+
+def _scheduler(config, optimizer):
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    try:
+        scheduler = config.lr_schedule(optimizer)
+    except Exception as exc:
+        raise ConfigError(f"lr_schedule(optimizer) failed: {exc!r}") from exc
+    if not isinstance(scheduler, LRScheduler) or isinstance(scheduler, ReduceLROnPlateau):
+        raise ConfigError(f"lr_schedule returned {type(scheduler).__name__}, not a "
+                          "torch.optim.lr_scheduler.LRScheduler driven by its step count "
+                          "(ReduceLROnPlateau is not one: use early_stopping)")
+    return scheduler
+
+
 class OptimizerSteps:
     def __init__(self, config, schedule, optimizer, model, device) -> None:
         import torch
@@ -40,16 +64,10 @@ class OptimizerSteps:
         scheduler driven by its step count bit for bit."""
         if not callable(self.config.lr_schedule):
             return
-        from torch.optim.lr_scheduler import LRScheduler
-
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base
             group.pop("initial_lr", None)
-        self.scheduler = self.config.lr_schedule(self.optimizer)
-        if not isinstance(self.scheduler, LRScheduler):
-            raise ConfigError(f"lr_schedule returned {type(self.scheduler).__name__}, not a "
-                              "torch.optim.lr_scheduler.LRScheduler driven by its step count "
-                              "(ReduceLROnPlateau is not one: use early_stopping)")
+        self.scheduler = _scheduler(self.config, self.optimizer)
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(step):
@@ -74,9 +92,10 @@ class OptimizerSteps:
             x, y = next_batch()
             with self._autocast():
                 loss = forward_loss(x, y)
-            # one micro-batch: its mean loss's gradient (as always); several: their summed
-            # losses, divided by the step's rows below (averaged by sample count)
-            scaled = loss if micro == 1 else loss * x.shape[0]
+            # one micro-batch: its mean loss's gradient (as always); several: each weighted
+            # by its rows over batch_size (kept near 1 for fp16's range), the sum divided by
+            # the step's rows over batch_size below: averaged by sample count
+            scaled = loss if micro == 1 else loss * (x.shape[0] / self.config.batch_size)
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             part = loss.detach().double() * x.shape[0]
             loss_sum = part if loss_sum is None else loss_sum + part
@@ -86,7 +105,7 @@ class OptimizerSteps:
         if micro > 1:
             for p in self.params:
                 if p.grad is not None:
-                    p.grad.div_(rows)
+                    p.grad.div_(rows / self.config.batch_size)
         if self.config.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip_norm)
         if self.scaler is not None:
