@@ -129,13 +129,16 @@ def check_controls(config) -> None:
                           f"{type(config.early_stopping).__name__}")
 
 
-def check_against_plan(config, *, total_steps: int | None, has_eval: bool,
-                       classify: bool) -> None:
-    """What needs the fit's arguments (early stopping's evaluations) and, once `total_steps`
-    is known from the row counts, the data's shape (warmup within training)."""
-    if total_steps is not None and config.warmup_steps > total_steps:
+def check_warmup(config, total_steps: int) -> None:
+    """Warmup within training, once the row counts give the optimizer steps."""
+    if config.warmup_steps > total_steps:
         raise ConfigError(f"warmup_steps={config.warmup_steps} is longer than training "
                           f"({total_steps} optimizer steps); lower it or train longer")
+
+
+def check_early_stopping(config, *, has_eval: bool, classify: bool) -> None:
+    """What early stopping needs from the fit's arguments: evaluations, and for
+    eval_accuracy a classifier."""
     rule = config.early_stopping
     if rule is not None and not has_eval:
         raise ConfigError("early_stopping needs eval_df: it stops on the evaluations"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from sparkdl_avg._errors import ClusterError, DataCacheError
 from sparkdl_avg.driver import session
-from sparkdl_avg.task.device import check_gpu_scheduling
+from sparkdl_avg.task.device import check_gpu_scheduling, is_local_master
 
 log = logging.getLogger("sparkdl_avg")
 SLOT_WAIT_S = 10.0
@@ -77,8 +77,8 @@ def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S, *,
         raise ClusterError("spark.dynamicAllocation.enabled=true: the training tasks run as one "
                            "barrier stage, which Spark refuses under dynamic allocation; "
                            "disable it for training")
-    local = master.startswith("local") and not master.startswith("local-cluster")
-    deadline = time.monotonic() + (0 if local else wait_s)  # a local master has all it gets
+    # a local master has all its slots from the start: nothing to wait for
+    deadline = time.monotonic() + (0 if is_local_master(master) else wait_s)
     while (slots := session.concurrent_slots(spark, profile)) is not None:
         if slots >= num_workers or time.monotonic() > deadline:
             break

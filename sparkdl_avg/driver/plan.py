@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparkdl_avg._config import TrainConfig
-from sparkdl_avg._controls import check_against_plan
+from sparkdl_avg._controls import check_early_stopping, check_warmup
 from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._model import (
     LossFn,
@@ -88,8 +88,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
         raise ConfigError(f"on_round must be a callable metrics -> bool, got "
                           f"{type(on_round).__name__}")
     loss_fn, classify = make_loss(loss)
-    check_against_plan(config, total_steps=None, has_eval=eval_df is not None,
-                       classify=classify)
+    check_early_stopping(config, has_eval=eval_df is not None, classify=classify)
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     model = build_model(model_fn)
     dtype = model_dtype(model)
@@ -117,8 +116,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
         )
     schedule = make_schedule(smallest, config.batch_size, config.epochs,
                              config.averaging_frequency, config.grad_accumulation)
-    check_against_plan(config, total_steps=schedule.total_steps, has_eval=True,
-                       classify=classify)
+    check_warmup(config, schedule.total_steps)
     params = {"num_features": data.num_features, "train_rows": sum(data.train_sizes),
               "eval_rows": sum(data.eval_sizes), "steps_per_epoch": schedule.steps_per_epoch,
               "micro_batches_per_epoch": schedule.micro_batches_per_epoch,

@@ -147,10 +147,15 @@ def shared_gpus(devices: list[tuple[int, str, str | None]]) -> str | None:
     return None
 
 
+def is_local_master(master: str) -> bool:
+    """`local`, `local[N]`: one process, all its slots there from the start, and no GPU
+    scheduling (`local-cluster` has executors of its own)."""
+    return master.startswith("local") and not master.startswith("local-cluster")
+
+
 def check_gpu_scheduling(master: str, task_gpu_amount: float, device: str) -> None:
     """Refuse the configurations that would hang or silently ignore the user's GPUs."""
-    local = master.startswith("local") and not master.startswith("local-cluster")
-    if local and task_gpu_amount > 0:
+    if is_local_master(master) and task_gpu_amount > 0:
         raise ClusterError(
             f"spark.task.resource.gpu.amount={task_gpu_amount:g} on master {master!r}: Spark's "
             "local mode cannot schedule GPU tasks and would wait forever. Unset it (the tasks "

@@ -44,7 +44,6 @@ class OptimizerSteps:
 
         self.config, self.schedule, self.optimizer = config, schedule, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.device = device
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.scheduler = None
         self.autocast = None
