@@ -105,3 +105,20 @@ def is_final(exc: BaseException) -> bool:
     if not isinstance(exc, SparkdlAvgError) or isinstance(exc, WorkerLostError):
         return False
     return not (isinstance(exc, ProtocolError) and exc.reason in ("closed", "timeout"))
+
+
+TASK_ERRORS = (ConfigError, DataError, ModelError, ClusterError)
+"""The classes a task's final error keeps on the driver (`from_task`)."""
+_TASK_CLASSES = {cls.__name__: cls for cls in (*TASK_ERRORS, DataCacheError)}
+
+
+def from_task(where: str, text: str) -> SparkdlAvgError:
+    """A task's final error, as its text reached the driver ("DataError: ...", or qualified:
+    "sparkdl_avg._errors.DataError: ..."), raised there as the same class: a GPU shared by
+    two tasks is a ClusterError wherever it is found. Other errors (a refused update, the
+    user's own code) are a TrainingError."""
+    name, _, message = text.partition(": ")
+    cls = _TASK_CLASSES.get(name.rsplit(".", 1)[-1])
+    if cls is None:
+        return TrainingError(f"{where} failed: {text}")
+    return cls(f"{where} failed: {message}")

@@ -106,7 +106,8 @@ def main(out_path: str, master: str) -> None:
         .config("spark.executor.resource.gpu.amount", "1")
         # no spark.task.resource.gpu.amount: the fit gives the training stage its GPUs
         # through a stage-level resource profile
-        .config("spark.executorEnv.PYTHONPATH", str(Path(__file__).with_name("fake_cuda")))
+        .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(
+            [str(Path(__file__).with_name("fake_cuda")), os.environ.get("PYTHONPATH", "")]))
         .config("spark.executorEnv.SPARKDL_AVG_FAKE_CUDA", str(fake_cuda))
         .getOrCreate()
     )

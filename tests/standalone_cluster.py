@@ -1,5 +1,6 @@
 """A Spark standalone cluster on loopback: one master and N workers, each worker owning one
-fake GPU with its own address, started with the launcher pip's pyspark ships
+fake GPU with its own address (or, with `real_gpu=True`, each reporting the machine's GPU 0),
+started with the launcher pip's pyspark ships
 (`sbin/spark-daemon.sh`; there is no start-master.sh). Everything it starts is stopped on
 leaving, even after a failure.
 
@@ -37,9 +38,10 @@ def _free_port() -> int:
 
 class StandaloneCluster:
     def __init__(self, folder: str | os.PathLike, *, workers: int = 2, cores: int = 1,
-                 memory: str = "2g") -> None:
+                 memory: str = "2g", real_gpu: bool = False) -> None:
         self.folder = Path(folder)
         self.workers, self.cores, self.memory = workers, cores, memory
+        self.real_gpu = real_gpu
         self.port, self.ui_port = _free_port(), _free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
 
@@ -49,14 +51,16 @@ class StandaloneCluster:
                "SPARK_PID_DIR": str(self.folder / "pids"),
                "SPARK_IDENT_STRING": f"sparkdl-avg-{self.port}",
                "SPARK_WORKER_DIR": str(self.folder / "work"),
-               "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
-               # the GPUs are fake: on a machine with real ones, CUDA must not see them, or
-               # a fake address (worker 1's "1" on a one-GPU machine) meets a real device
-               "CUDA_VISIBLE_DEVICES": ""}
+               "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable)}
+        if not self.real_gpu:
+            # the GPUs are fake: on a machine with real ones, CUDA must not see them, or
+            # a fake address (worker 1's "1" on a one-GPU machine) meets a real device
+            env["CUDA_VISIBLE_DEVICES"] = ""
         if worker is not None:
+            address = 0 if self.real_gpu else worker
             script = self.folder / f"gpu-{worker}.sh"
             script.write_text(f'#!/bin/sh\necho \'{{"name": "gpu", "addresses": '
-                              f'["{worker}"]}}\'\n')
+                              f'["{address}"]}}\'\n')
             script.chmod(0o755)
             env["SPARK_WORKER_OPTS"] = (
                 "-Dspark.worker.resource.gpu.amount=1 "

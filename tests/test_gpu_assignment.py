@@ -49,7 +49,7 @@ def test_a_gpu_hidden_by_cuda_visible_devices_is_refused_before_any_device_is_us
     tasks on cuda:0; now the task given GPU 0 stops the fit before anyone touches a GPU."""
     hidden = cluster_fits["fake_gpus"]["hidden"]
     assert "Spark assigned GPU 0, but CUDA_VISIBLE_DEVICES='1,2' hides it" in hidden["error"]
-    assert hidden["error"].startswith("TrainingError: partition ")  # final: not retried
+    assert hidden["error"].startswith("ClusterError: partition ")  # final: not retried
     assert hidden["set_device"] == []
 
 

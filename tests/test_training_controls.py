@@ -191,7 +191,8 @@ class _Slow(torch.nn.Module):
 
 
 def test_fp16_on_a_task_without_cuda_is_a_final_error(data, mlflow_client):
-    with pytest.raises(TrainingError, match=r"precision='fp16' needs CUDA") as info:
+    with pytest.raises(ConfigError, match=r"partition \d failed: precision='fp16' needs CUDA") \
+            as info:
         fit(data, FaultyMLP, replace(CONTROLLED, precision="fp16", checkpoint_every=0))
     assert "failed 1 time" not in str(info.value)  # not retried
     assert latest_run(mlflow_client, "controls").info.status == "FAILED"

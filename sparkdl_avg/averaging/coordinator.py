@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparkdl_avg._errors import ProtocolError, TrainingError, WorkerLostError
+from sparkdl_avg._errors import (
+    TASK_ERRORS,
+    ProtocolError,
+    TrainingError,
+    WorkerLostError,
+    from_task,
+)
 from sparkdl_avg.averaging.arithmetic import (
     is_finite,
     mean_distance,
@@ -262,7 +268,7 @@ class Coordinator(Server):
                                   partition=rank, host=host) from exc
         if isinstance(message, msg.WorkerFailed):
             if message.final:
-                raise TrainingError(f"partition {rank} failed: {message.message}")
+                raise from_task(f"partition {rank}", message.message)
             raise WorkerLostError(f"partition {rank} failed: {message.message}",
                                   partition=rank, reported=message.message, host=host)
         if not isinstance(message, cls):
@@ -285,7 +291,8 @@ class Coordinator(Server):
         return [f.result() for f in futures]
 
     def _fail(self, exc: BaseException) -> None:
-        if isinstance(exc, TrainingError) and not isinstance(exc, WorkerLostError):
+        if isinstance(exc, (TrainingError, *TASK_ERRORS)) \
+                and not isinstance(exc, WorkerLostError):
             raise exc  # our own diagnosis (a final worker error, a NaN): final
         # A lost worker usually means its task failed: give Spark a moment to say why,
         # unless the worker told us itself.

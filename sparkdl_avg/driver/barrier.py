@@ -15,7 +15,7 @@ from functools import partial
 
 from pyspark.sql import DataFrame
 
-from sparkdl_avg._errors import TrainingError, WorkerLostError
+from sparkdl_avg._errors import TrainingError, WorkerLostError, from_task
 from sparkdl_avg.driver import session
 from sparkdl_avg.driver.load_monitor import LoadMonitor
 
@@ -117,8 +117,7 @@ class BarrierJob:
             final = _FINAL_TASK.search(text)
             if final:  # the task's own check failed: a restart would fail the same way
                 where = f"partition {match.group(1)}" if match else "a training task"
-                raise TrainingError(f"{where} failed: {final.group(1)[:2000]}") \
-                    from self.error
+                raise from_task(where, final.group(1)[:2000]) from self.error
             raise WorkerLostError(f"the training tasks failed: {_spark_reason(text)}",
                                   partition=int(match.group(1)) if match else None) \
                 from self.error

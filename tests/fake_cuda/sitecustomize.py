@@ -7,6 +7,7 @@ and fails, as a fake GPU cannot run anything. Without the file, torch is untouch
 
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 _PATH = os.environ.get("SPARKDL_AVG_FAKE_CUDA")
@@ -34,6 +35,7 @@ def _install() -> None:
         if layout is None:
             return real["is_available"]()
         os.environ["CUDA_VISIBLE_DEVICES"] = layout["visible"]  # as the executor would have
+        sys.modules.pop("pynvml", None)  # imported before the fake: import it afresh
         return True
 
     def device_count():
@@ -54,7 +56,24 @@ def _install() -> None:
         raise RuntimeError(f"CUDA error: {device} is a fake GPU (test)")
 
     torch.cuda.is_available, torch.cuda.device_count = is_available, device_count
+    _hide_nvml()
     torch.cuda.get_device_properties, torch.cuda.set_device = get_device_properties, set_device
+
+
+def _hide_nvml() -> None:
+    """On a machine with real GPUs, NVML would describe those, not the fake ones: while the
+    GPUs are faked, `import pynvml` fails as on a machine without nvidia-ml-py, and the
+    CUDA_VISIBLE_DEVICES rule applies."""
+    import importlib.abc
+
+    class Hidden(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "pynvml" and _layout() is not None:
+                raise ModuleNotFoundError("pynvml is hidden while the GPUs are faked")
+            return None
+
+    sys.meta_path.insert(0, Hidden())
+    sys.modules.pop("pynvml", None)
 
 
 if _PATH:
