@@ -156,9 +156,9 @@ class TrainConfig:
     address on its route to the Connect server. Checked from every executor before
     training."""
 
-    eval_every: int = 1
+    eval_every: int | None = None
     """Sync: evaluate the averaged model on `eval_df` every this many rounds (and after the
-    last)."""
+    last). None: once an epoch, after the round in which each epoch ends."""
 
     round_timeout: float = 600.0
     """Seconds the driver waits for a worker's next message (a push, an evaluation) before it
@@ -270,9 +270,11 @@ class TrainConfig:
                     f"mode={'async' if self.mode == 'sync' else 'sync'!r} only, and this "
                     f"config has mode={self.mode!r}; leave {f.name} at its default "
                     f"({f.default!r})")
-        for name in ("num_workers", "epochs", "batch_size", "averaging_frequency", "eval_every",
+        for name in ("num_workers", "epochs", "batch_size", "averaging_frequency",
                      "push_every"):
             require_int(name, getattr(self, name), minimum=1)
+        if self.eval_every is not None:
+            require_int("eval_every", self.eval_every, minimum=1)
         if self.num_workers > MAX_WORKERS:
             raise ConfigError(f"num_workers={self.num_workers}: at most {MAX_WORKERS}")
         for name in ("max_failures", "checkpoint_every", "ps_checkpoint_every", "seed"):

@@ -26,8 +26,9 @@ direction in which each gets better."""
 class EarlyStopping:
     """Stop a fit once `metric` has not improved by more than `min_delta` for `patience`
     evaluations in a row (evaluations, not rounds: sync evaluates every `eval_every` rounds,
-    async every `eval_interval_s`). Needs `eval_df`. `restore_best`: the returned (and
-    logged) model holds the parameters of the best evaluation, not the last."""
+    by default once an epoch; async every `eval_interval_s`). Needs `eval_df`.
+    `restore_best`: the returned (and logged) model holds the parameters of the best
+    evaluation, not the last."""
 
     metric: str = "eval_loss"
     """One the fit logs at each evaluation: "eval_loss" or "eval_accuracy" (classifiers)."""

@@ -102,7 +102,8 @@ def fit(
     True stops the fit there. See README for the full contract."""
     config = TrainConfig() if config is None else config
     t_start = time.perf_counter()
-    # The run opens before any check, so every failed fit leaves a FAILED run with its error.
+    # The run opens before any check (on a thread of its own, while the checks run), so every
+    # failed fit leaves a FAILED run with its error.
     with _open_run(config) as run:
         if not isinstance(config, TrainConfig):
             raise ConfigError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -123,6 +124,7 @@ def fit(
         run.log_params(plan.params)
         log_datasets(run, train_df, sum(plan.data.train_sizes), eval_df,
                      sum(plan.data.eval_sizes))
+        run.ready()  # a tracking store that fails stops the fit before training
         validate_s = time.perf_counter() - t_start
         outcome = _TRAIN[config.mode](spark, plan, run)
         _report_workers(outcome, run)
@@ -157,7 +159,7 @@ def _open_run(config) -> RunLogger:
         return RunLogger(experiment_name=None, run_name=None, tags={})
     return RunLogger(experiment_name=config.experiment_name,
                      run_name=config.run_name or config.default_run_name(),
-                     tags={"sparkdl_avg.mode": config.mode})
+                     tags={"sparkdl_avg.mode": config.mode}, logs_model=config.log_model)
 
 
 def _report_workers(outcome: TrainOutcome, run: RunLogger) -> None:

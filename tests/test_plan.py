@@ -19,3 +19,16 @@ def test_schedule_rounds_cover_all_steps_with_a_short_last_round():
     assert s.total_steps == 156
     assert s.num_rounds == 20
     assert [s.steps_in_round(r) for r in range(s.num_rounds)] == [8] * 19 + [4]
+
+
+def test_by_default_a_fit_evaluates_after_each_round_in_which_an_epoch_ends():
+    # 10 steps an epoch, 4 a round: the epochs end inside round 2 (steps 8-11), at the end of
+    # round 4 (16-19) and in the last round, 7 (28-29)
+    schedule = make_schedule(40, 4, 3, 4)
+    assert schedule.steps_per_epoch == 10 and schedule.num_rounds == 8
+    assert [r for r in range(schedule.num_rounds)
+            if schedule.evaluates_after(r, None)] == [2, 4, 7]
+    # an epoch ending exactly at a round's end counts for that round, not the next
+    exact = make_schedule(40, 4, 2, 5)
+    assert [r for r in range(exact.num_rounds) if exact.evaluates_after(r, None)] == [1, 3]
+    assert [r for r in range(8) if schedule.evaluates_after(r, 3)] == [2, 5]

@@ -159,7 +159,7 @@ class _Attempt:
         stats = coord.run_round(
             r, model_numel=numel, allow_state=config.average_optimizer_state,
             evaluate=self.plan.data.eval_sizes[0] > 0 and (
-                last or (r + 1) % config.eval_every == 0),
+                last or schedule.evaluates_after(r, config.eval_every)),
             checkpoint=every > 0 and (last or (r + 1) % every == 0), stop=stop,
         )
         if r >= len(self.history) and not stop:  # a round redone after a restart: logged once

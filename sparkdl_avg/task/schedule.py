@@ -38,6 +38,15 @@ class Schedule:
     def num_rounds(self) -> int:
         return math.ceil(self.total_steps / self.averaging_frequency)
 
+    def evaluates_after(self, round_index: int, every: int | None) -> bool:
+        """Whether round `round_index` ends with an evaluation (besides the last): every
+        `every` rounds, or (None) the rounds in which an epoch ends."""
+        if every is not None:
+            return (round_index + 1) % every == 0
+        start = round_index * self.averaging_frequency
+        end = start + self.steps_in_round(round_index)
+        return end // self.steps_per_epoch > start // self.steps_per_epoch
+
     def steps_in_round(self, round_index: int) -> int:
         start = round_index * self.averaging_frequency
         return min(self.averaging_frequency, self.total_steps - start)

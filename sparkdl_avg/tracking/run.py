@@ -1,7 +1,11 @@
 """The fit's MLflow run: created at the start of `fit`, FINISHED or FAILED on every path.
 
-Only the driver logs. Metrics are queued and written in batches by a background thread, so
-a slow tracking server (about 60 ms per REST call) never slows a round down.
+Only the driver logs, and never on the fit's critical path: the run is created on a thread
+of its own while the fit checks its input and the cluster (a fresh store takes seconds to
+create its tables), and parameters, tags and inputs are written there in order. Metrics are
+queued and written in batches by another thread, so a slow tracking server (about 60 ms per
+REST call) never slows a round down. `ready()` waits for what is pending and raises what
+failed; the fit calls it before training starts.
 """
 
 from __future__ import annotations
@@ -10,9 +14,12 @@ import contextlib
 import copy
 import logging
 import queue
+import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -42,31 +49,59 @@ class RunLogger:
     """Owns one MLflow run. Use as a context manager; the run ends when the block does."""
 
     def __init__(self, *, experiment_name: str | None, run_name: str | None,
-                 tags: dict[str, str]) -> None:
+                 tags: dict[str, str], logs_model: bool = False) -> None:
+        self._logs_model = logs_model
+        self._warm: threading.Thread | None = None
         self._experiment_name = experiment_name
         self._run_name = run_name
         self._tags = tags
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.run_id: str = ""
-        self.tracking_uri: str = ""
+        self._writes: ThreadPoolExecutor | None = None
+        self._opened: Future | None = None
+        self._pending: list[Future] = []
+        self._run_id = ""
+        self._tracking_uri = ""
         self._system_metrics = None
 
+    @property
+    def run_id(self) -> str:
+        self._wait_open()
+        return self._run_id
+
+    @property
+    def tracking_uri(self) -> str:
+        self._wait_open()
+        return self._tracking_uri
+
     def __enter__(self) -> RunLogger:
+        # Read on this thread: the caller's active run and parent are per thread. A process
+        # that has not imported mlflow has no active run.
+        fluent = sys.modules.get("mlflow")
+        active = fluent.active_run() if fluent is not None else None
+        parent = getattr(_PARENT, "run_id", None)
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="sparkdl-avg-mlflow-open")
+        self._opened = self._writes.submit(self._open, active.info if active else None, parent)
+        return self
+
+    def _warmed_up(self) -> None:
+        """Before drawing or exporting: the warm-up must not export beside the real one."""
+        if self._warm is not None:
+            self._warm.join(timeout=120)
+
+    def _open(self, active, parent: str | None) -> None:
         import mlflow
         from mlflow.tracking import MlflowClient
 
         # MLflow's own default store resolves to an absolute path; MLFLOW_TRACKING_URI wins.
-        self.tracking_uri = mlflow.get_tracking_uri()
-        self._client = MlflowClient(self.tracking_uri)
+        self._tracking_uri = mlflow.get_tracking_uri()
+        self._client = MlflowClient(self._tracking_uri)
         tags = dict(self._tags)
-        given = getattr(_PARENT, "run_id", None)
-        active = self._client.get_run(given).info if given else \
-            (mlflow.active_run().info if mlflow.active_run() else None)
+        if parent:
+            active = self._client.get_run(parent).info
         if self._experiment_name is not None:
-            experiment = mlflow.set_experiment(self._experiment_name)
-            experiment_id = experiment.experiment_id
+            experiment_id = mlflow.set_experiment(self._experiment_name).experiment_id
         elif active is not None:
             experiment_id = active.experiment_id
         else:
@@ -80,17 +115,48 @@ class RunLogger:
         # the source (job script or notebook), user and git commit, as mlflow.start_run sets
         tags = resolve_tags(tags)
         run = self._client.create_run(experiment_id, run_name=self._run_name, tags=tags)
-        self.run_id = run.info.run_id
+        self._run_id = run.info.run_id
         try:
-            self._system_metrics = _start_system_metrics(self.run_id, self.tracking_uri)
+            self._system_metrics = _start_system_metrics(self._run_id, self._tracking_uri)
         except Exception:  # noqa: BLE001 - a monitor must not cost the run its ending
             log.warning("could not start MLflow system metrics", exc_info=True)
         self._thread = threading.Thread(target=self._flush_loop, name="sparkdl-avg-mlflow",
                                         daemon=True)
         self._thread.start()
+
+    def _wait_open(self) -> None:
+        if self._opened is None:
+            raise RuntimeError("the MLflow run is used outside its `with` block")
+        self._opened.result()
+
+    def _later(self, write: Callable[[], None]) -> None:
+        """Write to the run on the MLflow thread, in order, once the run exists."""
+        self._pending.append(self._writes.submit(write))
+
+    def ready(self) -> RunLogger:
+        """Wait until the run exists and every write handed to the MLflow thread is done;
+        raise the first that failed. The first call also starts warming up what is logged
+        at the end (`_warm_up`): from here on this process mostly waits for its workers,
+        where before it holds the GIL that the probe's server needs."""
+        self._wait_open()
+        pending, self._pending = self._pending, []
+        for write in pending:
+            write.result()
+        if self._warm is None:
+            self._warm = threading.Thread(target=_warm_up, args=(self._logs_model,),
+                                          name="sparkdl-avg-warm-up", daemon=True)
+            self._warm.start()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._wait_open()
+        except Exception:
+            self._writes.shutdown(wait=True)
+            if exc is None:
+                raise
+            log.warning("could not create the MLflow run of this failed fit", exc_info=True)
+            return
         if self._system_metrics is not None:
             try:
                 self._system_metrics.finish()
@@ -101,31 +167,44 @@ class RunLogger:
             self._thread.join(timeout=60)
         status = "FINISHED" if exc is None else "FAILED"
         try:
+            self.ready()
             self._flush()
             if exc is not None:
-                self._client.set_tag(self.run_id, "error", f"{exc_type.__name__}: {exc}"[:4900])
-                self._client.log_text(self.run_id, "".join(traceback.format_exception(exc)),
-                                      "error.txt")
+                self._client.set_tag(self._run_id, "error",
+                                     f"{exc_type.__name__}: {exc}"[:4900])
+                self._client.log_text(self._run_id,
+                                      "".join(traceback.format_exception(exc)), "error.txt")
         except Exception:  # never hide the fit's own error behind a logging error
             if exc is None:
                 raise
             log.warning("could not record the failure in MLflow", exc_info=True)
         finally:
-            self._client.set_terminated(self.run_id, status)
+            self._writes.shutdown(wait=True)
+            self._client.set_terminated(self._run_id, status)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
+        params = {k: str(v)[:6000] for k, v in params.items()}
 
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
-        for start in range(0, len(items), 100):
-            self._client.log_batch(self.run_id, params=items[start:start + 100])
+        def write() -> None:
+            from mlflow.entities import Param
+
+            items = [Param(k, v) for k, v in params.items()]
+            for start in range(0, len(items), 100):
+                self._client.log_batch(self._run_id, params=items[start:start + 100])
+
+        self._later(write)
 
     def log_inputs(self, datasets: list) -> None:
-        self._client.log_inputs(self.run_id, datasets=datasets)
+        self._later(lambda: self._client.log_inputs(self._run_id, datasets=datasets))
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        for key, value in tags.items():
-            self._client.set_tag(self.run_id, key, str(value)[:4900])
+        tags = {key: str(value)[:4900] for key, value in tags.items()}
+
+        def write() -> None:
+            for key, value in tags.items():
+                self._client.set_tag(self._run_id, key, value)
+
+        self._later(write)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -147,6 +226,7 @@ class RunLogger:
     def log_figure(self, make_figure, artifact_file: str) -> None:
         """Log the figure `make_figure()` draws. A picture that fails is a warning, not a
         failed fit: the training it shows is done."""
+        self._warmed_up()
         try:
             self._client.log_figure(self.run_id, make_figure(), artifact_file)
         except Exception:  # noqa: BLE001
@@ -158,6 +238,7 @@ class RunLogger:
         import mlflow
         import torch
 
+        self._warmed_up()
         if input_example.dtype not in (np.float32, np.float64):  # numpy has no bfloat16
             model = copy.deepcopy(model).float()
             input_example = input_example.astype(np.float32)
@@ -190,6 +271,34 @@ class RunLogger:
                 for metric in batch[start:]:  # keep them for the next flush
                     self._queue.put(metric)
                 raise
+
+
+def _warm_up(logs_model: bool) -> None:
+    """Pay, while the fit checks its input and trains, the first-use costs of what it logs
+    at the end: matplotlib, and MLflow's model saving (torch.export's first export alone
+    takes over a second), on a 2-parameter model saved to a folder that is then removed."""
+    try:
+        import shutil
+        import tempfile
+
+        from matplotlib.figure import Figure  # noqa: F401
+
+        from sparkdl_avg.tracking import plots  # noqa: F401
+
+        if not logs_model:
+            return
+        import mlflow.pytorch
+        import torch
+
+        folder = tempfile.mkdtemp(prefix="sparkdl-avg-warm-up-")
+        try:
+            mlflow.pytorch.save_model(torch.nn.Linear(2, 1).eval(), f"{folder}/model",
+                                      input_example=np.zeros((2, 2), np.float32),
+                                      pip_requirements=["torch"])
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    except Exception:  # noqa: BLE001 - only a head start
+        log.debug("warm-up failed", exc_info=True)
 
 
 def _start_system_metrics(run_id: str, tracking_uri: str):

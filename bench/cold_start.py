@@ -1,0 +1,126 @@
+"""Where a fit's time goes before its first training step, and after its last: the MNIST-1D
+job's data and model (2 workers, local[2], 1 epoch, MLflow logging and model included), one
+fresh process per sample so every sample's first fit is a session's first (cold); the same
+process's later fits are warm. The samples share one sqlite MLflow store, created before the
+first (as a machine's store outlives its jobs); `--fresh-store` gives each its own, whose
+tables the first fit then creates (2-3 s here).
+
+Each phase is the wall time the fit spends inside it on its critical path (a phase moved to a
+background thread costs only what the fit still waits for):
+
+- run_open: the MLflow run created (a fresh sqlite store first creates its tables);
+- probe: the probe job (slots, reachability, local dirs; a cold session starts its Python
+  workers here);
+- prepare: the data job (row counts, labels, partitioning);
+- to_first_step: from the training job's start to the first step (the tasks import torch,
+  load their partitions, build the replica and optimizer);
+- log_model, log_figures: after the last round.
+
+    python bench/cold_start.py [--samples 3] [--fits 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import local_session, median, report  # noqa: E402
+
+PHASES = ("run_open", "probe", "prepare", "to_first_step", "train", "log_figures",
+          "log_model", "total")
+
+
+def _timed(owner, attr: str, spent: dict, name: str) -> None:
+    """Wrap `owner.attr` so the wall time spent in its calls adds up under `spent[name]`."""
+    inner = getattr(owner, attr)
+
+    @functools.wraps(inner)
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+    setattr(owner, attr, timed)
+
+
+def one_session(fits: int) -> list[dict]:
+    """This process: a fresh session, `fits` fits; each one's phases."""
+    from sparkdl_avg import TrainConfig, fit
+    from sparkdl_avg import _fit as fit_module
+    from sparkdl_avg.driver import plan as plan_module
+    from sparkdl_avg.examples import mnist1d
+    from sparkdl_avg.tracking import run as run_module
+
+    spent: dict = {}
+    _timed(run_module.RunLogger, "__enter__", spent, "run_open")
+    _timed(plan_module, "check_cluster", spent, "probe")
+    _timed(plan_module, "prepare", spent, "prepare")
+    _timed(run_module.RunLogger, "log_figure", spent, "log_figures")
+    _timed(fit_module, "_log_model", spent, "log_model")
+    spark = local_session(2)
+    try:
+        train_df, test_df = mnist1d.load(spark, 20_000)
+        train_df.count()  # the session is up and has run a job, as before any fit
+        cfg = TrainConfig(num_workers=2, epochs=1, batch_size=50, optimizer="adam", lr=1e-3,
+                          experiment_name="bench-cold-start")
+        samples = []
+        for _ in range(fits):
+            spent.clear()
+            t0 = time.perf_counter()
+            result = fit(train_df, mnist1d.mlp(), cfg, eval_df=test_df)
+            total = time.perf_counter() - t0
+            t = result.timings
+            samples.append({**spent, "to_first_step": t["first_step_s"] - t["validate_s"],
+                            "first_step": t["first_step_s"], "train": t["train_s"],
+                            "total": total})
+        return samples
+    finally:
+        spark.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=3, help="fresh processes")
+    parser.add_argument("--fits", type=int, default=3, help="fits in each process")
+    parser.add_argument("--fresh-store", action="store_true",
+                        help="a new MLflow store for each sample")
+    parser.add_argument("--one-session", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one_session:
+        print(json.dumps(one_session(args.fits)))
+        return
+    store = f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"
+    if not args.fresh_store:
+        import mlflow
+
+        mlflow.MlflowClient(store).search_experiments()  # creates the store's tables
+    sessions = []
+    for _ in range(args.samples):
+        env = {**os.environ, "MLFLOW_TRACKING_URI": store if not args.fresh_store else
+               f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"}
+        done = subprocess.run([sys.executable, __file__, "--one-session", "--fits",
+                               str(args.fits)], capture_output=True, text=True, check=True,
+                              env=env)
+        sessions.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    cold = [s[0] for s in sessions]
+    warm = [f for s in sessions for f in s[1:]]
+
+    def medians(fits: list[dict]) -> dict:
+        return {k: round(median([f.get(k, 0.0) for f in fits]), 2)
+                for k in ("first_step", *PHASES)}
+
+    report("cold_start", {"fresh_store": args.fresh_store, "cold_median_s": medians(cold),
+                          "warm_median_s": medians(warm), "cold": cold, "warm": warm})
+
+
+if __name__ == "__main__":
+    main()
