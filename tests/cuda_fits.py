@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -152,7 +153,7 @@ def run_scoring(spark, device: str) -> dict:
     cfg = TrainConfig(num_workers=1, epochs=2, batch_size=32, optimizer="adam", lr=1e-2,
                       device=device, log_model=False, experiment_name="cuda")
     result = fit(df, lambda: RecordsDevice(folder), cfg, loss="mse")
-    os.remove(os.path.join(folder, "devices"))  # the training tasks' evaluation
+    Path(folder, "devices").unlink(missing_ok=True)  # from training, if it evaluated
     scored = result.transform(df.repartition(2)).toPandas()
     features = np.stack(scored["features"].to_numpy()).astype(np.float32)
     result.model.folder = ""
