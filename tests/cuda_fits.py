@@ -26,17 +26,15 @@ import numpy as np
 import pandas as pd
 import torch
 from pyspark.sql import SparkSession
+from test_fit_sync import (
+    N_CLASSES,
+    N_FEATURES,
+    make_data,
+    max_param_diff,
+    reference_large_batch_sgd,
+)
 
 from sparkdl_avg import TrainConfig, fit
-
-N_FEATURES, N_CLASSES = 6, 3
-
-
-def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, N_FEATURES))
-    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.5).astype(np.int64)
-    return x, y
 
 
 def make_model_f64() -> torch.nn.Module:
@@ -72,25 +70,6 @@ def frame(spark, x, y):
                                                "label": y}))
 
 
-def reference_large_batch_sgd(x, y, batch, epochs, lr, momentum) -> torch.nn.Module:
-    """Single-process SGD on the CPU over the rows in DataFrame order."""
-    model = make_model_f64()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    for _ in range(epochs):
-        for start in range(0, len(x), batch):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(xt[start:start + batch]),
-                                              yt[start:start + batch]).backward()
-            opt.step()
-    return model
-
-
-def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((pa - pb).abs().max().item()
-               for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
-
-
 def identical(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(pa, pb)
                for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
@@ -108,8 +87,9 @@ def run_fits(spark, device: str) -> dict:
                       log_model=False, device=device, deterministic=True,
                       experiment_name="cuda")
     result = fit(frame(spark, x, y), make_model_f64, cfg)
-    out["float64"] = {"diff": max_diff(result.model, reference_large_batch_sgd(
-        x, y, 8, 2, 0.05, 0.9)), "moved": max_diff(result.model, make_model_f64()),
+    # the reference builds test_fit_sync's make_model_f64: the same layers and seed as here
+    out["float64"] = {"diff": max_param_diff(result.model, reference_large_batch_sgd(
+        x, y, 8, 2, 0.05, 0.9)), "moved": max_param_diff(result.model, make_model_f64()),
         "rounds": len(result.history), "workers": result.workers}
 
     x, y = make_data(4000, seed=1)
