@@ -19,6 +19,9 @@ from sparkdl_avg.task.spec import WorkerSpec
 
 def run_task(spec: WorkerSpec, batches: Iterator) -> Iterator:
     """Train, then yield one row describing this task (`report.FIELDS`)."""
+    from sparkdl_avg.task.probe import warmed_up
+
+    warmed_up()  # never import torch beside the probe's warm-up thread
     from sparkdl_avg._errors import FinalTaskError, is_final
 
     try:

@@ -14,11 +14,26 @@ CONNECT_S = 5.0
 """How long a probe task tries to reach the driver: a firewall that drops packets costs this."""
 
 
+_warming = None
+"""This worker's warm-up thread, once a probe task has started one."""
+
+
+def warmed_up(timeout: float = 300.0) -> None:
+    """Called first by a training or scoring task: wait for this worker's warm-up to finish
+    its imports. Two threads importing torch's modules at once can deadlock on torch's
+    circular imports (Python raises `_DeadlockError` in one of them), so a task imports
+    only once the warm-up is done."""
+    if _warming is not None:
+        _warming.join(timeout)
+
+
 def warm_up() -> None:
     """Import torch, the machinery its optimizers load on first use, and the training task's
-    modules, on a thread of this worker, while the driver goes on validating the data. A
-    training task importing them meanwhile waits for the import, not twice as long."""
+    modules, on a thread of this worker, while the driver goes on validating the data. The
+    training task waits for it (`warmed_up`) instead of importing them itself."""
     import threading
+
+    global _warming
 
     def imports() -> None:
         try:
@@ -30,7 +45,9 @@ def warm_up() -> None:
         except Exception:  # noqa: BLE001 - only a head start: the task imports them anyway
             pass
 
-    threading.Thread(target=imports, name="sparkdl-avg-warm-up", daemon=True).start()
+    if _warming is None or not _warming.is_alive():
+        _warming = threading.Thread(target=imports, name="sparkdl-avg-warm-up", daemon=True)
+        _warming.start()
 
 
 def probe_task(address: tuple[str, int], secret: bytes, batches: Iterator) -> Iterator:
