@@ -15,7 +15,6 @@ MNIST-1D's MLP 40-1024-1024-10, batch 50, Adam, one thread, float32.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -107,7 +106,6 @@ def main() -> None:
         "bare_side_by_side_speedup": median(alone) * 2 / median(side_by_side),
         "fits": fits, "alone": alone, "side_by_side": side_by_side,
     })
-    print(json.dumps({"done": True}))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ _warming = None
 
 
 def warmed_up(timeout: float = 300.0) -> None:
-    """Called first by a training or scoring task: wait for this worker's warm-up to finish
-    its imports. Two threads importing torch's modules at once can deadlock on torch's
+    """Called first by a training task: wait for this worker's warm-up to finish its
+    imports. Two threads importing torch's modules at once can deadlock on torch's
     circular imports (Python raises `_DeadlockError` in one of them), so a task imports
     only once the warm-up is done."""
     if _warming is not None:

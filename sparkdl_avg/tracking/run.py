@@ -134,19 +134,23 @@ class RunLogger:
         self._pending.append(self._writes.submit(write))
 
     def ready(self) -> RunLogger:
-        """Wait until the run exists and every write handed to the MLflow thread is done;
-        raise the first that failed. The first call also starts warming up what is logged
-        at the end (`_warm_up`): from here on this process mostly waits for its workers,
-        where before it holds the GIL that the probe's server needs."""
-        self._wait_open()
-        pending, self._pending = self._pending, []
-        for write in pending:
-            write.result()
+        """Before training: wait for the run and its pending writes (`_drain`), and start
+        warming up what is logged at the end (`_warm_up`): from here on this process mostly
+        waits for its workers, where before it holds the GIL that the probe's server needs."""
+        self._drain()
         if self._warm is None:
             self._warm = threading.Thread(target=_warm_up, args=(self._logs_model,),
                                           name="sparkdl-avg-warm-up", daemon=True)
             self._warm.start()
         return self
+
+    def _drain(self) -> None:
+        """Wait until the run exists and every write handed to the MLflow thread is done;
+        raise the first that failed."""
+        self._wait_open()
+        pending, self._pending = self._pending, []
+        for write in pending:
+            write.result()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
@@ -167,7 +171,7 @@ class RunLogger:
             self._thread.join(timeout=60)
         status = "FINISHED" if exc is None else "FAILED"
         try:
-            self.ready()
+            self._drain()  # not ready(): a fit that ends here needs no warm-up
             self._flush()
             if exc is not None:
                 self._client.set_tag(self._run_id, "error",
@@ -274,9 +278,9 @@ class RunLogger:
 
 
 def _warm_up(logs_model: bool) -> None:
-    """Pay, while the fit checks its input and trains, the first-use costs of what it logs
-    at the end: matplotlib, and MLflow's model saving (torch.export's first export alone
-    takes over a second), on a 2-parameter model saved to a folder that is then removed."""
+    """Pay, while the fit trains, the first-use costs of what it logs at the end: matplotlib,
+    and MLflow's model saving (torch.export's first export alone takes over a second), on a
+    2-parameter model saved to a folder that is then removed."""
     try:
         import shutil
         import tempfile
