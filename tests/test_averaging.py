@@ -1,7 +1,13 @@
 import numpy as np
 import pytest
 
-from sparkdl_avg.averaging.arithmetic import mean_distance, non_finite_replicas, weighted_average
+from sparkdl_avg.averaging.arithmetic import (
+    _CHUNK,
+    average_and_diverge,
+    mean_distance,
+    non_finite_replicas,
+    weighted_average,
+)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -33,6 +39,40 @@ def test_bad_weights_are_refused():
 def test_mean_distance_is_the_mean_l2_norm_from_the_center():
     center = np.zeros(2)
     assert mean_distance([np.array([3.0, 4.0]), np.array([0.0, 1.0])], center) == 3.0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_one_pass_round_matches_an_independent_float64_computation(dtype):
+    # several chunks and a ragged last one; the divergence stops inside a chunk
+    rng = np.random.default_rng(1)
+    size, numel = 3 * _CHUNK + 17, 2 * _CHUNK + 5
+    bufs = [rng.normal(size=size).astype(dtype) for _ in range(3)]
+    weights = [7, 1, 2]
+    out = np.empty(size, dtype)
+    finite, divergence = average_and_diverge(bufs, weights, out, diverge_numel=numel)
+    wide = [b.astype(np.float64) for b in bufs]
+    expected = sum(w * b for w, b in zip(weights, wide, strict=True)) / 10
+    tol = 1e-6 if dtype == np.float32 else 1e-14
+    np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
+    distances = [np.sqrt(((b[:numel] - expected[:numel]) ** 2).sum()) for b in wide]
+    assert finite
+    assert divergence == pytest.approx(np.mean(distances), rel=1e-5 if tol > 1e-10 else 1e-12)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_the_one_pass_round_tells_a_non_finite_average(bad):
+    bufs = [np.ones(2 * _CHUNK, np.float32) for _ in range(2)]
+    bufs[1][_CHUNK + 3] = bad
+    finite, _ = average_and_diverge(bufs, [1, 1], np.empty(2 * _CHUNK, np.float32),
+                                    diverge_numel=0)
+    assert not finite
+
+
+def test_finite_values_whose_sum_overflows_are_still_finite():
+    big = np.full(4, np.finfo(np.float32).max / 2, np.float32)
+    finite, _ = average_and_diverge([big, big], [1, 1], np.empty(4, np.float32),
+                                    diverge_numel=4)
+    assert finite
 
 
 def test_non_finite_replicas_are_found():

@@ -1,37 +1,89 @@
-"""Pure averaging arithmetic on flat parameter buffers (numpy in, numpy out, torch's threads
-under the hood)."""
+"""Pure averaging arithmetic on flat parameter buffers: numpy in, numpy out, on one thread.
+
+Not torch: its OpenMP threads spin for milliseconds after each parallel operation. On a
+driver that shares its machine with the executors (local mode, or a driver co-located with a
+worker), that spinning took a core from the training tasks between rounds: 24 ms of CPU for
+12 ms of work a round, against 2 ms for the same arithmetic here (MNIST-1D's MLP, 1.1M
+parameters, two replicas). Work runs in chunks, so temporaries stay small and in cache."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
-import torch
+
+_CHUNK = 1 << 16
+"""Elements per chunk: 256 KiB of float32, 512 KiB of float64."""
+
+
+def _chunks(size: int):
+    for start in range(0, size, _CHUNK):
+        yield slice(start, min(start + _CHUNK, size))
 
 
 def weighted_average(
     buffers: Sequence[np.ndarray], weights: Sequence[float], out: np.ndarray
 ) -> None:
-    """out = sum_i w_i * x_i / sum_i w_i, computed in the buffers' dtype with torch's threads."""
+    """out = sum_i w_i * x_i / sum_i w_i, computed in the buffers' dtype."""
+    average_and_diverge(buffers, weights, out, diverge_numel=0)
+
+
+def average_and_diverge(buffers: Sequence[np.ndarray], weights: Sequence[float],
+                        out: np.ndarray, *, diverge_numel: int) -> tuple[bool, float]:
+    """A round's arithmetic in one pass over memory: `weighted_average` into `out`, whether
+    `out` is finite, and `mean_distance` of the buffers' first `diverge_numel` elements from
+    it (the parameters, not the optimizer state that may follow), chunk by chunk in cache."""
     if len(buffers) != len(weights) or not buffers:
         raise ValueError("need one weight per buffer and at least one buffer")
     total = float(sum(weights))
     if total <= 0:
         raise ValueError("weights must sum to a positive number")
-    acc = torch.from_numpy(out)
-    acc.copy_(torch.from_numpy(buffers[0])).mul_(weights[0] / total)
-    for buf, weight in zip(buffers[1:], weights[1:], strict=True):
-        acc.add_(torch.from_numpy(buf), alpha=weight / total)
+    factors = [out.dtype.type(w / total) for w in weights]
+    scratch = np.empty(min(_CHUNK, out.size), out.dtype)
+    finite, squares = True, [0.0] * len(buffers)
+    with np.errstate(over="ignore", invalid="ignore"):  # non-finite values are our verdict
+        for part in _chunks(out.size):
+            finite = _average_chunk(buffers, factors, out[part], scratch, part, finite,
+                                    diverge_numel, squares)
+    return finite, float(np.mean([s ** 0.5 for s in squares]))
+
+
+def _average_chunk(buffers, factors, acc, scratch, part, finite, diverge_numel, squares):
+    """One chunk of `average_and_diverge`; returns whether the average is finite so far."""
+    tmp = scratch[:part.stop - part.start]
+    np.multiply(buffers[0][part], factors[0], out=acc)
+    for buf, factor in zip(buffers[1:], factors[1:], strict=True):
+        np.multiply(buf[part], factor, out=tmp)
+        acc += tmp
+    # a finite sum means every element is finite; an overflowing sum of finite values is
+    # told apart by the element-wise check it then falls back to
+    if finite and not (np.isfinite(acc.sum()) or np.isfinite(acc).all()):
+        finite = False
+    if part.start < diverge_numel:
+        inside = slice(0, min(part.stop, diverge_numel) - part.start)
+        diff = tmp[inside]
+        for i, buf in enumerate(buffers):
+            np.subtract(buf[part][inside], acc[inside], out=diff)
+            squares[i] += float(np.square(diff, out=diff).sum(dtype=np.float64))
+    return finite
 
 
 def mean_distance(buffers: Sequence[np.ndarray], center: np.ndarray) -> float:
     """Mean L2 distance of the replicas from their average: how far they drifted in a round."""
-    c = torch.from_numpy(center)
-    return float(np.mean([torch.dist(torch.from_numpy(b), c).item() for b in buffers]))
+    scratch = np.empty(min(_CHUNK, center.size), center.dtype)
+    distances = []
+    for buf in buffers:
+        squares = 0.0
+        for part in _chunks(center.size):
+            tmp = scratch[:part.stop - part.start]
+            np.subtract(buf[part], center[part], out=tmp)
+            squares += float(np.square(tmp, out=tmp).sum(dtype=np.float64))  # no BLAS threads
+        distances.append(squares ** 0.5)
+    return float(np.mean(distances))
 
 
 def is_finite(buffer: np.ndarray) -> bool:
-    return bool(torch.isfinite(torch.from_numpy(buffer)).all())
+    return all(np.isfinite(buffer[part]).all() for part in _chunks(buffer.size))
 
 
 def non_finite_replicas(buffers: Sequence[np.ndarray]) -> list[int]:

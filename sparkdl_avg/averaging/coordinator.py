@@ -25,10 +25,8 @@ from sparkdl_avg._errors import (
     from_task,
 )
 from sparkdl_avg.averaging.arithmetic import (
-    is_finite,
-    mean_distance,
+    average_and_diverge,
     non_finite_replicas,
-    weighted_average,
 )
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
@@ -176,15 +174,14 @@ class Coordinator(Server):
             self.average = np.empty(self._buffers[0].size, self._dtype)
         t_avg = time.perf_counter()
         weights = [push.samples for push, _ in pushes]
-        weighted_average(self._buffers, weights, self.average)
-        if not is_finite(self.average):  # one scan; find the culprits only when needed
+        finite, divergence = average_and_diverge(self._buffers, weights, self.average,
+                                                 diverge_numel=model_numel)
+        if not finite:  # find the culprits only when needed
             raise TrainingError(
                 f"worker(s) {non_finite_replicas(self._buffers)} pushed NaN/Inf parameters in "
                 f"round {round_index}: training diverged; lower the learning rate or check "
                 "the loss"
             )
-        divergence = mean_distance([b[:model_numel] for b in self._buffers],
-                                   self.average[:model_numel])
         t_averaged = time.perf_counter()
         reply = msg.Average(round=round_index, evaluate=evaluate and not stop,
                             checkpoint=checkpoint and not stop, stop=stop,
