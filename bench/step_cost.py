@@ -75,6 +75,11 @@ def in_tasks(fits: int) -> list[dict]:
             compute = sum(h["time_compute_s"] for h in result.history)
             out.append({"step_ms": compute / per_worker_steps * 1000,
                         "train_s": result.timings["train_s"],
+                        "rounds_s": sum(h["time_round_s"] for h in result.history),
+                        "compute_s": compute,
+                        "communication_s": sum(h["time_communication_s"]
+                                               for h in result.history),
+                        "averaging_s": sum(h["time_averaging_s"] for h in result.history),
                         "steps_per_worker": per_worker_steps})
         return out[1:]
     finally:
