@@ -51,3 +51,21 @@ def check_async(config) -> None:
             if getattr(config, name) != default:
                 raise ConfigError(f"{name} is the parameter server's own setting when "
                                   f"ps_address is given: start the server with {option}")
+
+
+def check_sync_transport(config) -> None:
+    """The sync transport and its TLS files (a TrainConfig calls this when built)."""
+    if config.transport not in ("driver", "collective"):
+        raise ConfigError(f"transport={config.transport!r} is not supported; use 'driver' "
+                          "or 'collective'")
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(f"{name} must be a file path, got {value!r}")
+    if (config.tls_cert is None) != (config.tls_key is None) or \
+            (config.tls_ca is not None and config.tls_cert is None):
+        raise ConfigError("TLS needs tls_cert and tls_key together (tls_ca only with them)")
+    if config.transport == "collective" and config.tls_cert is not None:
+        raise ConfigError("tls_cert with transport='collective': the parameters would travel "
+                          "between the tasks unencrypted (gloo and NCCL have no TLS); use "
+                          "transport='driver' for TLS")

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sparkdl_avg._checks import check_async, require_float, require_int
+from sparkdl_avg._checks import check_async, check_sync_transport, require_float, require_int
 from sparkdl_avg._controls import EarlyStopping, check_controls
 from sparkdl_avg._errors import ConfigError
 from sparkdl_avg.net.message_base import MAX_WORKERS
@@ -19,6 +19,7 @@ Device = Literal["auto", "cpu", "cuda"]
 DataCache = Literal["auto", "memory", "disk"]
 LrSchedule = Literal["cosine", "linear"]
 Precision = Literal["bf16", "fp16"]
+Transport = Literal["driver", "collective"]
 
 _OPTIMIZERS = typing.get_args(OptimizerName)
 _DEVICES = typing.get_args(Device)
@@ -26,7 +27,7 @@ _MODES = typing.get_args(Mode)
 _CACHES = typing.get_args(DataCache)
 
 SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
-             "tls_cert", "tls_key", "tls_ca")
+             "tls_cert", "tls_key", "tls_ca", "transport")
 ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_lambda",
               "ps_address", "ps_secret_file", "ps_tls_ca", "eval_interval_s",
               "ps_checkpoint_every", "reconnect_timeout")
@@ -74,6 +75,11 @@ class TrainConfig:
 
     averaging_frequency: int = 8
     """Sync: local minibatches between two averaging rounds (1 = average after every step)."""
+
+    transport: Transport = "driver"
+    """Sync: "driver" sends every replica to the driver, which averages; "collective"
+    all-reduces among the tasks (gloo on CPUs, NCCL on GPUs; unauthenticated: trusted
+    networks only), the driver receiving only each round's numbers."""
 
     optimizer: OptimizerName | Callable[[Any], Any] = "sgd"
     """"sgd", "adam", or a picklable callable `params -> torch.optim.Optimizer`."""
@@ -309,14 +315,7 @@ class TrainConfig:
             raise ConfigError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
         check_async(self)
         check_controls(self)
-        for name in ("tls_cert", "tls_key", "tls_ca"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"{name} must be a file path, got {value!r}")
-        if (self.tls_cert is None) != (self.tls_key is None) or \
-                (self.tls_ca is not None and self.tls_cert is None):
-            raise ConfigError("TLS needs tls_cert and tls_key together (tls_ca only with "
-                              "them)")
+        check_sync_transport(self)
         if self.registered_model_name is not None and (
                 not isinstance(self.registered_model_name, str)
                 or not self.registered_model_name.strip() or not self.log_model):

@@ -37,6 +37,12 @@ VALID = {
     msg.Evaluate: {},
     msg.Finished: {"wait_s": 2.0},
     msg.Stop: {},
+    msg.Report: {"round": 2, "samples": 8, "loss_sum": None, "compute_s": 0.1, "setup_s": 0.0,
+                 "reduce_s": 0.01, "distance": 0.5, "replica_finite": True,
+                 "average_finite": True, "lr": 0.01},
+    msg.Orders: {"round": 2, "evaluate": True, "checkpoint": False, "stop": False,
+                 "send_average": True},
+    msg.Averaged: {"round": 2, "dtype": "float32", "numel": 10},
 }
 
 INVALID = [
@@ -77,6 +83,14 @@ INVALID = [
     (msg.Push, {"lr": "0.1"}, "Push.lr must be float or null"),
     (msg.Average, {"stop": 1}, "Average.stop must be bool"),
     (msg.Stop, {"now": True}, r"Stop has no fields \['now'\]"),
+    # the collective transport's control plane
+    (msg.Report, {"samples": 0}, "samples >= 1"),
+    (msg.Report, {"reduce_s": -1.0}, "reduce_s=-1.0 is no duration"),
+    (msg.Report, {"distance": -0.5}, "distance -0.5"),
+    (msg.Report, {"replica_finite": 1}, "Report.replica_finite must be bool"),
+    (msg.Orders, {"round": -1}, "round -1"),
+    (msg.Orders, {"send_average": "yes"}, "Orders.send_average must be bool"),
+    (msg.Averaged, {"numel": 0}, "a payload of 0 'float32' values"),
 ]
 
 

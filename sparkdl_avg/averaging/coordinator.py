@@ -57,6 +57,11 @@ class RoundStats:
     phases: list[dict[str, tuple[float, float]]] | None = None
     """Per worker: (start, end) perf_counter times of setup, compute, transfer, waiting,
     averaging and return+eval, as the driver sees them."""
+    has_average: bool = True
+    """Whether the coordinator's `average` holds this round's (the collective transport
+    fetches it only when asked to)."""
+    driver_bytes: int = 0
+    """Bytes the driver sent and received in the round, over all workers."""
 
 
 class Coordinator(Server):
@@ -76,11 +81,13 @@ class Coordinator(Server):
         self._io: ThreadPoolExecutor | None = None
         self._advertise = advertise
         self._dtype = np.dtype(dtype)
-        self._buffers = [np.empty(model_numel, self._dtype) for _ in range(num_workers)]
+        # a replica's buffer, allocated at its first push (never, with the collective one)
+        self._buffers = [np.empty(0, self._dtype) for _ in range(num_workers)]
         self.average = np.empty(model_numel, self._dtype)
         # optimizer state at checkpoints: at most 3x the parameters (Adam), in any dtype
         self._max_state_bytes = MAX_STATE_FACTOR * model_numel * 8 + (1 << 20)
         self._round_end = time.perf_counter()
+        self._bytes_mark = 0
 
     def start(self) -> None:
         super().start()
@@ -157,13 +164,16 @@ class Coordinator(Server):
 
         self._all(send_start)
         self._round_end = time.perf_counter()
+        self._bytes_in_round()  # rounds count from here
 
     # --- rounds ---------------------------------------------------------------------------
 
     def run_round(self, round_index: int, *, model_numel: int, allow_state: bool,
-                  evaluate: bool, checkpoint: bool = False, stop: bool = False) -> RoundStats:
+                  evaluate: bool, checkpoint: bool = False, stop: bool = False,
+                  need_average: bool = True) -> RoundStats:
         """One round: every push, their average back (`stop`: as the last; the workers then
-        send DONE), and what the driver asked for after it."""
+        send DONE), and what the driver asked for after it. `need_average`: whether the
+        driver uses this round's average (here it always has it)."""
         pushes = self._all(lambda rank, conn: self._recv_push(rank, conn, round_index,
                                                               model_numel, allow_state))
         sizes = {push.numel for push, _ in pushes}
@@ -190,28 +200,42 @@ class Coordinator(Server):
         self._all(lambda rank, conn: msg.send(conn, reply, self.average))
         stats = RoundStats(
             samples=sum(weights),
-            train_loss=_sum_or_nan(push.loss_sum for push, _ in pushes) / max(1, sum(weights)),
+            train_loss=sum_or_nan(push.loss_sum for push, _ in pushes) / max(1, sum(weights)),
             compute_s=max(push.compute_s for push, _ in pushes),
             round_s=0.0,
             averaging_s=t_averaged - t_avg,
             divergence=divergence,
             lr=pushes[0][0].lr,
         )
+        return self._finish_round(stats, pushes, t_averaged, checkpoint=checkpoint,
+                                  evaluate=evaluate)
+
+    def _finish_round(self, stats: RoundStats, reports: list, t_averaged: float, *,
+                      checkpoint: bool, evaluate: bool) -> RoundStats:
+        """After the reply: the workers' optimizer state (checkpoint) and evaluations, then
+        the round's timings. `reports`: (push or report, arrival time) by rank."""
         if checkpoint:
             stats.states = self._all(self._recv_state)
         if evaluate:
             evals = self._all(lambda rank, conn: self._expect(rank, conn, msg.Eval)[0])
             count = sum(e.count for e in evals)
-            stats.eval = {"loss": _sum_or_nan(e.loss_sum for e in evals) / max(1, count),
+            stats.eval = {"loss": sum_or_nan(e.loss_sum for e in evals) / max(1, count),
                           "time_s": max(e.eval_s for e in evals)}
             if all(e.correct is not None for e in evals):  # classifiers only
                 stats.eval["accuracy"] = sum(e.correct for e in evals) / max(1, count)
         now = time.perf_counter()
-        stats.phases = _phases(self._round_end, [push.setup_s for push, _ in pushes],
-                               [push.compute_s for push, _ in pushes],
-                               [arrival for _, arrival in pushes], t_averaged, now)
+        stats.phases = _phases(self._round_end, [r.setup_s for r, _ in reports],
+                               [r.compute_s for r, _ in reports],
+                               [arrival for _, arrival in reports], t_averaged, now)
         stats.round_s, self._round_end = now - self._round_end, now
+        stats.driver_bytes = self._bytes_in_round()
         return stats
+
+    def _bytes_in_round(self) -> int:
+        """Bytes moved with the workers since the last call."""
+        total = sum(conn.bytes_moved for conn in self._workers.values())
+        moved, self._bytes_mark = total - self._bytes_mark, total
+        return moved
 
     def finish(self) -> tuple[list, np.ndarray]:
         """Every worker's DONE; returns worker 0's integer buffers (layout, bytes): every
@@ -300,7 +324,7 @@ class Coordinator(Server):
         raise TrainingError(str(exc)) from exc
 
 
-def _sum_or_nan(values) -> float:
+def sum_or_nan(values) -> float:
     """A sum of losses, NaN when a worker's was not finite (sent as None)."""
     values = list(values)
     return float("nan") if None in values else sum(values)

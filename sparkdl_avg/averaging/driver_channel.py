@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 
 from sparkdl_avg.averaging.coordinator import MAX_STATE_FACTOR
-from sparkdl_avg.averaging.transport import RoundReply, StartPoint, Transport
+from sparkdl_avg.averaging.flat_buffer import FlatBuffer
+from sparkdl_avg.averaging.transport import RoundReply, RoundReport, StartPoint, Transport
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import authenticate_to_server
 from sparkdl_avg.net.frames import Connection, connect
@@ -43,11 +45,25 @@ class DriverChannel(Transport):
             state = (frame.layout, payload)
         return StartPoint(round=start.round + 1, state=state)
 
-    def exchange(self, push: msg.Push, params: np.ndarray) -> RoundReply:
-        msg.send(self._conn, push, params)
+    def exchange(self, report: RoundReport, flat: FlatBuffer) -> RoundReply:
+        params = flat.gather()
+        msg.send(self._conn, msg.Push(**dataclasses.asdict(report), **msg.tensor(params)),
+                 params)
         reply, _ = msg.expect(self._conn, msg.Average, into=msg.into_checked(params, "the driver"))
+        flat.scatter()
         return RoundReply(evaluate=reply.evaluate, checkpoint=reply.checkpoint,
                           stop=reply.stop)
+
+    def send(self, message: msg.Message, payload=None) -> None:
+        msg.send(self._conn, message, payload)
+
+    def expect(self, cls: type[msg.M]) -> msg.M:
+        return msg.expect(self._conn, cls)[0]
+
+    @property
+    def local_address(self) -> str:
+        """The address this task reaches the driver from: its cluster address."""
+        return self._conn.sock.getsockname()[0]
 
     def send_state(self, layout: list, payload: np.ndarray) -> None:
         msg.send(self._conn, msg.State(layout=layout), payload)

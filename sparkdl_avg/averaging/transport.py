@@ -1,18 +1,23 @@
 """What a sync task needs from an averaging transport, whatever moves the bytes.
 
 The task's loop (`task.sync_loop`) talks only to this interface. The "driver" transport
-(`driver_channel` here, `coordinator` on the driver) is today's; a collective one (an
-all-reduce among the tasks) is a new class beside it, and the loop does not change.
+(`driver_channel` here, `coordinator` on the driver) sends every replica to the driver and
+takes the average back; the "collective" one (`collective`, with `collective_coordinator` on
+the driver) all-reduces among the tasks and tells the driver only the round's numbers.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sparkdl_avg.net import messages as msg
+
+if TYPE_CHECKING:
+    from sparkdl_avg.averaging.flat_buffer import FlatBuffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +26,19 @@ class StartPoint:
     """The first round to run (after a restart: the round after the checkpoint)."""
     state: tuple[list, memoryview | None] | None
     """After a restart: this worker's optimizer state (layout, bytes) to restore."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundReport:
+    """What a worker says of its round, whatever the transport."""
+
+    round: int
+    samples: int
+    loss_sum: float | None
+    """None: not finite."""
+    compute_s: float
+    setup_s: float
+    lr: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +63,9 @@ class Transport(ABC):
         """Wait for every worker; the parameters to start from go into `params`."""
 
     @abstractmethod
-    def exchange(self, push: msg.Push, params: np.ndarray) -> RoundReply:
-        """Send this replica's `params` (parameters, then averaged optimizer state) and
-        receive the average into the same array."""
+    def exchange(self, report: RoundReport, flat: FlatBuffer) -> RoundReply:
+        """Average this replica's `flat` buffer (parameters, then averaged optimizer state)
+        with the others': the average ends up in the replica's tensors."""
 
     @abstractmethod
     def send_state(self, layout: list, payload: np.ndarray) -> None:

@@ -11,6 +11,7 @@ import logging
 import time
 
 from sparkdl_avg._errors import WorkerLostError
+from sparkdl_avg.averaging.collective_coordinator import CollectiveCoordinator
 from sparkdl_avg.averaging.coordinator import Coordinator, RoundStats
 from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
 from sparkdl_avg.driver.barrier import BarrierJob
@@ -109,7 +110,8 @@ class _Attempt:
         waits = config.waits()
         secret = new_secret()
         address = driver_address(self.spark, config)
-        with Coordinator(
+        coordinator = CollectiveCoordinator if config.transport == "collective" else Coordinator
+        with coordinator(
             host=address.bind, port=address.port, advertise=address.advertise,
             num_workers=config.num_workers, secret=secret,
             timeout=waits.round, dtype=flat.array.dtype, model_numel=flat.array.size,
@@ -156,11 +158,15 @@ class _Attempt:
         last = r == schedule.num_rounds - 1
         every = config.checkpoint_every
         numel = self.flat.array.size
+        evaluate = self.plan.data.eval_sizes[0] > 0 and (
+            last or schedule.evaluates_after(r, config.eval_every))
         stats = coord.run_round(
             r, model_numel=numel, allow_state=config.average_optimizer_state,
-            evaluate=self.plan.data.eval_sizes[0] > 0 and (
-                last or schedule.evaluates_after(r, config.eval_every)),
-            checkpoint=every > 0 and (last or (r + 1) % every == 0), stop=stop,
+            evaluate=evaluate, checkpoint=every > 0 and (last or (r + 1) % every == 0),
+            stop=stop,
+            # the average reaches the driver only if it may keep it (see Stopping)
+            need_average=last or self.plan.on_round is not None
+            or (evaluate and config.early_stopping is not None),
         )
         if r >= len(self.history) and not stop:  # a round redone after a restart: logged once
             metrics = round_metrics(stats)
@@ -168,7 +174,8 @@ class _Attempt:
             metrics.update({f"refused_{k}": v for k, v in coord.refusals().items()})
             self.history.append({"round": r, **metrics})
             self.run_logger.log_metrics(metrics, step=r)
-            row, params = self.history[-1], coord.average[:numel]
+            row = self.history[-1]
+            params = coord.average[:numel] if stats.has_average else None
             if (self.stopper.judge(self.history, row, params)
                     or self.stopper.ask(row, params)) and self.stop_round is None:
                 self.stop_round = r
@@ -197,6 +204,7 @@ def round_metrics(stats: RoundStats) -> dict[str, float]:
         "time_communication_s": communication,
         "time_averaging_s": stats.averaging_s,
         "replica_divergence": stats.divergence,
+        "driver_mb": stats.driver_bytes / 1e6,
     }
     if stats.lr is not None:
         metrics["lr"] = stats.lr

@@ -61,6 +61,10 @@ class Kind(enum.IntEnum):
     FINISHED = 19
     # early stopping of an async fit (the driver to the parameter server)
     STOP = 20
+    # the collective transport (sync): a worker's round, the driver's orders, the average
+    REPORT = 21
+    ORDERS = 22
+    AVERAGED = 23
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,8 @@ class Connection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.max_payload = max_payload
+        self.bytes_moved = 0
+        """Bytes sent and received so far, frames and payloads."""
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -102,6 +108,7 @@ class Connection:
         self.sock.sendall(HEADER.pack(MAGIC, VERSION, kind, 0, len(body), size) + body)
         if view is not None:
             self.sock.sendall(view)
+        self.bytes_moved += HEADER.size + len(body) + size
 
     def recv(self, into: Into = None) -> Frame:
         """Read one frame. The payload goes into `into` (an array, or a function of the frame's
@@ -168,6 +175,7 @@ class Connection:
             if got == 0:
                 raise PeerClosed()
             pos += got
+            self.bytes_moved += got
 
 
 def connect(address: tuple[str, int], *, timeout: float, max_payload: int,

@@ -188,6 +188,69 @@ class WorkerFailed(Message):
     final: bool = False
 
 
+# --- the collective transport: the tasks all-reduce; the driver keeps the control plane ---
+
+@dataclass(frozen=True, slots=True)
+class Report(Message):
+    """A worker's round, after the all-reduce among the tasks: what a `Push` says, without
+    the parameters, plus how far its replica was from the average and what was finite."""
+
+    KIND = Kind.REPORT
+    round: int
+    samples: int
+    loss_sum: float | None
+    compute_s: float
+    setup_s: float
+    reduce_s: float
+    """The all-reduce's time, as this worker measured it."""
+    distance: float | None
+    """The L2 distance of this replica from the average (None: not finite)."""
+    replica_finite: bool
+    average_finite: bool
+    lr: float | None = None
+
+    def check(self) -> None:
+        if self.round < 0 or self.samples < 1:
+            raise self.invalid("round >= 0 and samples >= 1 are required")
+        fields.durations(self, "compute_s", "setup_s", "reduce_s")
+        if self.distance is not None and self.distance < 0:
+            raise self.invalid(f"distance {self.distance}")
+
+
+@dataclass(frozen=True, slots=True)
+class Orders(Message):
+    """The driver's answer to a round's reports: what the workers do after it, and whether
+    worker 0 sends the average (an `Averaged`) first."""
+
+    KIND = Kind.ORDERS
+    round: int
+    evaluate: bool = False
+    checkpoint: bool = False
+    stop: bool = False
+    send_average: bool = False
+
+    def check(self) -> None:
+        if self.round < 0:
+            raise self.invalid(f"round {self.round}")
+
+
+@dataclass(frozen=True, slots=True)
+class Averaged(Message):
+    """Worker 0's copy of a round's average, when the driver needs it (checkpoints, early
+    stopping, the end)."""
+
+    KIND = Kind.AVERAGED
+    PAYLOAD = True
+    round: int
+    dtype: str
+    numel: int
+
+    def check(self) -> None:
+        if self.round < 0:
+            raise self.invalid(f"round {self.round}")
+        fields.payload_description(self)
+
+
 MESSAGES: dict[Kind, type[Message]] = {
     cls.KIND: cls for cls in Message.__subclasses__() if cls.KIND is not None}
 

@@ -84,6 +84,15 @@ def _run(spec: WorkerSpec, batches: Iterator):
             waits = config.waits()
             channel = DriverChannel(spec.address, spec.secret, connect_timeout=waits.connect,
                                     reply_timeout=waits.reply, tls_ca_pem=spec.tls_ca_pem)
+            if config.transport == "collective":
+                from sparkdl_avg.averaging.collective import CollectiveChannel
+
+                channel = CollectiveChannel(
+                    channel, rank=rank, world=config.num_workers, device=device,
+                    # as a worker's wait for the driver: past the driver's round watchdog,
+                    # which names a hung worker before its peers time out and take the blame
+                    all_gather=ctx.allGather, connect_timeout_s=waits.connect,
+                    round_timeout_s=waits.reply)
             train_sync(spec, config, rank, data, device, channel, hello)
         else:
             from sparkdl_avg.task.async_loop import train_async

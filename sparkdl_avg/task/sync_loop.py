@@ -8,7 +8,7 @@ import traceback
 
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import is_final
-from sparkdl_avg.averaging.transport import Transport
+from sparkdl_avg.averaging.transport import RoundReport, Transport
 from sparkdl_avg.data.partition import Partition
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.task.spec import WorkerSpec
@@ -55,12 +55,10 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
                 if [id(t) for t in current] != [id(t) for t in state]:
                     state = current
                     flat = FlatBuffer(averaged_tensors(model) + state, replica.wire_dtype)
-            params = flat.gather()
-            push = msg.Push(round=round_index, samples=samples,
-                            loss_sum=msg.finite_or_none(loss_sum), compute_s=compute_s,
-                            setup_s=setup_s, lr=replica.last_lr, **msg.tensor(params))
-            reply = transport.exchange(push, params)
-            flat.scatter()
+            report = RoundReport(round=round_index, samples=samples,
+                                 loss_sum=msg.finite_or_none(loss_sum), compute_s=compute_s,
+                                 setup_s=setup_s, lr=replica.last_lr)
+            reply = transport.exchange(report, flat)
             if reply.stop:  # early stopping: this average is the fit's
                 break
             if reply.checkpoint:

@@ -1,0 +1,100 @@
+"""A task's side of the "collective" transport: the replicas are averaged by an all-reduce
+among the tasks (`process_group`); the driver's connection (a `DriverChannel`) carries only
+the control plane: where to start, each round's numbers and the driver's orders, optimizer
+state at checkpoints, evaluations, and worker 0's copy of the average when the driver needs
+it (checkpoints, early stopping, the end).
+
+A round: the weights (samples) are summed first, each replica scales itself by its share,
+and one all-reduce sums the scaled replicas: the weighted average the driver would compute,
+in the same order of operations for two workers. Every task ends with the same bits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from sparkdl_avg._errors import ProtocolError
+from sparkdl_avg.averaging.driver_channel import DriverChannel
+from sparkdl_avg.averaging.flat_buffer import FlatBuffer
+from sparkdl_avg.averaging.process_group import TaskGroup
+from sparkdl_avg.averaging.transport import RoundReply, RoundReport, StartPoint, Transport
+from sparkdl_avg.net import messages as msg
+
+
+class CollectiveChannel(Transport):
+    def __init__(self, control: DriverChannel, *, rank: int, world: int, device: torch.device,
+                 all_gather: Callable[[str], list[str]], connect_timeout_s: float,
+                 round_timeout_s: float) -> None:
+        self._control, self._rank, self._world, self._device = control, rank, world, device
+        self._all_gather = all_gather
+        self._connect_timeout_s, self._round_timeout_s = connect_timeout_s, round_timeout_s
+        self._group: TaskGroup | None = None
+        self._model_numel = 0
+        self._before: torch.Tensor | None = None
+
+    def open(self, hello: msg.WorkerHello) -> None:
+        """Join the driver, then form the group: every task has loaded its data by now."""
+        self._control.open(hello)
+        self._group = TaskGroup.form(
+            rank=self._rank, world=self._world, address=self._control.local_address,
+            device=self._device, all_gather=self._all_gather,
+            connect_timeout_s=self._connect_timeout_s, op_timeout_s=self._round_timeout_s)
+
+    def receive_start(self, params: np.ndarray) -> StartPoint:
+        """From the driver, as with the driver transport: once per attempt."""
+        self._model_numel = params.size  # optimizer state, if averaged, joins later
+        return self._control.receive_start(params)
+
+    def exchange(self, report: RoundReport, flat: FlatBuffer) -> RoundReply:
+        t0 = time.perf_counter()
+        values, numel = flat.flat, self._model_numel
+        if self._before is None:
+            self._before = torch.empty(numel, dtype=values.dtype, device=values.device)
+        self._before.copy_(values[:numel])
+        replica_finite = bool(torch.isfinite(values).all())
+        weights = torch.tensor([float(report.samples)], dtype=torch.float64,
+                               device=values.device)
+        self._group.all_reduce_sum(weights)
+        values.mul_(report.samples / float(weights.item()))
+        self._group.all_reduce_sum(values)
+        average_finite = bool(torch.isfinite(values).all())
+        distance = float(torch.dist(self._before, values[:numel])) if average_finite else None
+        self._control.send(msg.Report(
+            round=report.round, samples=report.samples, loss_sum=report.loss_sum,
+            compute_s=report.compute_s, setup_s=report.setup_s, lr=report.lr,
+            reduce_s=time.perf_counter() - t0, distance=distance,
+            replica_finite=replica_finite, average_finite=average_finite))
+        orders = self._control.expect(msg.Orders)
+        if orders.round != report.round:
+            raise ProtocolError(f"the driver's orders are for round {orders.round}, this "
+                                    f"worker is at round {report.round}", "unexpected")
+        if orders.send_average and self._rank == 0:
+            average = flat.gather()
+            self._control.send(msg.Averaged(round=report.round, **msg.tensor(average)),
+                               average)
+        return RoundReply(evaluate=orders.evaluate, checkpoint=orders.checkpoint,
+                          stop=orders.stop)
+
+    def send_state(self, layout: list, payload: np.ndarray) -> None:
+        self._control.send_state(layout, payload)
+
+    def send_eval(self, result: msg.Eval) -> None:
+        self._control.send_eval(result)
+
+    def done(self, layout: list, payload: np.ndarray) -> None:
+        self._control.done(layout, payload)
+
+    def fail(self, message: str, final: bool) -> None:
+        self._control.fail(message, final)
+
+    def close(self) -> None:
+        """The group first (nothing of it outlives the task), then the driver's connection."""
+        try:
+            if self._group is not None:
+                self._group.close()
+                self._group = None
+        finally:
+            self._control.close()

@@ -1,0 +1,91 @@
+"""The driver's side of the "collective" transport: the control plane only.
+
+The tasks average among themselves (`collective`); each round the driver receives every
+worker's `Report` (its numbers, its distance from the average, what was finite), answers with
+`Orders`, and takes worker 0's copy of the average only when it uses it: at checkpoints, at
+evaluations that early stopping judges, every round when `on_round` may stop the fit, and at
+the end. Connections, restarts, checkpoints' optimizer state, evaluations and the watchdog
+are the coordinator's, as with the driver transport."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from sparkdl_avg._errors import ProtocolError, TrainingError
+from sparkdl_avg.averaging.coordinator import (
+    MAX_STATE_FACTOR,
+    Coordinator,
+    RoundStats,
+    sum_or_nan,
+)
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.frames import Connection
+
+
+class CollectiveCoordinator(Coordinator):
+    def run_round(self, round_index: int, *, model_numel: int, allow_state: bool,
+                  evaluate: bool, checkpoint: bool = False, stop: bool = False,
+                  need_average: bool = True) -> RoundStats:
+        """One round: every report, the orders back, then the average (`need_average`, or a
+        checkpoint) from worker 0, and what the driver asked for after it."""
+        reports = self._all(lambda rank, conn: self._recv_report(rank, conn, round_index))
+        t_reduced = time.perf_counter()
+        lost = [rank for rank, (r, _) in enumerate(reports) if not r.replica_finite]
+        if lost or not all(r.average_finite for r, _ in reports):
+            culprits = f"worker(s) {lost} pushed" if lost else \
+                "the replicas were finite, but their average overflowed to"
+            raise TrainingError(f"{culprits} NaN/Inf parameters in round {round_index}: "
+                                "training diverged; lower the learning rate or check the loss")
+        orders = msg.Orders(round=round_index, evaluate=evaluate and not stop,
+                            checkpoint=checkpoint and not stop, stop=stop,
+                            send_average=(need_average or checkpoint) and not stop)
+        self._all(lambda rank, conn: msg.send(conn, orders))
+        if orders.send_average:
+            self._recv_average(round_index, model_numel, allow_state)
+        weights = [r.samples for r, _ in reports]
+        stats = RoundStats(
+            samples=sum(weights),
+            train_loss=sum_or_nan(r.loss_sum for r, _ in reports) / max(1, sum(weights)),
+            compute_s=max(r.compute_s for r, _ in reports),
+            round_s=0.0,
+            # the first to arrive waits for the last: the quickest saw the all-reduce alone
+            averaging_s=min(r.reduce_s for r, _ in reports),
+            divergence=float(np.mean([r.distance for r, _ in reports])),
+            lr=reports[0][0].lr,
+            has_average=orders.send_average,
+        )
+        return self._finish_round(stats, reports, t_reduced, checkpoint=orders.checkpoint,
+                                  evaluate=orders.evaluate)
+
+    def _recv_report(self, rank: int, conn: Connection,
+                     round_index: int) -> tuple[msg.Report, float]:
+        report, _ = self._expect(rank, conn, msg.Report)
+        if report.round != round_index:
+            raise ProtocolError(f"worker {rank} reported round {report.round} during round "
+                                f"{round_index}", "unexpected")
+        return report, time.perf_counter()
+
+    def _recv_average(self, round_index: int, model_numel: int, allow_state: bool) -> None:
+        """Worker 0's average into `average` (with the optimizer state that rides with the
+        parameters when it is averaged too)."""
+        def target(message: msg.Message) -> np.ndarray | None:
+            if not isinstance(message, msg.Averaged):
+                return None
+            numel = message.numel
+            if message.dtype != self._dtype.name or numel < model_numel \
+                    or (numel != model_numel and not allow_state) \
+                    or numel > MAX_STATE_FACTOR * model_numel:
+                raise ProtocolError(f"worker 0 sent {numel} {message.dtype} values as the "
+                                    f"average; the model has {model_numel} {self._dtype}",
+                                    "shape")
+            if self.average.size != numel:
+                self.average = np.empty(numel, self._dtype)
+            return self.average
+
+        averaged, _ = self._expect(0, self._workers[0], msg.Averaged, into=target)
+        if averaged.round != round_index:
+            raise ProtocolError(f"worker 0 sent the average of round {averaged.round} during "
+                                f"round {round_index}", "unexpected")
+

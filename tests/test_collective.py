@@ -1,0 +1,171 @@
+"""The collective transport: the tasks all-reduce among themselves, the driver keeps the
+control plane. Checked against independent computations (large-batch SGD) and against the
+driver transport, which it must match bit for bit with two workers (the same weighted sum in
+the same order), through restarts, the disk cache and the training controls."""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from faulty import FaultyMLP, dataset, diverges, latest_run, same_parameters
+from test_fit_sync import (
+    frame,
+    make_data,
+    make_model_f64,
+    max_param_diff,
+    reference_large_batch_sgd,
+)
+from test_training_controls import overfitting_data, wide
+
+from sparkdl_avg import ConfigError, EarlyStopping, TrainConfig, TrainingError, fit
+from sparkdl_avg.averaging.process_group import TaskGroup
+
+BASE = dict(num_workers=2, epochs=2, batch_size=15, averaging_frequency=2, optimizer="adam",
+            lr=0.01, seed=5, checkpoint_every=3, log_model=False, experiment_name="collective")
+
+
+@pytest.fixture(scope="module")
+def data(spark):
+    return dataset(spark).cache()
+
+
+@pytest.fixture(scope="module")
+def by_the_driver(data):
+    """The same fit with the driver transport."""
+    return fit(data, FaultyMLP, TrainConfig(**BASE))
+
+
+@pytest.mark.spark
+def test_collective_averaging_equals_large_batch_sgd_and_keeps_parameters_off_the_driver(
+        spark):
+    # 411 rows: unequal shards and a partial last batch (the sample-weighted average);
+    # momentum with its buffers averaged too (the optimizer state rides the all-reduce)
+    x, y = make_data(411)
+    cfg = TrainConfig(num_workers=2, epochs=4, batch_size=4, averaging_frequency=1,
+                      optimizer="sgd", lr=0.05, momentum=0.9, shuffle=False,
+                      average_optimizer_state=True, checkpoint_every=50, log_model=False,
+                      transport="collective")
+    result = fit(frame(spark, x, y), make_model_f64, cfg)
+    reference = reference_large_batch_sgd(x, y, 8, 4, 0.05, 0.9)
+    assert max_param_diff(result.model, reference) < 1e-10
+    assert max_param_diff(result.model, make_model_f64()) > 1e-2  # it did train
+    model_bytes = sum(p.numel() * 8 for p in make_model_f64().parameters())
+    moved = {h["round"]: h["driver_mb"] * 1e6 for h in result.history}
+    checkpoints = {r for r in moved if (r + 1) % 50 == 0} | {len(moved) - 1}
+    # the parameters reach the driver at checkpoints and the end only: two workers' round
+    # numbers and orders are less than one copy of this small model
+    assert all(moved[r] < model_bytes for r in moved if r not in checkpoints)
+    assert all(moved[r] > model_bytes for r in checkpoints)
+    assert all(h["replica_divergence"] > 0 for h in result.history)
+
+
+@pytest.mark.spark
+def test_collective_fit_restarts_after_a_killed_task_as_the_driver_transport_trains(
+        data, by_the_driver, tmp_path):
+    # partition 1 kills its own process in round 4, after the checkpoint of round 3: its
+    # peer's all-reduce fails, the barrier job is restarted from the checkpoint, and the
+    # process group of the new attempt forms in reused Python workers
+    model_fn = partial(FaultyMLP, fault="kill", marker=str(tmp_path / "fired"))
+    result = fit(data, model_fn, TrainConfig(**BASE, transport="collective"))
+    assert (tmp_path / "fired").exists()
+    assert len(result.failures) == 1
+    assert result.failures[0]["restart_at"] == "round 3"
+    assert same_parameters(result.model, by_the_driver.model)
+    assert [h["round"] for h in result.history] == list(range(len(by_the_driver.history)))
+
+
+@pytest.mark.spark
+def test_collective_fit_on_the_disk_cache_trains_as_the_driver_transport(data, by_the_driver):
+    result = fit(data, FaultyMLP, TrainConfig(**BASE, transport="collective",
+                                              data_cache="disk"))
+    assert {w["cache"] for w in result.workers} == {"disk"}
+    assert same_parameters(result.model, by_the_driver.model)
+    for ours, theirs in zip(result.history, by_the_driver.history, strict=True):
+        assert ours["train_loss"] == theirs["train_loss"]
+        assert ours["replica_divergence"] == pytest.approx(theirs["replica_divergence"],
+                                                           rel=1e-5)
+
+
+@pytest.mark.spark
+def test_collective_early_stopping_and_on_round_keep_what_the_driver_transport_keeps(spark):
+    # restore_best needs the best evaluation's average, on_round's stop the stopping round's:
+    # worker 0 sends them to the driver only then
+    train, test = overfitting_data(spark, 40, 1), overfitting_data(spark, 200, 2)
+    seen: list[int] = []
+
+    def stop_at_round_30(row: dict) -> bool:
+        seen.append(row["round"])
+        return row["round"] == 30
+
+    for early in (EarlyStopping(patience=2), None):
+        results = [fit(train, wide, TrainConfig(
+            num_workers=2, epochs=60, batch_size=10, averaging_frequency=2, optimizer="adam",
+            lr=0.01, log_model=False, experiment_name="collective", eval_every=2,
+            early_stopping=early, transport=transport), eval_df=test,
+            on_round=None if early else stop_at_round_30)
+            for transport in ("driver", "collective")]
+        driver, collective = results
+        assert len(collective.history) == len(driver.history) < 60
+        assert same_parameters(collective.model, driver.model)
+    assert seen.count(30) == 2
+
+
+def test_task_groups_bind_the_given_address_sum_and_leave_nothing_behind():
+    world, found, results = 2, [], {}
+    gathered = threading.Barrier(world)
+
+    def all_gather(message: str) -> list[str]:
+        found.append(message)
+        gathered.wait(timeout=30)
+        return list(found)
+
+    def task(rank: int) -> None:
+        group = TaskGroup.form(rank=rank, world=world, address="127.0.0.1",
+                               device=torch.device("cpu"), all_gather=all_gather,
+                               connect_timeout_s=30, op_timeout_s=30)
+        try:
+            values = torch.full((5,), float(rank + 1), dtype=torch.float64)
+            group.all_reduce_sum(values)
+            results[rank] = values
+            gathered.wait(timeout=30)  # both hold their sockets here
+            results[f"listening{rank}"] = [
+                c.laddr for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN]
+        finally:
+            group.close()
+
+    threads = [threading.Thread(target=task, args=(rank,)) for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert torch.equal(results[0], torch.full((5,), 3.0, dtype=torch.float64))
+    assert torch.equal(results[1], results[0])
+    listening = results["listening0"]
+    assert listening and all(addr.ip == "127.0.0.1" for addr in listening)
+    assert not dist.is_initialized()  # no global default group for a reused worker to trip on
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"transport": "ring"}, r"transport='ring' is not supported"),
+    ({"transport": "collective", "mode": "async"}, r"transport='collective' applies to "
+                                                   r"mode='sync' only"),
+    ({"transport": "collective", "tls_cert": "c.pem", "tls_key": "k.pem"},
+     r"travel between the tasks unencrypted"),
+])
+def test_bad_transport_settings_are_config_errors(fields, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig(**fields)
+
+
+@pytest.mark.spark
+def test_a_collective_fit_that_diverges_fails_naming_the_workers(data, mlflow_client):
+    with pytest.raises(TrainingError, match=r"worker\(s\) \[0, 1\] pushed NaN/Inf parameters "
+                                            r"in round 0"):
+        fit(data, diverges, TrainConfig(**BASE, transport="collective"))
+    assert latest_run(mlflow_client, "collective").info.status == "FAILED"
