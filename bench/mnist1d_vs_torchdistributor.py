@@ -10,7 +10,7 @@ runs and of the warm runs are reported. Both sides find the session up and the d
 and the MLflow store existing, as on any machine that has run a job before.
 
     python bench/mnist1d_vs_torchdistributor.py [--sessions 2] [--repeats 3]
-        [--averaging-frequency 1]
+        [--averaging-frequency 1] [--transport collective]
 """
 
 from __future__ import annotations
@@ -79,19 +79,21 @@ def run_torchdistributor(folder) -> tuple[float, float]:
     return time.perf_counter() - t0, acc
 
 
-def run_sparkdl_avg(spark, train_df, test_df, every: int) -> tuple[float, float, dict]:
+def run_sparkdl_avg(spark, train_df, test_df, every: int,
+                    transport: str) -> tuple[float, float, dict]:
     from sparkdl_avg import TrainConfig, fit
     from sparkdl_avg.examples import mnist1d
 
     cfg = TrainConfig(num_workers=2, epochs=EPOCHS, batch_size=BATCH, averaging_frequency=every,
                       optimizer="adam", lr=LR, seed=SEED, experiment_name="bench-mnist1d",
-                      eval_every=10**6)  # evaluate once, after the last round, as DDP does
+                      eval_every=10**6,  # evaluate once, after the last round, as DDP does
+                      transport=transport)
     t0 = time.perf_counter()
     result = fit(train_df, mnist1d.mlp(HIDDEN), cfg, eval_df=test_df)
     return time.perf_counter() - t0, result.history[-1]["eval_accuracy"], result.timings
 
 
-def one_side(side: str, repeats: int, every: int) -> list:
+def one_side(side: str, repeats: int, every: int, transport: str) -> list:
     """This process: a fresh local[2] session and `repeats` runs of one side."""
     from sparkdl_avg.examples import mnist1d
 
@@ -100,7 +102,8 @@ def one_side(side: str, repeats: int, every: int) -> list:
         train_df, test_df = mnist1d.load(spark, 20_000)
         train_df.count()  # the session is up and has run a job, on both sides
         if side == "ours":
-            return [run_sparkdl_avg(spark, train_df, test_df, every) for _ in range(repeats)]
+            return [run_sparkdl_avg(spark, train_df, test_df, every, transport)
+                    for _ in range(repeats)]
         folder = mnist1d.write_parquet(20_000, 42, None)
         return [run_torchdistributor(folder) for _ in range(repeats)]
     finally:
@@ -114,10 +117,13 @@ def main() -> None:
                         help="fresh sessions per side, alternating sides")
     parser.add_argument("--averaging-frequency", type=int, default=8,
                         help="1: average after every step, as DDP all-reduces every step")
+    parser.add_argument("--transport", choices=["driver", "collective"], default="driver",
+                        help="our side's sync transport")
     parser.add_argument("--side", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        print(json.dumps(one_side(args.side, args.repeats, args.averaging_frequency)))
+        print(json.dumps(one_side(args.side, args.repeats, args.averaging_frequency,
+                                  args.transport)))
         return
     store = f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"
     import mlflow
@@ -128,7 +134,8 @@ def main() -> None:
         for side in ("ours", "theirs"):
             done = subprocess.run(
                 [sys.executable, __file__, "--side", side, "--repeats", str(args.repeats),
-                 "--averaging-frequency", str(args.averaging_frequency)],
+                 "--averaging-frequency", str(args.averaging_frequency),
+                 "--transport", args.transport],
                 capture_output=True, text=True, check=True,
                 env={**os.environ, "MLFLOW_TRACKING_URI": store})
             runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -142,9 +149,10 @@ def main() -> None:
 
     ours, theirs = summary("ours"), summary("theirs")
     name = "mnist1d_vs_torchdistributor" + (
-        f"_every_{args.averaging_frequency}" if args.averaging_frequency != 8 else "")
+        f"_every_{args.averaging_frequency}" if args.averaging_frequency != 8 else "") + (
+        f"_{args.transport}" if args.transport != "driver" else "")
     report(name, {
-        "averaging_frequency": args.averaging_frequency,
+        "averaging_frequency": args.averaging_frequency, "transport": args.transport,
         "sparkdl_avg": ours, "torchdistributor": theirs,
         "cold_ratio": ours["cold_median_s"] / theirs["cold_median_s"],
         "warm_ratio": ours["warm_median_s"] / theirs["warm_median_s"]

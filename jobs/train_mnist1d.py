@@ -29,6 +29,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--average-optimizer-state", action="store_const", const=True, help="sync")
     p.add_argument("--eval-every", type=int, help="sync: rounds between evaluations (5)")
     p.add_argument("--checkpoint-every", type=int, help="sync: rounds between checkpoints")
+    p.add_argument("--transport", choices=["driver", "collective"],
+                   help="sync: average on the driver (default) or all-reduce among the tasks "
+                        "(trusted networks only)")
     p.add_argument("--algorithm", choices=ALGORITHMS, help="async: the server's update rule")
     p.add_argument("--push-every", type=int, help="async: steps between pushes (8)")
     p.add_argument("--staleness-bound", type=int, help="async: max pushes ahead of the slowest")
@@ -71,7 +74,7 @@ def main(argv: list[str]) -> int:
 
     per_mode = {name: getattr(args, name) for name in (
         "averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
-        "algorithm", "push_every", "staleness_bound", "ps_checkpoint_every")
+        "transport", "algorithm", "push_every", "staleness_bound", "ps_checkpoint_every")
         if getattr(args, name) is not None}
     if args.mode == "sync":  # evaluating 4,000 rows every round would cost ~40% of training
         per_mode.setdefault("eval_every", 5)

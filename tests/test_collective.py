@@ -80,6 +80,18 @@ def test_collective_fit_restarts_after_a_killed_task_as_the_driver_transport_tra
 
 
 @pytest.mark.spark
+def test_a_collective_fit_resumes_from_its_checkpoints_as_an_unbroken_fit(data, tmp_path):
+    folder = str(tmp_path / "ckpt")
+    fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 1}, checkpoint_dir=folder,
+                                     transport="collective"))
+    resumed = fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 3}, checkpoint_dir=folder,
+                                               transport="collective"), resume_from=folder)
+    straight = fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 3}))
+    assert same_parameters(resumed.model, straight.model)
+    assert len(resumed.history) == len(straight.history)
+
+
+@pytest.mark.spark
 def test_collective_fit_on_the_disk_cache_trains_as_the_driver_transport(data, by_the_driver):
     result = fit(data, FaultyMLP, TrainConfig(**BASE, transport="collective",
                                               data_cache="disk"))
