@@ -4,6 +4,8 @@ doubling nothing."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,71 @@ def test_one_report_from_k():
                            report(5, {}, 0, 0, {}, {"request": 3, "applied": 4,
                                                     "final": False})])
     assert apart["evaluations"]["pending"]["applied"] is None  # made at other moments
+
+
+def test_the_command_line_serves_k_shards_and_restarts_a_dead_one(tmp_path):
+    """`ps serve --shards 2` prints the fit's ps_address; a fit's client sees one server
+    there; a shard SIGKILLed comes back from its checkpoint on its port; Ctrl-C stops all."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "ready.json"
+    env = {**os.environ, "SPARKDL_AVG_PS_SECRET": SECRET.hex()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparkdl_avg", "ps", "serve", "--shards", "2",
+         "--checkpoint-every", "1", "--checkpoint-file", str(tmp_path / "ps.npz"),
+         "--ready-file", str(ready)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("ps_address="), line
+        config = TrainConfig(mode="async", ps_shards=2, ps_address=line.split("=", 1)[1],
+                             ps_secret_file="unused")
+        addresses = parse_addresses(config.ps_address)
+        assert [p for _, p in addresses] == json.loads(ready.read_text())["ports"]
+
+        def client(worker: int) -> ShardedClient:
+            return ShardedClient(addresses, secret=SECRET, worker=worker, numel=5,
+                                 dtype=np.float64, timeout=10)
+        with client(DRIVER) as driver:
+            driver.init(np.zeros(5), workers=1)
+        with client(0) as worker:
+            worker.pull()
+            worker.push(np.ones(5), steps=3)
+        shard = tmp_path / "ps-1-of-2.npz"
+        assert shard.exists() and (tmp_path / "ps-0-of-2.npz").exists()
+        os.kill(_pid_serving(str(shard)), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:  # back on its port, from its checkpoint
+            try:
+                with client(0) as worker:
+                    worker.pull()
+                    break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert worker.params.tolist() == [-1.0] * 5 and worker.progress == 3
+        children = [_pid_serving(str(tmp_path / f"ps-{k}-of-2.npz")) for k in (0, 1)]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        for pid in children:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _pid_serving(checkpoint: str) -> int:
+    from pathlib import Path
+
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmdline and checkpoint.encode() in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no server saving {checkpoint}")

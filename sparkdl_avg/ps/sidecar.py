@@ -66,10 +66,12 @@ class Sidecar:
         return self._proc.returncode if self._proc is not None else None
 
     def restart(self) -> None:
-        """Start a new server on the same port from the last checkpoint."""
+        """Start a new server on the same port from the last checkpoint (a fresh one if it
+        died before its first: before any INIT)."""
         self._stop()
         self.restarts += 1
-        self._launch(["--port", str(self.port), "--resume"])
+        resume = ["--resume"] if os.path.exists(self.checkpoint_file) else []
+        self._launch(["--port", str(self.port), *resume])
 
     def _launch(self, extra: list[str]) -> None:
         ready = os.path.join(self._dir.name, "ready.json")
