@@ -6,6 +6,7 @@ import math
 
 from sparkdl_avg._errors import ConfigError
 from sparkdl_avg.ps.settings import check_rule
+from sparkdl_avg.ps.shards import MAX_SHARDS, parse_addresses
 
 
 def require_int(name: str, value: object, *, minimum: int) -> None:
@@ -38,10 +39,16 @@ def check_async(config) -> None:
     if config.dc_lambda is not None:
         require_float("dc_lambda", config.dc_lambda)
     require_float("eval_interval_s", config.eval_interval_s, positive=True)
+    require_int("ps_shards", config.ps_shards, minimum=1)
+    if config.ps_shards > MAX_SHARDS:
+        raise ConfigError(f"ps_shards={config.ps_shards}: at most {MAX_SHARDS}")
     if config.ps_address is not None:
-        host, _, port = config.ps_address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"ps_address={config.ps_address!r} must be 'host:port'")
+        addresses = parse_addresses(config.ps_address)
+        if len(addresses) != config.ps_shards:
+            raise ConfigError(f"ps_address names {len(addresses)} server(s) and ps_shards="
+                              f"{config.ps_shards}: give one 'host:port' per shard, in shard "
+                              "order, comma-separated (as `sparkdl-avg ps serve --shards` "
+                              "prints them)")
         if config.ps_secret_file is None:
             raise ConfigError("ps_address needs ps_secret_file: the server's secret")
         # The server's own settings: silently ignoring them would mislead.

@@ -30,7 +30,7 @@ SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "ch
              "tls_cert", "tls_key", "tls_ca", "transport")
 ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_lambda",
               "ps_address", "ps_secret_file", "ps_tls_ca", "eval_interval_s",
-              "ps_checkpoint_every", "reconnect_timeout")
+              "ps_checkpoint_every", "reconnect_timeout", "ps_shards")
 """Fields of one mode: set to anything but their default in the other mode, a ConfigError."""
 
 
@@ -243,8 +243,9 @@ class TrainConfig:
     """Async DC-ASGD: lambda or, adaptive, lambda0; None: the rule's default (0.04; 2)."""
 
     ps_address: str | None = None
-    """Async: "host:port" of a running `sparkdl-avg ps serve`; None starts one beside the
-    driver for this fit."""
+    """Async: "host:port" of a running `sparkdl-avg ps serve` (with ps_shards > 1, the
+    shards' "host:port,host:port,..." in shard order); None starts them beside the driver
+    for this fit."""
 
     ps_secret_file: str | None = None
     """Async with ps_address: file holding the server's hex secret."""
@@ -264,6 +265,10 @@ class TrainConfig:
     reconnect_timeout: float | None = None
     """Async: seconds a worker keeps reconnecting to a parameter server being restarted;
     None: round_timeout."""
+
+    ps_shards: int = 1
+    """Async: parameter-server processes, each owning a contiguous slice of the flat
+    parameters; workers push and pull the slices in parallel. 1: one server, as before."""
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:

@@ -13,6 +13,7 @@ steps it lost."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -32,6 +33,10 @@ from sparkdl_avg.net.tls import read_certificates
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.server import DRIVER
 from sparkdl_avg.ps.settings import COMPARED, ServerSettings
+from sparkdl_avg.ps.sharded_client import ShardedClient
+from sparkdl_avg.ps.sharded_client import connect as connect_ps
+from sparkdl_avg.ps.shards import bounds as shard_bounds
+from sparkdl_avg.ps.shards import parse_addresses, shard_name
 from sparkdl_avg.ps.sidecar import Sidecar
 from sparkdl_avg.tracking.run import RunLogger
 
@@ -54,34 +59,39 @@ def server_settings(config) -> ServerSettings:
 def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
     config = plan.config
     flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
+    shard_bounds(flat.array.size, config.ps_shards)  # a model too small to shard: refused
     waits = config.waits()
     tls_ca_pem = None
-    if config.ps_address is not None:
-        host, _, port = config.ps_address.rpartition(":")
-        secret = bytes.fromhex(Path(config.ps_secret_file).read_text().strip())
-        if config.ps_tls_ca:
-            tls_ca_pem = read_certificates(config.ps_tls_ca, "ps_tls_ca")
-        sidecar_or_none = contextlib.nullcontext(None)
-        user_address = (host, int(port))
-    else:
-        secret = new_secret()
-        listen = driver_address(spark, config)
-        sidecar_or_none = Sidecar(server_settings(config), host=listen.bind, port=listen.port,
-                                  secret=secret, checkpoint_dir=config.checkpoint_dir)
     history: list[dict] = []
     restarts = Restarts(spark, config, run)
-    with sidecar_or_none as sidecar:
-        address = user_address if sidecar is None else (listen.advertise, sidecar.port)
+    with contextlib.ExitStack() as stack:
+        if config.ps_address is not None:
+            addresses = parse_addresses(config.ps_address)
+            secret = bytes.fromhex(Path(config.ps_secret_file).read_text().strip())
+            if config.ps_tls_ca:
+                tls_ca_pem = read_certificates(config.ps_tls_ca, "ps_tls_ca")
+            sidecars: list[Sidecar] = []
+        else:
+            secret = new_secret()
+            listen = driver_address(spark, config)
+            sidecars = [stack.enter_context(Sidecar(
+                server_settings(config), host=listen.bind, secret=secret,
+                port=listen.port + k if listen.port else 0,
+                checkpoint_dir=config.checkpoint_dir, name=shard_name(k, config.ps_shards)))
+                for k in range(config.ps_shards)]
+            addresses = [(listen.advertise, sidecar.port) for sidecar in sidecars]
 
-        def connect() -> PSClient:
-            return PSClient(address, secret=secret, worker=DRIVER, numel=flat.array.size,
-                            dtype=flat.array.dtype, timeout=waits.round,
-                            tls_ca_pem=tls_ca_pem)
+        def connect() -> PSClient | ShardedClient:
+            return connect_ps(addresses, secret=secret, worker=DRIVER,
+                              numel=flat.array.size, dtype=flat.array.dtype,
+                              timeout=waits.round, tls_ca_pem=tls_ca_pem)
 
-        server = _ServerConnection(sidecar, connect, restarts, run)
+        server = _ServerConnection(sidecars, connect, restarts, run)
         try:
             _init(server, flat, config, run)
-            spec = plan.worker_spec(address, secret, tls_ca_pem)
+            spec = plan.worker_spec(addresses[0], secret, tls_ca_pem)
+            if len(addresses) > 1:
+                spec = dataclasses.replace(spec, ps_shards=tuple(addresses))
             t_train = time.perf_counter()  # tasks start training as they load
             intervals = _Intervals(plan, flat, run, history)
 
@@ -141,12 +151,13 @@ def _check_complete(progress: dict, num_workers: int, total: int) -> None:
 
 
 class _ServerConnection:
-    """The driver's connection to the parameter server. A sidecar found dead is restarted
-    from its checkpoint (on the same port, where the workers reconnect); each restart counts
-    against max_failures."""
+    """The driver's connection to the parameter server (all its shards). A sidecar found
+    dead is restarted from its checkpoint (on the same port, where the workers reconnect);
+    each restart, of any shard, counts against max_failures."""
 
-    def __init__(self, sidecar: Sidecar | None, connect, restarts: Restarts, run) -> None:
-        self.sidecar, self._connect, self._restarts, self._run = sidecar, connect, restarts, run
+    def __init__(self, sidecars: list[Sidecar], connect, restarts: Restarts, run) -> None:
+        self.sidecars, self._connect, self._restarts, self._run = (sidecars, connect,
+                                                                    restarts, run)
         self.ps = connect()
 
     def call(self, fn, step: int):
@@ -158,15 +169,20 @@ class _ServerConnection:
             return fn(self.ps)
 
     def revive(self, step: int, grace_s: float = 0.0) -> bool:
-        """Restart the sidecar if it died; True if it did."""
-        if self.sidecar is None or self.sidecar.alive(grace_s):
+        """Restart the sidecars that died; True if one did."""
+        dead = [(k, s) for k, s in enumerate(self.sidecars) if not s.alive(grace_s)]
+        if not dead:
             return False
         self.ps.close()
-        self._restarts.record(WorkerLostError(
-            f"the parameter server process died (exit code {self.sidecar.returncode})"),
-            "the server's last checkpoint", step=step, check_cluster_after=False)
-        self.sidecar.restart()
-        self._run.log_metrics({"ps_restarts": self.sidecar.restarts}, step=step)
+        for k, sidecar in dead:
+            which = f"shard {k} of {len(self.sidecars)} of " if len(self.sidecars) > 1 else ""
+            self._restarts.record(WorkerLostError(
+                f"{which}the parameter server process died (exit code "
+                f"{sidecar.returncode})"), "the server's last checkpoint", step=step,
+                check_cluster_after=False)
+            sidecar.restart()
+        self._run.log_metrics({"ps_restarts": sum(s.restarts for s in self.sidecars)},
+                              step=step)
         self.ps = self._connect()
         return True
 

@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="start from --checkpoint-file instead of waiting for an INIT")
     serve.add_argument("--ready-file", help="written with the bound port once serving")
     serve.add_argument("--parent-pid", type=int, help="exit when this process is gone")
+    serve.add_argument("--shards", type=int, default=1, help="run this many servers, each "
+                       "owning a slice of the parameters (ports --port, --port+1, ... or "
+                       "free ones), restarted from their checkpoints if they die; prints "
+                       "the fit's ps_address")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ps %(levelname)s %(message)s")
     return _serve(args, SECRET_ENV)
@@ -64,6 +68,10 @@ def _serve(args: argparse.Namespace, secret_env: str) -> int:
         tls = server_context(args.tls_cert, args.tls_key) if args.tls_cert else None
     except ConfigError as exc:
         return _fail(str(exc))
+    if args.shards != 1:
+        from sparkdl_avg.ps.shard_supervisor import serve_shards
+
+        return serve_shards(args, secret, settings, _fail, _alive)
     server = ParameterServer(settings, secret=secret, host=args.host, port=args.port, tls=tls,
                              checkpoint_path=args.checkpoint_file)
     if args.resume:

@@ -13,9 +13,11 @@ from sparkdl_avg.net.tls import client_context
 
 class PSClient:
     def __init__(self, address: tuple[str, int], *, secret: bytes, worker: int, numel: int,
-                 dtype: np.dtype, timeout: float, tls_ca_pem: str | None = None) -> None:
+                 dtype: np.dtype, timeout: float, tls_ca_pem: str | None = None,
+                 out: np.ndarray | None = None) -> None:
         """`worker`: the worker id (-1: the driver). `tls_ca_pem`: PEM text of a CA (or the
-        server's self-signed certificate): speak TLS and verify the server with it."""
+        server's self-signed certificate): speak TLS and verify the server with it. `out`:
+        where pulls land (a shard's view of a larger buffer); None: an array of its own."""
         tls = client_context(tls_ca_pem) if tls_ca_pem else None
         self._conn = connect(address, timeout=timeout, max_payload=0, tls=tls)
         try:
@@ -23,7 +25,7 @@ class PSClient:
         except BaseException:
             self._conn.close()
             raise
-        self.params = np.empty(numel, dtype)
+        self.params = np.empty(numel, dtype) if out is None else out
         self.progress = 0
         """After a pull: the local steps of this worker the server has applied."""
 

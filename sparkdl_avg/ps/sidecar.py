@@ -24,10 +24,15 @@ class Sidecar:
     that state on the same port, where its workers reconnect."""
 
     def __init__(self, settings: ServerSettings, *, host: str, secret: bytes,
-                 checkpoint_dir: str | None = None, port: int = 0) -> None:
+                 checkpoint_dir: str | None = None, port: int = 0,
+                 name: str = "parameter-server", extra_args: tuple[str, ...] = ()) -> None:
+        """`name`: of the checkpoint file (a shard's, `ps.shards.shard_name`).
+        `extra_args`: more `ps serve` options (TLS)."""
         self._checkpoint_dir = checkpoint_dir
+        self._name = name
         self.restarts = 0
-        self._args = ["--host", host, "--parent-pid", str(os.getpid()), *settings.to_argv()]
+        self._args = ["--host", host, "--parent-pid", str(os.getpid()), *settings.to_argv(),
+                      *extra_args]
         self._secret = secret
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -38,7 +43,7 @@ class Sidecar:
         self._dir = tempfile.TemporaryDirectory(prefix="sparkdl-avg-ps-")
         folder = self._checkpoint_dir or self._dir.name
         os.makedirs(folder, exist_ok=True)
-        self.checkpoint_file = os.path.join(folder, "parameter-server.npz")
+        self.checkpoint_file = os.path.join(folder, f"{self._name}.npz")
         with contextlib.suppress(FileNotFoundError):  # a previous fit's: never to be resumed
             os.remove(self.checkpoint_file)
         self._args += ["--checkpoint-file", self.checkpoint_file]
@@ -61,10 +66,12 @@ class Sidecar:
         return self._proc.returncode if self._proc is not None else None
 
     def restart(self) -> None:
-        """Start a new server on the same port from the last checkpoint."""
+        """Start a new server on the same port from the last checkpoint (a fresh one if it
+        died before its first: before any INIT)."""
         self._stop()
         self.restarts += 1
-        self._launch(["--port", str(self.port), "--resume"])
+        resume = ["--resume"] if os.path.exists(self.checkpoint_file) else []
+        self._launch(["--port", str(self.port), *resume])
 
     def _launch(self, extra: list[str]) -> None:
         ready = os.path.join(self._dir.name, "ready.json")

@@ -21,6 +21,7 @@ from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import peer_gone
 from sparkdl_avg.data.partition import Partition
 from sparkdl_avg.ps.client import PSClient
+from sparkdl_avg.ps.sharded_client import ShardedClient, connect
 from sparkdl_avg.task.spec import WorkerSpec
 
 FINISHED_WAIT_S = 2.0
@@ -88,10 +89,10 @@ class ServerLink:
         self.ps = None
         self.reconnect(None, self.waits.connect)  # a server being restarted may not be back
 
-    def _connect(self) -> PSClient:
-        return PSClient(self.spec.address, secret=self.spec.secret, worker=self.rank,
-                        numel=self.flat.array.size, dtype=self.flat.array.dtype,
-                        timeout=self.waits.reply, tls_ca_pem=self.spec.tls_ca_pem)
+    def _connect(self) -> PSClient | ShardedClient:
+        return connect(self.spec.ps_addresses(), secret=self.spec.secret, worker=self.rank,
+                       numel=self.flat.array.size, dtype=self.flat.array.dtype,
+                       timeout=self.waits.reply, tls_ca_pem=self.spec.tls_ca_pem)
 
     def _call(self, fn, *args, **kwargs):
         """A call to the server; a lost connection raises `ServerLost`, a refusal or a

@@ -35,6 +35,12 @@ class WorkerSpec:
     tls_ca_pem: str | None = None
     """PEM text that verifies the driver's coordinator (sync) or the parameter server
     (async) over TLS; None: plain TCP."""
+    ps_shards: tuple[tuple[str, int], ...] = ()
+    """Async with several parameter-server shards: their addresses in shard order (the
+    first is `address`); empty: one server at `address`."""
+
+    def ps_addresses(self) -> list[tuple[str, int]]:
+        return list(self.ps_shards) or [self.address]
 
     def shape(self, rank: int):
         """What worker `rank` knows of its partition before reading it."""
