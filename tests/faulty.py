@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -94,3 +95,17 @@ def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def halving_every_3_steps(optimizer):
     """A user's schedule (`lr_schedule=`): torch's StepLR, picklable by reference."""
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def server_pid(checkpoint: str) -> int | None:
+    """The pid of the `ps serve` process whose command line names `checkpoint`."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmdline and checkpoint.encode() in cmdline:
+            return int(entry)
+    return None

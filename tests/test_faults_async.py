@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from faulty import FaultyMLP, dataset, diverges, latest_run
+from faulty import FaultyMLP, dataset, diverges, latest_run, server_pid
 
 from sparkdl_avg import TrainConfig, TrainingError, fit
 
@@ -98,25 +98,13 @@ def _kill_server_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0) ->
             if first is None:
                 first = mtime
             elif mtime != first:
-                pid = _server_pid(str(checkpoint))
+                pid = server_pid(str(checkpoint))
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     threading.current_thread().killed = True
                     return
         time.sleep(0.02)
 
-
-def _server_pid(checkpoint: str) -> int | None:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in cmdline and checkpoint.encode() in cmdline:
-            return int(entry)
-    return None
 
 
 def test_a_refused_update_fails_the_fit_at_once_not_retried(data, mlflow_client):

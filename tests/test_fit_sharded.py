@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from faulty import FaultyMLP, dataset
+from faulty import FaultyMLP, dataset, server_pid
 from test_fit_sync import frame, make_data, make_model_f64, max_param_diff
 
 from sparkdl_avg import TrainConfig, fit
@@ -118,7 +118,7 @@ def _kill_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0) -> None:
                 first = mtime
             elif mtime != first:
                 time.sleep(0.2)  # pushes the checkpoint lacks
-                pid = _server_pid(str(checkpoint))
+                pid = server_pid(str(checkpoint))
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     with np.load(checkpoint) as saved:
@@ -127,15 +127,3 @@ def _kill_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0) -> None:
                     return
         time.sleep(0.02)
 
-
-def _server_pid(checkpoint: str) -> int | None:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in cmdline and checkpoint.encode() in cmdline:
-            return int(entry)
-    return None
