@@ -187,7 +187,8 @@ def _worker_link(ps: ParameterServer, config):
 
     model = torch.nn.Linear(4, 1, bias=False)
     flat = FlatBuffer(averaged_tensors(model), torch.float32)
-    spec = SimpleNamespace(address=ps.address, secret=SECRET, tls_ca_pem=None)
+    spec = SimpleNamespace(address=ps.address, secret=SECRET, tls_ca_pem=None,
+                           ps_addresses=lambda: [ps.address])
     return ServerLink(spec, config, 0, flat), flat, _Recording(model)
 
 
