@@ -62,7 +62,8 @@ class CollectiveChannel(Transport):
         # the average is finite when every replica was; only when it is not, which were
         average_finite = _finite(values)
         replica_finite = average_finite or _finite(self._before)
-        distance = float(torch.dist(self._before, values[:numel])) if average_finite else None
+        distance = msg.finite_or_none(float(torch.dist(self._before, values[:numel]))) \
+            if average_finite else None
         self._control.send(msg.Report(
             round=report.round, samples=report.samples, loss_sum=report.loss_sum,
             compute_s=report.compute_s, setup_s=report.setup_s, lr=report.lr,
@@ -71,7 +72,7 @@ class CollectiveChannel(Transport):
         orders = self._control.expect(msg.Orders)
         if orders.round != report.round:
             raise ProtocolError(f"the driver's orders are for round {orders.round}, this "
-                                    f"worker is at round {report.round}", "unexpected")
+                                f"worker is at round {report.round}", "unexpected")
         if orders.send_average and self._rank == 0:
             average = flat.gather()
             self._control.send(msg.Averaged(round=report.round, **msg.tensor(average)),

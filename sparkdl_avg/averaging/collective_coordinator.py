@@ -52,7 +52,7 @@ class CollectiveCoordinator(Coordinator):
             round_s=0.0,
             # the first to arrive waits for the last: the quickest saw the all-reduce alone
             averaging_s=min(r.reduce_s for r, _ in reports),
-            divergence=float(np.mean([r.distance for r, _ in reports])),
+            divergence=_mean_or_nan([r.distance for r, _ in reports]),
             lr=reports[0][0].lr,
             has_average=orders.send_average,
         )
@@ -89,3 +89,8 @@ class CollectiveCoordinator(Coordinator):
             raise ProtocolError(f"worker 0 sent the average of round {averaged.round} during "
                                 f"round {round_index}", "unexpected")
 
+
+
+def _mean_or_nan(distances: list[float | None]) -> float:
+    """The replicas' mean distance; NaN when one overflowed (sent as None)."""
+    return float("nan") if None in distances else float(np.mean(distances))
