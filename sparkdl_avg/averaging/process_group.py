@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 
 class TaskGroup:
-    def __init__(self, backend, store, listener: int | None) -> None:
-        self._backend, self._store, self._listener = backend, store, listener
+    def __init__(self, backend, store) -> None:
+        self._backend, self._store = backend, store  # gloo and NCCL keep using the store
 
     @classmethod
     def form(cls, *, rank: int, world: int, address: str, device: torch.device,
@@ -45,19 +45,15 @@ class TaskGroup:
                               timeout=datetime.timedelta(seconds=connect_timeout_s),
                               wait_for_workers=False, use_libuv=False,
                               **({"master_listen_fd": listener} if rank == 0 else {}))
-        try:
-            timeout = datetime.timedelta(seconds=op_timeout_s)
-            if device.type == "cuda":
-                backend = _nccl(store, rank, world, address, timeout)
-            else:
-                options = dist.ProcessGroupGloo._Options()
-                options._timeout = timeout
-                options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-                backend = dist.ProcessGroupGloo(store, rank, world, options)
-        except BaseException:
-            del store
-            raise
-        return cls(backend, store, listener)
+        timeout = datetime.timedelta(seconds=op_timeout_s)
+        if device.type == "cuda":
+            backend = _nccl(store, rank, world, address, timeout)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+            backend = dist.ProcessGroupGloo(store, rank, world, options)
+        return cls(backend, store)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """`tensor` becomes the sum of every task's, in place; identical bits on every task."""
