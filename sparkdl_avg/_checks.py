@@ -61,10 +61,8 @@ def check_async(config) -> None:
 
 
 def check_sync_transport(config) -> None:
-    """The sync transport and its TLS files (a TrainConfig calls this when built)."""
-    if config.transport not in ("driver", "collective"):
-        raise ConfigError(f"transport={config.transport!r} is not supported; use 'driver' "
-                          "or 'collective'")
+    """The sync channel's TLS files, and TLS with the transport (a TrainConfig calls this
+    when built)."""
     for name in ("tls_cert", "tls_key", "tls_ca"):
         value = getattr(config, name)
         if value is not None and (not isinstance(value, str) or not value):

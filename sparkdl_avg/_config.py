@@ -25,6 +25,7 @@ _OPTIMIZERS = typing.get_args(OptimizerName)
 _DEVICES = typing.get_args(Device)
 _MODES = typing.get_args(Mode)
 _CACHES = typing.get_args(DataCache)
+_TRANSPORTS = typing.get_args(Transport)
 
 SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
              "tls_cert", "tls_key", "tls_ca", "transport")
@@ -318,6 +319,9 @@ class TrainConfig:
                 require_float(name, getattr(self, name), positive=True)
         if self.device not in _DEVICES:
             raise ConfigError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
+        if self.transport not in _TRANSPORTS:
+            raise ConfigError(f"transport={self.transport!r} is not supported; use one of "
+                              f"{_TRANSPORTS}")
         check_async(self)
         check_controls(self)
         check_sync_transport(self)
