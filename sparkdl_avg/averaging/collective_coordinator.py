@@ -15,7 +15,6 @@ import numpy as np
 
 from sparkdl_avg._errors import ProtocolError, TrainingError
 from sparkdl_avg.averaging.coordinator import (
-    MAX_STATE_FACTOR,
     Coordinator,
     RoundStats,
     sum_or_nan,
@@ -73,15 +72,9 @@ class CollectiveCoordinator(Coordinator):
         def target(message: msg.Message) -> np.ndarray | None:
             if not isinstance(message, msg.Averaged):
                 return None
-            numel = message.numel
-            if message.dtype != self._dtype.name or numel < model_numel \
-                    or (numel != model_numel and not allow_state) \
-                    or numel > MAX_STATE_FACTOR * model_numel:
-                raise ProtocolError(f"worker 0 sent {numel} {message.dtype} values as the "
-                                    f"average; the model has {model_numel} {self._dtype}",
-                                    "shape")
-            if self.average.size != numel:
-                self.average = np.empty(numel, self._dtype)
+            self._check_size("worker 0's average", message, model_numel, allow_state)
+            if self.average.size != message.numel:
+                self.average = np.empty(message.numel, self._dtype)
             return self.average
 
         averaged, _ = self._expect(0, self._workers[0], msg.Averaged, into=target)

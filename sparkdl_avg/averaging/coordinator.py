@@ -251,13 +251,7 @@ class Coordinator(Server):
             if not isinstance(message, msg.Push):
                 return None
             numel = message.numel
-            if message.dtype != self._dtype.name:
-                raise ProtocolError(f"worker {rank} pushed {message.dtype} values; the wire "
-                                    f"dtype is {self._dtype}", "shape")
-            if numel < model_numel or (numel != model_numel and not allow_state) \
-                    or numel > MAX_STATE_FACTOR * model_numel:
-                raise ProtocolError(f"worker {rank} pushed {numel} values; the model has "
-                                    f"{model_numel}", "shape")
+            self._check_size(f"worker {rank}", message, model_numel, allow_state)
             if self._buffers[rank].size != numel:  # grows once when optimizer state joins
                 self._buffers[rank] = np.empty(numel, self._dtype)
             return self._buffers[rank]
@@ -267,6 +261,18 @@ class Coordinator(Server):
             raise ProtocolError(f"worker {rank} sent round {push.round} during round "
                                 f"{round_index}", "unexpected")
         return push, time.perf_counter()
+
+    def _check_size(self, who: str, message, model_numel: int, allow_state: bool) -> None:
+        """Refuse (reason "shape") parameters in another dtype than the wire's, or of another
+        size than the model's (plus up to 3x of optimizer state, when it is averaged too)."""
+        numel = message.numel
+        if message.dtype != self._dtype.name:
+            raise ProtocolError(f"{who} sent {message.dtype} values; the wire dtype is "
+                                f"{self._dtype}", "shape")
+        if numel < model_numel or (numel != model_numel and not allow_state) \
+                or numel > MAX_STATE_FACTOR * model_numel:
+            raise ProtocolError(f"{who} sent {numel} values; the model has {model_numel}",
+                                "shape")
 
     def _recv_state(self, rank: int, conn: Connection) -> tuple[list, np.ndarray]:
         state, payload = self._expect(rank, conn, msg.State)
