@@ -4,7 +4,6 @@ import pytest
 from sparkdl_avg.averaging.arithmetic import (
     _CHUNK,
     average_and_diverge,
-    mean_distance,
     non_finite_replicas,
     weighted_average,
 )
@@ -36,9 +35,11 @@ def test_bad_weights_are_refused():
         weighted_average([np.zeros(2)], [1, 2], np.empty(2))
 
 
-def test_mean_distance_is_the_mean_l2_norm_from_the_center():
-    center = np.zeros(2)
-    assert mean_distance([np.array([3.0, 4.0]), np.array([0.0, 1.0])], center) == 3.0
+def test_the_divergence_is_the_mean_l2_norm_from_the_average():
+    # the average is (0, 0); the replicas are 5, 5 and 0 away
+    buffers = [np.array([3.0, 4.0]), np.array([-3.0, -4.0]), np.array([0.0, 0.0])]
+    _, divergence = average_and_diverge(buffers, [1, 1, 4], np.empty(2), diverge_numel=2)
+    assert divergence == (5.0 + 5.0 + 0.0) / 3
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -31,8 +31,9 @@ def weighted_average(
 def average_and_diverge(buffers: Sequence[np.ndarray], weights: Sequence[float],
                         out: np.ndarray, *, diverge_numel: int) -> tuple[bool, float]:
     """A round's arithmetic in one pass over memory: `weighted_average` into `out`, whether
-    `out` is finite, and `mean_distance` of the buffers' first `diverge_numel` elements from
-    it (the parameters, not the optimizer state that may follow), chunk by chunk in cache."""
+    `out` is finite, and the replicas' mean L2 distance from it (how far they drifted in a
+    round) over their first `diverge_numel` elements (the parameters, not the optimizer
+    state that may follow), chunk by chunk in cache."""
     if len(buffers) != len(weights) or not buffers:
         raise ValueError("need one weight per buffer and at least one buffer")
     total = float(sum(weights))
@@ -66,20 +67,6 @@ def _average_chunk(buffers, factors, acc, scratch, part, finite, diverge_numel, 
             np.subtract(buf[part][inside], acc[inside], out=diff)
             squares[i] += float(np.square(diff, out=diff).sum(dtype=np.float64))
     return finite
-
-
-def mean_distance(buffers: Sequence[np.ndarray], center: np.ndarray) -> float:
-    """Mean L2 distance of the replicas from their average: how far they drifted in a round."""
-    scratch = np.empty(min(_CHUNK, center.size), center.dtype)
-    distances = []
-    for buf in buffers:
-        squares = 0.0
-        for part in _chunks(center.size):
-            tmp = scratch[:part.stop - part.start]
-            np.subtract(buf[part], center[part], out=tmp)
-            squares += float(np.square(tmp, out=tmp).sum(dtype=np.float64))  # no BLAS threads
-        distances.append(squares ** 0.5)
-    return float(np.mean(distances))
 
 
 def is_finite(buffer: np.ndarray) -> bool:
