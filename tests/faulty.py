@@ -109,3 +109,37 @@ def server_pid(checkpoint: str) -> int | None:
         if b"serve" in cmdline and checkpoint.encode() in cmdline:
             return int(entry)
     return None
+
+
+def server_stats(client, run_id: str) -> dict:
+    """An async fit's parameter-server report, as its MLflow run keeps it."""
+    import json
+
+    return json.loads(Path(client.download_artifacts(run_id, "server_stats.json")).read_text())
+
+
+def kill_server_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0,
+                                   settle_s: float = 0.0) -> None:
+    """On a thread of its own: SIGKILL the `ps serve` that writes `checkpoint`, `settle_s`
+    (pushes its checkpoint then lacks) after it has saved one beyond its first (INIT's). The
+    thread's `killed_at` is then the updates applied that its newest checkpoint holds."""
+    import threading
+
+    from sparkdl_avg.ps import state_file
+
+    deadline = time.monotonic() + timeout
+    first = None
+    while time.monotonic() < deadline:
+        if checkpoint.exists():
+            mtime = checkpoint.stat().st_mtime_ns
+            if first is None:
+                first = mtime
+            elif mtime != first:
+                time.sleep(settle_s)
+                pid = server_pid(str(checkpoint))
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    _, meta = state_file.load(str(checkpoint))
+                    threading.current_thread().killed_at = meta["applied"]
+                    return
+        time.sleep(0.02)

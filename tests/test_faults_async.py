@@ -5,17 +5,20 @@ evaluation of the final parameters is still there at the end."""
 from __future__ import annotations
 
 import math
-import os
-import signal
 import threading
-import time
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from faulty import FaultyMLP, dataset, diverges, latest_run, server_pid
+from faulty import (
+    FaultyMLP,
+    dataset,
+    diverges,
+    kill_server_after_a_checkpoint,
+    latest_run,
+    server_stats,
+)
 
 from sparkdl_avg import TrainConfig, TrainingError, fit
 
@@ -45,7 +48,7 @@ def test_a_failed_worker_task_is_restarted_where_the_server_says(data, tmp_path,
     assert "ValueError: injected failure in forward" in result.failures[0]["error"]
     # each worker's steps were applied exactly once: none lost, none pushed twice
     assert result.history[-1]["updates_applied"] == expected_pushes()
-    stats = _server_stats(mlflow_client, result.run_id)
+    stats = server_stats(mlflow_client, result.run_id)
     assert stats["progress"] == {"0": STEPS, "1": STEPS}
     _assert_final_evaluation_is_of_the_model(result, data)
 
@@ -53,17 +56,17 @@ def test_a_failed_worker_task_is_restarted_where_the_server_says(data, tmp_path,
 def test_a_killed_parameter_server_is_restarted_from_its_checkpoint(data, tmp_path,
                                                                     mlflow_client):
     checkpoint = tmp_path / "parameter-server.npz"
-    killer = threading.Thread(target=_kill_server_after_a_checkpoint, args=(checkpoint,),
+    killer = threading.Thread(target=kill_server_after_a_checkpoint, args=(checkpoint,),
                               daemon=True)
     killer.start()
     result = fit(data, partial(FaultyMLP, delay_s=0.03),
                  TrainConfig(**BASE, ps_checkpoint_every=2, checkpoint_dir=str(tmp_path)),
                  eval_df=data)
     killer.join(timeout=5)
-    assert getattr(killer, "killed", False), "the server was not killed mid-fit"
+    assert getattr(killer, "killed_at", None) is not None, "the server was not killed mid-fit"
     assert mlflow_client.get_metric_history(result.run_id, "ps_restarts")[-1].value == 1
     assert result.history[-1]["updates_applied"] == expected_pushes()
-    assert _server_stats(mlflow_client, result.run_id)["progress"] == {"0": STEPS, "1": STEPS}
+    assert server_stats(mlflow_client, result.run_id)["progress"] == {"0": STEPS, "1": STEPS}
     _assert_final_evaluation_is_of_the_model(result, data)
 
 
@@ -79,32 +82,6 @@ def _assert_final_evaluation_is_of_the_model(result, data) -> None:
     assert final["eval_loss"] == pytest.approx(
         torch.nn.functional.cross_entropy(out, y).item(), abs=1e-6)
     assert final["eval_accuracy"] == pytest.approx((out.argmax(1) == y).double().mean().item())
-
-
-def _server_stats(client, run_id: str) -> dict:
-    import json
-
-    local = client.download_artifacts(run_id, "server_stats.json")
-    return json.loads(Path(local).read_text())
-
-
-def _kill_server_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0) -> None:
-    """SIGKILL the sidecar once it has saved a checkpoint beyond its initial one."""
-    deadline = time.monotonic() + timeout
-    first = None
-    while time.monotonic() < deadline:
-        if checkpoint.exists():
-            mtime = checkpoint.stat().st_mtime_ns
-            if first is None:
-                first = mtime
-            elif mtime != first:
-                pid = server_pid(str(checkpoint))
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                    threading.current_thread().killed = True
-                    return
-        time.sleep(0.02)
-
 
 
 def test_a_refused_update_fails_the_fit_at_once_not_retried(data, mlflow_client):

@@ -7,6 +7,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from faulty import server_stats
 from test_fit_sync import frame, make_data, make_model_f32, make_model_f64, max_param_diff
 
 from sparkdl_avg import ConfigError, TrainConfig, fit
@@ -117,13 +118,7 @@ def test_the_workers_evaluate_on_their_own_rows_up_to_the_final_parameters(spark
     history = mlflow_client.get_metric_history(result.run_id, "eval_loss")
     assert sorted((m.step, m.value) for m in history) == \
         sorted((h["round"], h["eval_loss"]) for h in evaluated)
-    stats = _server_stats(mlflow_client, result.run_id)["evaluations"]
+    stats = server_stats(mlflow_client, result.run_id)["evaluations"]
     assert stats["pending"] is None and stats["results"][-1]["final"]
     assert stats["results"][-1]["count"] == 301 and stats["finished"] == [0, 1]
 
-
-def _server_stats(client, run_id: str) -> dict:
-    import json
-    from pathlib import Path
-
-    return json.loads(Path(client.download_artifacts(run_id, "server_stats.json")).read_text())

@@ -3,16 +3,11 @@ accurate as one server on MNIST-1D, and a shard process killed mid-fit costs no 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import threading
-import time
 from functools import partial
-from pathlib import Path
 
 import pytest
-from faulty import FaultyMLP, dataset, server_pid
+from faulty import FaultyMLP, dataset, kill_server_after_a_checkpoint, server_stats
 from test_fit_sync import frame, make_data, make_model_f64, max_param_diff
 
 from sparkdl_avg import TrainConfig, fit
@@ -60,7 +55,7 @@ def test_two_shards_reach_the_accuracy_of_one_on_mnist1d(mnist1d, mlflow_client)
         accuracy[shards] = final["eval_accuracy"]
         # every push applied on every shard: 2 workers x 6 epochs x 40 steps / 4 a push
         assert final["updates_applied"] == 120
-        stats = _server_stats(mlflow_client, result.run_id)
+        stats = server_stats(mlflow_client, result.run_id)
         assert stats["progress"] == {"0": 240, "1": 240}
         if shards > 1:
             assert [s["applied"] for s in stats["shards"]] == [120, 120]
@@ -83,7 +78,8 @@ def test_a_killed_shard_is_restarted_without_a_lost_update(spark, tmp_path, mlfl
     with every worker's every push applied exactly once (shard 0 would have the redone ones
     twice otherwise)."""
     checkpoint = tmp_path / "parameter-server-1-of-2.npz"
-    killer = threading.Thread(target=_kill_after_a_checkpoint, args=(checkpoint,), daemon=True)
+    killer = threading.Thread(target=kill_server_after_a_checkpoint, args=(checkpoint,),
+                              kwargs={"settle_s": 0.2}, daemon=True)
     killer.start()
     data = dataset(spark)
     result = fit(data, partial(FaultyMLP, delay_s=0.03), TrainConfig(
@@ -91,39 +87,11 @@ def test_a_killed_shard_is_restarted_without_a_lost_update(spark, tmp_path, mlfl
         eval_df=data)
     killer.join(timeout=5)
     assert getattr(killer, "killed_at", None) is not None, "the shard was not killed mid-fit"
-    stats = _server_stats(mlflow_client, result.run_id)
+    stats = server_stats(mlflow_client, result.run_id)
     assert 0 < killer.killed_at < PUSHES, killer.killed_at  # not in the last round
     assert mlflow_client.get_metric_history(result.run_id, "ps_restarts")[-1].value == 1
     assert result.history[-1]["updates_applied"] == PUSHES
     assert [s["applied"] for s in stats["shards"]] == [PUSHES, PUSHES]
     assert [s["progress"] for s in stats["shards"]] == [{"0": STEPS, "1": STEPS}] * 2
     assert "eval_accuracy" in result.history[-1]
-
-
-def _server_stats(client, run_id: str) -> dict:
-    return json.loads(Path(client.download_artifacts(run_id, "server_stats.json")).read_text())
-
-
-def _kill_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0) -> None:
-    """SIGKILL the shard that writes `checkpoint` a little after it has saved one beyond its
-    first (INIT's); note the updates its newest checkpoint holds."""
-    import numpy as np
-
-    deadline = time.monotonic() + timeout
-    first = None
-    while time.monotonic() < deadline:
-        if checkpoint.exists():
-            mtime = checkpoint.stat().st_mtime_ns
-            if first is None:
-                first = mtime
-            elif mtime != first:
-                time.sleep(0.2)  # pushes the checkpoint lacks
-                pid = server_pid(str(checkpoint))
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                    with np.load(checkpoint) as saved:
-                        meta = json.loads(saved["meta"].tobytes())
-                    threading.current_thread().killed_at = meta["applied"]
-                    return
-        time.sleep(0.02)
 
