@@ -20,6 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import median, report  # noqa: E402
+from ps_throughput import client_loop  # noqa: E402
 
 from sparkdl_avg.ps.server import DRIVER  # noqa: E402
 from sparkdl_avg.ps.settings import ServerSettings  # noqa: E402
@@ -27,21 +28,6 @@ from sparkdl_avg.ps.sharded_client import connect  # noqa: E402
 from sparkdl_avg.ps.sidecar import Sidecar  # noqa: E402
 
 SECRET = os.urandom(32)
-
-
-def client_loop(addresses, secret: bytes, worker: int, numel: int, seconds: float,
-                out) -> None:
-    update = np.full(numel, 1e-9, np.float32)
-    acks = 0
-    with connect(addresses, secret=secret, worker=worker, numel=numel, dtype=np.float32,
-                 timeout=60) as c:
-        c.pull()
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            c.push(update)
-            acks += 1
-            c.pull()
-    out.put((worker, acks))
 
 
 def run(shards: int, clients: int, numel: int, seconds: float) -> dict:

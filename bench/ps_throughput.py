@@ -21,17 +21,20 @@ from _common import report  # noqa: E402
 from sparkdl_avg.ps.client import PSClient  # noqa: E402
 from sparkdl_avg.ps.server import DRIVER  # noqa: E402
 from sparkdl_avg.ps.settings import ServerSettings  # noqa: E402
+from sparkdl_avg.ps.sharded_client import connect  # noqa: E402
 from sparkdl_avg.ps.sidecar import Sidecar  # noqa: E402
 
 SECRET = os.urandom(32)
 
 
-def client_loop(port: int, secret: bytes, worker: int, numel: int, seconds: float,
-                out) -> None:
+def client_loop(addresses: list[tuple[str, int]], secret: bytes, worker: int, numel: int,
+                seconds: float, out) -> None:
+    """One client process: push and pull for `seconds`, then put (worker, pushes acked) on
+    `out`. `addresses`: the server, or its shards in order."""
     update = np.full(numel, 1e-9, np.float32)
     acks = 0
-    with PSClient(("127.0.0.1", port), secret=secret, worker=worker, numel=numel,
-                  dtype=np.float32, timeout=60) as c:
+    with connect(addresses, secret=secret, worker=worker, numel=numel, dtype=np.float32,
+                 timeout=60) as c:
         c.pull()
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -48,7 +51,8 @@ def run(clients: int, numel: int, seconds: float) -> dict:
         driver.init(np.zeros(numel, np.float32))
         out = mp.get_context("spawn").Queue()
         procs = [mp.get_context("spawn").Process(
-            target=client_loop, args=(ps.port, SECRET, w, numel, seconds, out))
+            target=client_loop, args=([("127.0.0.1", ps.port)], SECRET, w, numel, seconds,
+                                      out))
             for w in range(clients)]
         t0 = time.perf_counter()
         for p in procs:
