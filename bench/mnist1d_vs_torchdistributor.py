@@ -7,7 +7,9 @@ each, alternating), `--repeats` runs a session: a session's first run is cold (s
 first fit also starts Spark's Python workers and imports torch and MLflow there), later runs
 are warm (TorchDistributor starts new torchrun processes on every run). Medians of the cold
 runs and of the warm runs are reported. Both sides find the session up and the data loaded,
-and the MLflow store existing, as on any machine that has run a job before.
+and the MLflow store existing, as on any machine that has run a job before; both sessions have
+`sparkdl_avg.SPARK_CONF`, as our jobs' do (TorchDistributor's torchrun processes import torch
+themselves either way).
 
     python bench/mnist1d_vs_torchdistributor.py [--sessions 2] [--repeats 3]
         [--averaging-frequency 1] [--transport collective]
@@ -95,9 +97,10 @@ def run_sparkdl_avg(spark, train_df, test_df, every: int,
 
 def one_side(side: str, repeats: int, every: int, transport: str) -> list:
     """This process: a fresh local[2] session and `repeats` runs of one side."""
+    from sparkdl_avg import SPARK_CONF
     from sparkdl_avg.examples import mnist1d
 
-    spark = local_session(2)
+    spark = local_session(2, **SPARK_CONF)  # both sides: the settings our jobs use
     try:
         train_df, test_df = mnist1d.load(spark, 20_000)
         train_df.count()  # the session is up and has run a job, on both sides

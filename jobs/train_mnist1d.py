@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    from sparkdl_avg import EarlyStopping, TrainConfig, fit
+    from sparkdl_avg import SPARK_CONF, EarlyStopping, TrainConfig, fit
     from sparkdl_avg.examples import mnist1d
 
     per_mode = {name: getattr(args, name) for name in (
@@ -97,6 +97,8 @@ def main(argv: list[str]) -> int:
     elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # plain `python`, not spark-submit
         builder = builder.master(f"local[{args.num_workers}]").config("spark.ui.enabled", "false")
     builder = builder.config("spark.ui.showConsoleProgress", "false")  # our own progress bar
+    for key, value in SPARK_CONF.items():  # workers start with torch imported
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     try:
         train_df, test_df = mnist1d.load(spark, args.samples, cache_dir=args.data_dir)

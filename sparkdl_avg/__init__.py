@@ -22,6 +22,13 @@ from sparkdl_avg._errors import (
 )
 from sparkdl_avg._version import __version__
 
+SPARK_CONF: dict[str, str] = {"spark.python.daemon.module": "sparkdl_avg.task.warm_daemon"}
+"""Spark settings for a session (or cluster) that runs fits: the executors' Python daemon
+imports torch once and forks workers that have it (`task.warm_daemon`), so a session's first
+fit does not wait for each worker to import it. Static settings: give them to the session
+builder (`builder.config(k, v)`), spark-submit (`--conf`) or the cluster's Spark config, before
+the session starts. The executors need sparkdl-avg installed, as they do for a fit."""
+
 if TYPE_CHECKING:
     from sparkdl_avg._fit import FitResult, fit
 
@@ -34,6 +41,7 @@ __all__ = [
     "FitResult",
     "ModelError",
     "ProtocolError",
+    "SPARK_CONF",
     "SparkdlAvgError",
     "TrainConfig",
     "TrainingError",

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+import sparkdl_avg
+
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 # Executors must run this interpreter (the venv), not whatever python3 is on PATH.
 os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -54,6 +56,7 @@ def spark():
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config(map=sparkdl_avg.SPARK_CONF)
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

@@ -21,6 +21,8 @@ from pathlib import Path
 import pyspark
 from standalone_cluster import stop_daemons
 
+from sparkdl_avg import SPARK_CONF
+
 SPARK_HOME = Path(pyspark.__file__).parent
 TESTS = Path(__file__).parent
 
@@ -57,7 +59,9 @@ class ConnectServer:
                  "--conf", f"spark.connect.grpc.binding.port={self.port}",
                  "--conf", "spark.driver.host=127.0.0.1",
                  "--conf", "spark.ui.enabled=false",
-                 "--conf", "spark.sql.shuffle.partitions=4"],
+                 "--conf", "spark.sql.shuffle.partitions=4",
+                 *[arg for key, value in SPARK_CONF.items()
+                   for arg in ("--conf", f"{key}={value}")]],
                 env=self._env(), check=True, capture_output=True, timeout=60)
             self._wait(timeout)
         except BaseException:

@@ -104,3 +104,28 @@ def test_local_mode_with_gpu_tasks_is_refused_not_hung(spark, monkeypatch):
     df = spark.createDataFrame([([1.0], 0)] * 8, "features array<double>, label int")
     with pytest.raises(ClusterError, match="local mode cannot schedule GPU tasks"):
         fit(df, lambda: torch.nn.Linear(1, 2), TrainConfig(batch_size=2, log_model=False))
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("gpu_amount, compared", [(None, False), ("1", True)])
+def test_tasks_compare_their_gpus_in_a_barrier_only_where_spark_gives_them_gpus(
+        spark, monkeypatch, gpu_amount, compared):
+    """The comparison is a barrier all-gather, which costs about a second (Spark polls its
+    barrier once a second): tasks that Spark gives no GPU cannot share one, and skip it."""
+    from sparkdl_avg.driver import session
+    from sparkdl_avg.driver.barrier import BarrierJob
+    from sparkdl_avg.task.spec import WorkerSpec
+
+    if gpu_amount is not None:
+        real = session.conf
+        monkeypatch.setattr(session, "conf", lambda s, key, default=None: gpu_amount
+                            if key == "spark.task.resource.gpu.amount"
+                            else real(s, key, default))
+    spec = WorkerSpec(address=("127.0.0.1", 1), secret=b"", config=b"", model_fn=b"",
+                      loss=b"", schedule=None, num_features=1, double_precision=False,
+                      long_labels=True, classify=True, train_rows=[1], eval_rows=[0])
+    job = BarrierJob.training(spark.range(1), spec, "gpu check", TrainConfig())
+    try:
+        assert job._fn.args[0].gpu_tasks is compared
+    finally:
+        job._monitor.close()

@@ -5,7 +5,7 @@ def test_public_names_are_exactly_the_documented_surface():
     assert sorted(sparkdl_avg.__all__) == sorted([
         "ClusterError", "ConfigError", "DataCacheError", "DataError", "EarlyStopping",
         "FitResult", "ModelError",
-        "ProtocolError",
+        "ProtocolError", "SPARK_CONF",
         "SparkdlAvgError", "TrainConfig", "TrainingError", "__version__", "fit",
     ])
     for name in sparkdl_avg.__all__:

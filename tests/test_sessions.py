@@ -42,6 +42,26 @@ def test_the_session_kind_is_told_by_the_session_object(spark):
     assert session_kind.is_connect(spark) == bool(os.environ.get("SPARKDL_AVG_TEST_CONNECT"))
 
 
+def test_python_workers_are_forked_from_the_warm_daemon_with_torch_loaded(spark):
+    """The session has `SPARK_CONF` (conftest, and the Connect server's settings): its Python
+    workers come from `task.warm_daemon`, which imported torch and the task's modules."""
+    def forked_from(batches):  # nested: pickled by value, as test modules are not on workers
+        import sys
+
+        import pyarrow as pa
+
+        for _ in batches:
+            pass
+        daemon = sys.modules["__main__"]  # the daemon runs as `python -m <module>`
+        yield pa.RecordBatch.from_pydict({
+            "daemon": [getattr(daemon.__spec__, "name", None)],
+            "preloaded": [bool(getattr(daemon, "preloaded", False))]})
+
+    rows = spark.range(2, numPartitions=2).mapInArrow(
+        forked_from, "daemon string, preloaded boolean").collect()
+    assert [tuple(r) for r in rows] == [("sparkdl_avg.task.warm_daemon", True)] * 2
+
+
 @pytest.fixture(scope="module")
 def synced(data):
     return sync_fit(data)

@@ -45,16 +45,20 @@ class BarrierJob:
         from sparkdl_avg.task import report
         from sparkdl_avg.task.entry import run_task
 
-        address = driver_address(frame.sparkSession, config)
+        spark = frame.sparkSession
+        address = driver_address(spark, config)
+        profile = training_profile(spark, config.device)
+        gpu_amount = float(session.conf(spark, "spark.task.resource.gpu.amount", "0"))
         monitor = LoadMonitor(host=address.bind, advertise=address.advertise,
                               num_workers=len(spec.train_rows))
         monitor.start()  # here: the tasks need its port; the job closes it
         try:
             spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,
-                                       load_secret=monitor.secret)
+                                       load_secret=monitor.secret,
+                                       gpu_tasks=profile is not None or gpu_amount > 0)
             job = cls(frame, partial(run_task, spec), report.DDL, description,
                       rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
-            job.profile = training_profile(frame.sparkSession, config.device)
+            job.profile = profile
             return job
         except BaseException:
             monitor.close()

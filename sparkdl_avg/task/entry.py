@@ -55,7 +55,8 @@ def _run(spec: WorkerSpec, batches: Iterator):
     rank = ctx.partitionId()
     set_deterministic(config.deterministic)  # before CUDA starts: cuBLAS reads its setting
     choice = task_device(config.device)
-    _refuse_shared_gpus(ctx, rank, choice)
+    if spec.gpu_tasks:  # every task or none: the same spec reaches them all
+        _refuse_shared_gpus(ctx, rank, choice)
     device = torch.device(choice.device)
     if device.type == "cuda":
         with _final_on_device_errors(choice, "start on"):

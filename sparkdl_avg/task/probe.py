@@ -39,15 +39,20 @@ def warm_up() -> None:
         try:
             import torch._dynamo  # noqa: F401 - the first optimizer imports it, ~1.5 s cold
 
-            from sparkdl_avg.averaging import driver_channel, flat_buffer  # noqa: F401
-            from sparkdl_avg.data import batches, partition  # noqa: F401
-            from sparkdl_avg.task import async_loop, entry, replica, sync_loop  # noqa: F401
+            import_training_modules()
         except Exception:  # noqa: BLE001 - only a head start: the task imports them anyway
             pass
 
     if _warming is None or not _warming.is_alive():
         _warming = threading.Thread(target=imports, name="sparkdl-avg-warm-up", daemon=True)
         _warming.start()
+
+
+def import_training_modules() -> None:
+    """The modules a training task needs besides torch (`warm_up`, `task.warm_daemon`)."""
+    from sparkdl_avg.averaging import driver_channel, flat_buffer  # noqa: F401
+    from sparkdl_avg.data import batches, partition  # noqa: F401
+    from sparkdl_avg.task import async_loop, entry, replica, sync_loop  # noqa: F401
 
 
 def probe_task(address: tuple[str, int], secret: bytes, batches: Iterator) -> Iterator:

@@ -35,6 +35,11 @@ class WorkerSpec:
     tls_ca_pem: str | None = None
     """PEM text that verifies the driver's coordinator (sync) or the parameter server
     (async) over TLS; None: plain TCP."""
+    gpu_tasks: bool = True
+    """Whether Spark gives the training tasks GPUs (a task GPU amount or a training resource
+    profile). Only then can two tasks be handed one GPU, and only then do they compare their
+    GPUs with a barrier all-gather, which costs about a second: Spark polls its barrier once a
+    second."""
     ps_shards: tuple[tuple[str, int], ...] = ()
     """Async with several parameter-server shards: their addresses in shard order (the
     first is `address`); empty: one server at `address`."""

@@ -1,0 +1,40 @@
+"""Spark's Python daemon with torch already imported: `spark.python.daemon.module` set to
+this module (`sparkdl_avg.SPARK_CONF`) makes every Python worker the executor forks start
+with torch, its optimizers' machinery and the training task's modules loaded.
+
+Without it each new worker imports torch itself (1.5-3 s a worker, more when two start at
+once on a busy machine), at every session's first fit and whenever Spark starts workers
+afresh. With it the daemon imports them once, at its own start, and the workers it forks
+share those pages.
+
+`pyspark.daemon` forks only after its own start because a module that starts threads at
+import does not survive a fork. torch and the modules below start none (numpy's OpenBLAS
+pool is made fork-safe by OpenBLAS itself); pyarrow and pandas, which do, are not imported
+here. If an import fails the daemon serves anyway and the task imports on its own, where
+the failure is reported with the task.
+"""
+
+from __future__ import annotations
+
+preloaded = False
+"""Whether `preload` imported everything: what a worker forked from this daemon inherits."""
+
+
+def preload() -> None:
+    global preloaded
+    try:
+        import torch._dynamo  # noqa: F401 - the first optimizer imports it
+
+        from sparkdl_avg.task import probe
+
+        probe.import_training_modules()
+        preloaded = True
+    except Exception:  # noqa: BLE001 - only a head start, as the probe's warm-up
+        pass
+
+
+if __name__ == "__main__":
+    preload()
+    from pyspark import daemon
+
+    daemon.manager()
