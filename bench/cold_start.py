@@ -3,7 +3,9 @@ job's data and model (2 workers, local[2], 1 epoch, MLflow logging and model inc
 fresh process per sample so every sample's first fit is a session's first (cold); the same
 process's later fits are warm. The samples share one sqlite MLflow store, created before the
 first (as a machine's store outlives its jobs); `--fresh-store` gives each its own, whose
-tables the first fit then creates (2-3 s here).
+tables the first fit then creates (2-3 s here). Sessions alternate between one with
+`sparkdl_avg.SPARK_CONF` (as the job's: Python workers forked from `task.warm_daemon`, torch
+already imported) and a plain one, and each kind is reported.
 
 Each phase is the wall time the fit spends inside it on its critical path (a phase moved to a
 background thread costs only what the fit still waits for):
@@ -52,9 +54,9 @@ def _timed(owner, attr: str, spent: dict, name: str) -> None:
     setattr(owner, attr, timed)
 
 
-def one_session(fits: int) -> list[dict]:
+def one_session(fits: int, warm_daemon: bool) -> list[dict]:
     """This process: a fresh session, `fits` fits; each one's phases."""
-    from sparkdl_avg import TrainConfig, fit
+    from sparkdl_avg import SPARK_CONF, TrainConfig, fit
     from sparkdl_avg import _fit as fit_module
     from sparkdl_avg.driver import plan as plan_module
     from sparkdl_avg.examples import mnist1d
@@ -66,7 +68,7 @@ def one_session(fits: int) -> list[dict]:
     _timed(plan_module, "prepare", spent, "prepare")
     _timed(run_module.RunLogger, "log_figure", spent, "log_figures")
     _timed(fit_module, "_log_model", spent, "log_model")
-    spark = local_session(2)
+    spark = local_session(2, **(SPARK_CONF if warm_daemon else {}))
     try:
         train_df, test_df = mnist1d.load(spark, 20_000)
         train_df.count()  # the session is up and has run a job, as before any fit
@@ -89,37 +91,42 @@ def one_session(fits: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--samples", type=int, default=3, help="fresh processes")
+    parser.add_argument("--samples", type=int, default=3,
+                        help="fresh processes of each kind of session")
     parser.add_argument("--fits", type=int, default=3, help="fits in each process")
     parser.add_argument("--fresh-store", action="store_true",
                         help="a new MLflow store for each sample")
-    parser.add_argument("--one-session", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--one-session", choices=["spark_conf", "plain"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_session:
-        print(json.dumps(one_session(args.fits)))
+        print(json.dumps(one_session(args.fits, args.one_session == "spark_conf")))
         return
     store = f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"
     if not args.fresh_store:
         import mlflow
 
         mlflow.MlflowClient(store).search_experiments()  # creates the store's tables
-    sessions = []
+    sessions: dict[str, list] = {"spark_conf": [], "plain": []}
     for _ in range(args.samples):
-        env = {**os.environ, "MLFLOW_TRACKING_URI": store if not args.fresh_store else
-               f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"}
-        done = subprocess.run([sys.executable, __file__, "--one-session", "--fits",
-                               str(args.fits)], capture_output=True, text=True, check=True,
-                              env=env)
-        sessions.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    cold = [s[0] for s in sessions]
-    warm = [f for s in sessions for f in s[1:]]
+        for kind in sessions:
+            env = {**os.environ, "MLFLOW_TRACKING_URI": store if not args.fresh_store else
+                   f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"}
+            done = subprocess.run([sys.executable, __file__, "--one-session", kind, "--fits",
+                                   str(args.fits)], capture_output=True, text=True, check=True,
+                                  env=env)
+            sessions[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
 
     def medians(fits: list[dict]) -> dict:
         return {k: round(median([f.get(k, 0.0) for f in fits]), 2)
                 for k in ("first_step", *PHASES)}
 
-    report("cold_start", {"fresh_store": args.fresh_store, "cold_median_s": medians(cold),
-                          "warm_median_s": medians(warm), "cold": cold, "warm": warm})
+    results = {"fresh_store": args.fresh_store}
+    for kind, runs in sessions.items():
+        cold = [s[0] for s in runs]
+        warm = [f for s in runs for f in s[1:]]
+        results[kind] = {"cold_median_s": medians(cold), "warm_median_s": medians(warm),
+                         "cold": cold, "warm": warm}
+    report("cold_start", results)
 
 
 if __name__ == "__main__":

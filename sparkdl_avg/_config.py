@@ -191,10 +191,12 @@ class TrainConfig:
     """Task failures (an exception, a killed worker, a lost executor, a hang) the fit recovers
     from by restarting the training job from its last checkpoint; one more fails the fit."""
 
-    checkpoint_every: int = 10
+    checkpoint_every: int | None = None
     """Sync: every this many rounds (and after the last) the averaged parameters, each worker's
     optimizer state and the position in the data are kept as the restart point and saved to
-    `checkpoint_dir` or the MLflow run. 0: keep none; a failure restarts from round 0."""
+    `checkpoint_dir` or the MLflow run. None: at the first round starting 30 s or more after
+    the last checkpoint (or training's start), so checkpoints cost little however short the
+    rounds (`driver.sync.CHECKPOINT_INTERVAL_S`). 0: none; a failure restarts at round 0."""
 
     checkpoint_dir: str | None = None
     """A directory for checkpoints (the newest two are kept); None: the MLflow run's artifacts
@@ -289,8 +291,10 @@ class TrainConfig:
             require_int("eval_every", self.eval_every, minimum=1)
         if self.num_workers > MAX_WORKERS:
             raise ConfigError(f"num_workers={self.num_workers}: at most {MAX_WORKERS}")
-        for name in ("max_failures", "checkpoint_every", "ps_checkpoint_every", "seed"):
+        for name in ("max_failures", "ps_checkpoint_every", "seed"):
             require_int(name, getattr(self, name), minimum=0)
+        if self.checkpoint_every is not None:
+            require_int("checkpoint_every", self.checkpoint_every, minimum=0)
         self._check_cache()
         if self.eval_batch_size is not None:
             require_int("eval_batch_size", self.eval_batch_size, minimum=1)

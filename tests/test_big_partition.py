@@ -31,7 +31,7 @@ DRIVER_LOG: list[str] = []
 """The driver's log lines during the disk fit."""
 BASE = dict(num_workers=2, epochs=1, batch_size=256, averaging_frequency=8, optimizer="adam",
             lr=0.003, seed=11, cache_budget_mb=8, shuffle_buffer_mb=2, log_model=False,
-            experiment_name="big-partitions")
+            checkpoint_every=10, experiment_name="big-partitions")
 
 
 @pytest.fixture(scope="module")

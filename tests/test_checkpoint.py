@@ -96,3 +96,30 @@ def test_a_deterministic_restart_on_other_devices_is_refused_naming_them():
     check_devices(point, ["cuda/NVIDIA A100", "cuda/NVIDIA A100"], deterministic=True)
     check_devices(point, ["cpu", "cpu"], deterministic=False)  # not asked to be bit-identical
     check_devices(checkpoint(3), ["cpu", "cpu"], deterministic=True)  # nothing recorded
+
+
+@pytest.mark.parametrize("every, rounds, expected", [
+    # None: by training time, CHECKPOINT_INTERVAL_S (30 s) apart, and after the last round
+    (None, [(0, 10.0), (1, 29.9), (2, 30.0), (3, 45.0), (4, 59.9), (5, 60.1), (6, 61.0)],
+     [2, 5, 6]),
+    (3, [(0, 0.0), (1, 40.0), (2, 80.0), (3, 81.0), (4, 82.0), (5, 83.0), (6, 84.0)],
+     [2, 5, 6]),
+    (0, [(r, 100.0 * r) for r in range(7)], []),
+])
+def test_checkpoints_come_every_k_rounds_or_by_training_time(monkeypatch, every, rounds,
+                                                             expected):
+    """Rounds start at the given seconds of training (7 rounds, the last is 6)."""
+    from types import SimpleNamespace
+
+    from sparkdl_avg.driver import sync
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(sync.time, "perf_counter", lambda: clock["now"])
+    attempt = SimpleNamespace(plan=SimpleNamespace(config=SimpleNamespace(
+        checkpoint_every=every)), checkpointed_at=0.0)
+    taken = []
+    for r, at in rounds:
+        clock["now"] = at
+        if sync._Attempt._checkpoints_after(attempt, r, last=r == 6):
+            taken.append(r)
+    assert taken == expected

@@ -1,7 +1,7 @@
 """Sync mode on the driver: a coordinator and a barrier job per attempt, every round averaged,
-every `checkpoint_every` rounds a restart point kept (and saved). When a task fails, hangs or
-disconnects, Spark aborts the whole barrier job; the restart loop starts a new one from the
-last restart point. The workers take up the data where that point left off, so with a fixed
+every `checkpoint_every` rounds (or 30 s) a restart point kept (and saved). When a task fails,
+hangs or disconnects, Spark aborts the whole barrier job; the restart loop starts a new one
+from the last restart point. The workers take up the data where that point left off, so with a fixed
 seed the result is bit-identical to a run without the failure."""
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ from sparkdl_avg.tracking.progress import Progress
 from sparkdl_avg.tracking.run import RunLogger
 
 log = logging.getLogger("sparkdl_avg")
+CHECKPOINT_INTERVAL_S = 30.0
+"""With `checkpoint_every=None`, the least training time between two checkpoints: each one
+moves every worker's optimizer state to the driver and writes it out, which rounds of tens of
+milliseconds would otherwise pay for every few rounds."""
 
 
 def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
@@ -98,6 +102,8 @@ class _Attempt:
         self.progress = Progress(plan.schedule.num_rounds)
         self.writer = None
         self.t_train = 0.0
+        self.checkpointed_at = 0.0
+        """perf_counter() at the last checkpoint, or when this attempt began training."""
         self.stopper: Stopping | None = None
         self.stop_round: int | None = None
         """The round at which early stopping or on_round stopped the fit: the workers take
@@ -125,6 +131,7 @@ class _Attempt:
                 coord.accept_workers(point.params, waits.connect, start_round=point.round,
                                      states=point.states, vet=self._check_devices)
                 self.t_train = self.t_train or time.perf_counter()
+                self.checkpointed_at = time.perf_counter()
                 for r in range(point.round, plan.schedule.num_rounds):
                     stop = self.stop_round is not None and r > self.stop_round
                     self._round(coord, r, stop=stop)
@@ -151,18 +158,32 @@ class _Attempt:
             self.expected = {**self.expected, "devices": devices}
             self.run_logger.set_tags({"sparkdl_avg.devices": ", ".join(sorted(set(devices)))})
 
+    def _checkpoints_after(self, r: int, last: bool) -> bool:
+        """Whether round `r` ends with a checkpoint (`TrainConfig.checkpoint_every`)."""
+        every = self.plan.config.checkpoint_every
+        if every == 0:
+            return False
+        if last:
+            return True
+        if every is not None:
+            return (r + 1) % every == 0
+        now = time.perf_counter()
+        if now - self.checkpointed_at < CHECKPOINT_INTERVAL_S:
+            return False
+        self.checkpointed_at = now
+        return True
+
     def _round(self, coord: Coordinator, r: int, stop: bool = False) -> None:
         """Round `r`; `stop`: the fit stopped at the round before, so this average ends the
         workers' training and the round is not part of the fit's history."""
         config, schedule = self.plan.config, self.plan.schedule
         last = r == schedule.num_rounds - 1
-        every = config.checkpoint_every
         numel = self.flat.array.size
         evaluate = self.plan.data.eval_sizes[0] > 0 and (
             last or schedule.evaluates_after(r, config.eval_every))
         stats = coord.run_round(
             r, model_numel=numel, allow_state=config.average_optimizer_state,
-            evaluate=evaluate, checkpoint=every > 0 and (last or (r + 1) % every == 0),
+            evaluate=evaluate, checkpoint=self._checkpoints_after(r, last),
             stop=stop,
             # the average reaches the driver only if it may keep it (see Stopping)
             need_average=last or self.plan.on_round is not None
