@@ -96,9 +96,10 @@ def main(argv: list[str]) -> int:
         builder = builder.master(args.master)
     elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # plain `python`, not spark-submit
         builder = builder.master(f"local[{args.num_workers}]").config("spark.ui.enabled", "false")
+        # the workers run this Python, which has sparkdl-avg: they can start with torch loaded
+        # (on a cluster, pass SPARK_CONF with --conf where the executors have it installed)
+        builder = builder.config(map=SPARK_CONF)
     builder = builder.config("spark.ui.showConsoleProgress", "false")  # our own progress bar
-    for key, value in SPARK_CONF.items():  # workers start with torch imported
-        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     try:
         train_df, test_df = mnist1d.load(spark, args.samples, cache_dir=args.data_dir)

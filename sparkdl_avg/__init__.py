@@ -27,7 +27,8 @@ SPARK_CONF: dict[str, str] = {"spark.python.daemon.module": "sparkdl_avg.task.wa
 imports torch once and forks workers that have it (`task.warm_daemon`), so a session's first
 fit does not wait for each worker to import it. Static settings: give them to the session
 builder (`builder.config(k, v)`), spark-submit (`--conf`) or the cluster's Spark config, before
-the session starts. The executors need sparkdl-avg installed, as they do for a fit."""
+the session starts. The executors' Python must have sparkdl-avg installed: shipped only with
+`--py-files` it is not on the daemon's path, and every Python task would fail to start."""
 
 if TYPE_CHECKING:
     from sparkdl_avg._fit import FitResult, fit

@@ -11,7 +11,8 @@ share those pages.
 import does not survive a fork. torch and the modules below start none (numpy's OpenBLAS
 pool is made fork-safe by OpenBLAS itself); pyarrow and pandas, which do, are not imported
 here. If an import fails the daemon serves anyway and the task imports on its own, where
-the failure is reported with the task.
+the failure is reported with the task. This module itself must be importable by the
+executors' Python without `--py-files` (those reach a worker's path only after the fork).
 """
 
 from __future__ import annotations
