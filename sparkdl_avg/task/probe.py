@@ -35,24 +35,24 @@ def warm_up() -> None:
 
     global _warming
 
-    def imports() -> None:
-        try:
-            import torch._dynamo  # noqa: F401 - the first optimizer imports it, ~1.5 s cold
-
-            import_training_modules()
-        except Exception:  # noqa: BLE001 - only a head start: the task imports them anyway
-            pass
-
     if _warming is None or not _warming.is_alive():
-        _warming = threading.Thread(target=imports, name="sparkdl-avg-warm-up", daemon=True)
+        _warming = threading.Thread(target=import_for_training, name="sparkdl-avg-warm-up",
+                                    daemon=True)
         _warming.start()
 
 
-def import_training_modules() -> None:
-    """The modules a training task needs besides torch (`warm_up`, `task.warm_daemon`)."""
-    from sparkdl_avg.averaging import driver_channel, flat_buffer  # noqa: F401
-    from sparkdl_avg.data import batches, partition  # noqa: F401
-    from sparkdl_avg.task import async_loop, entry, replica, sync_loop  # noqa: F401
+def import_for_training() -> bool:
+    """Import what a training task needs (`warm_up`, `task.warm_daemon`); whether all of it
+    imported. Only a head start: a failure is the task's to report when it imports them."""
+    try:
+        import torch._dynamo  # noqa: F401 - the first optimizer imports it, ~1.5 s cold
+
+        from sparkdl_avg.averaging import driver_channel, flat_buffer  # noqa: F401
+        from sparkdl_avg.data import batches, partition  # noqa: F401
+        from sparkdl_avg.task import async_loop, entry, replica, sync_loop  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def probe_task(address: tuple[str, int], secret: bytes, batches: Iterator) -> Iterator:

@@ -17,25 +17,10 @@ executors' Python without `--py-files` (those reach a worker's path only after t
 
 from __future__ import annotations
 
-preloaded = False
-"""Whether `preload` imported everything: what a worker forked from this daemon inherits."""
-
-
-def preload() -> None:
-    global preloaded
-    try:
-        import torch._dynamo  # noqa: F401 - the first optimizer imports it
-
-        from sparkdl_avg.task import probe
-
-        probe.import_training_modules()
-        preloaded = True
-    except Exception:  # noqa: BLE001 - only a head start, as the probe's warm-up
-        pass
-
-
 if __name__ == "__main__":
-    preload()
+    from sparkdl_avg.task.probe import import_for_training
+
+    preloaded = import_for_training()  # workers forked below inherit it, and the modules
     from pyspark import daemon
 
     daemon.manager()
