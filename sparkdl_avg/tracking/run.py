@@ -277,10 +277,16 @@ class RunLogger:
                 raise
 
 
+_saved_a_model = False
+"""Whether this process has saved a model (`_warm_up`): the first-use costs are paid."""
+
+
 def _warm_up(logs_model: bool) -> None:
     """Pay, while the fit trains, the first-use costs of what it logs at the end: matplotlib,
     and MLflow's model saving (torch.export's first export alone takes over a second), on a
-    2-parameter model saved to a folder that is then removed."""
+    2-parameter model saved to a folder that is then removed. Once a process: a later fit's
+    saving would only take CPU from its workers (0.3-0.5 s a fit on two busy cores)."""
+    global _saved_a_model
     try:
         import shutil
         import tempfile
@@ -289,7 +295,7 @@ def _warm_up(logs_model: bool) -> None:
 
         from sparkdl_avg.tracking import plots  # noqa: F401
 
-        if not logs_model:
+        if not logs_model or _saved_a_model:
             return
         import mlflow.pytorch
         import torch
@@ -299,6 +305,7 @@ def _warm_up(logs_model: bool) -> None:
             mlflow.pytorch.save_model(torch.nn.Linear(2, 1).eval(), f"{folder}/model",
                                       input_example=np.zeros((2, 2), np.float32),
                                       pip_requirements=["torch"])
+            _saved_a_model = True
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     except Exception:  # noqa: BLE001 - only a head start
