@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing as mp
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import median, report  # noqa: E402
-from ps_throughput import client_loop  # noqa: E402
+from ps_throughput import run_clients  # noqa: E402
 
 from sparkdl_avg.ps.server import DRIVER  # noqa: E402
 from sparkdl_avg.ps.settings import ServerSettings  # noqa: E402
@@ -31,7 +29,6 @@ SECRET = os.urandom(32)
 
 
 def run(shards: int, clients: int, numel: int, seconds: float) -> dict:
-    ctx = mp.get_context("spawn")
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(Sidecar(ServerSettings(timeout=120), host="127.0.0.1",
                                                secret=SECRET)) for _ in range(shards)]
@@ -39,16 +36,7 @@ def run(shards: int, clients: int, numel: int, seconds: float) -> dict:
         driver = stack.enter_context(connect(addresses, secret=SECRET, worker=DRIVER,
                                              numel=numel, dtype=np.float32, timeout=60))
         driver.init(np.zeros(numel, np.float32))
-        out = ctx.Queue()
-        procs = [ctx.Process(target=client_loop, args=(addresses, SECRET, w, numel, seconds,
-                                                       out)) for w in range(clients)]
-        t0 = time.perf_counter()
-        for p in procs:
-            p.start()
-        acks = dict(out.get(timeout=seconds + 300) for _ in procs)
-        wall = time.perf_counter() - t0
-        for p in procs:
-            p.join(30)
+        acks, wall = run_clients(addresses, SECRET, clients, numel, seconds)
         stats = driver.stats()
     pushes = sum(acks.values())
     applied = [s["applied"] for s in stats.get("shards", [stats])]

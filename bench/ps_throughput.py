@@ -44,23 +44,29 @@ def client_loop(addresses: list[tuple[str, int]], secret: bytes, worker: int, nu
     out.put((worker, acks))
 
 
+def run_clients(addresses: list[tuple[str, int]], secret: bytes, clients: int, numel: int,
+                seconds: float) -> tuple[dict[int, int], float]:
+    """`clients` processes running `client_loop` at once: (pushes acked by worker, wall s)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=client_loop, args=(addresses, secret, w, numel, seconds, out))
+             for w in range(clients)]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    acks = dict(out.get(timeout=seconds + 300) for _ in procs)
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join(30)
+    return acks, wall
+
+
 def run(clients: int, numel: int, seconds: float) -> dict:
     with Sidecar(ServerSettings(timeout=120), host="127.0.0.1", secret=SECRET) as ps, \
             PSClient(("127.0.0.1", ps.port), secret=SECRET, worker=DRIVER, numel=numel,
                      dtype=np.float32, timeout=60) as driver:
         driver.init(np.zeros(numel, np.float32))
-        out = mp.get_context("spawn").Queue()
-        procs = [mp.get_context("spawn").Process(
-            target=client_loop, args=([("127.0.0.1", ps.port)], SECRET, w, numel, seconds,
-                                      out))
-            for w in range(clients)]
-        t0 = time.perf_counter()
-        for p in procs:
-            p.start()
-        acks = dict(out.get(timeout=seconds + 300) for _ in procs)
-        wall = time.perf_counter() - t0
-        for p in procs:
-            p.join(30)
+        acks, wall = run_clients([("127.0.0.1", ps.port)], SECRET, clients, numel, seconds)
         applied = driver.stats()["applied"]
     pushes = sum(acks.values())
     moved = pushes * numel * 4 * 2  # each acknowledged push was followed by a pull
