@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 from faulty import server_stats
-from test_fit_sync import frame, make_data, make_model_f32, make_model_f64, max_param_diff
+from test_fit_sync import (
+    frame,
+    make_data,
+    make_model_f32,
+    make_model_f64,
+    max_param_diff,
+    sync_and_lockstep,
+)
 
 from sparkdl_avg import ConfigError, TrainConfig, fit
 
@@ -16,15 +23,9 @@ pytestmark = pytest.mark.spark
 
 
 def test_staleness_bound_zero_reproduces_synchronous_averaging(spark):
-    x, y = make_data(400)
-    df = frame(spark, x, y)
-    common = {"num_workers": 2, "epochs": 3, "batch_size": 4, "optimizer": "sgd", "lr": 0.05,
-              "momentum": 0.9, "shuffle": False, "seed": 2, "log_model": False}
-    sync = fit(df, make_model_f64, TrainConfig(averaging_frequency=5, **common))
-    lockstep = fit(df, make_model_f64, TrainConfig(
-        mode="async", push_every=5, staleness_bound=0, **common))
-    assert max_param_diff(sync.model, lockstep.model) < 1e-10
-    assert max_param_diff(sync.model, make_model_f64()) > 1e-2
+    sync, lockstep = sync_and_lockstep(spark, rows=400, epochs=3)
+    assert max_param_diff(sync, lockstep) < 1e-10
+    assert max_param_diff(sync, make_model_f64()) > 1e-2
 
 
 @pytest.mark.parametrize("algorithm", ["downpour", "dcasgd-adaptive"])

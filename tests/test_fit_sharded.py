@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 from faulty import FaultyMLP, dataset, kill_server_after_a_checkpoint, server_stats
-from test_fit_sync import frame, make_data, make_model_f64, max_param_diff
+from test_fit_sync import make_model_f64, max_param_diff, sync_and_lockstep
 
 from sparkdl_avg import TrainConfig, fit
 
@@ -19,15 +19,9 @@ def test_lockstep_over_three_shards_reproduces_synchronous_averaging(spark):
     """staleness_bound=0: every shard applies a round's pushes before any read, so the
     sliced server is exactly sync averaging (float64, to 1e-10): a slice in the wrong place
     or an update applied twice on one shard cannot pass."""
-    x, y = make_data(240)
-    df = frame(spark, x, y)
-    common = {"num_workers": 2, "epochs": 2, "batch_size": 4, "optimizer": "sgd", "lr": 0.05,
-              "momentum": 0.9, "shuffle": False, "seed": 2, "log_model": False}
-    sync = fit(df, make_model_f64, TrainConfig(averaging_frequency=5, **common))
-    sharded = fit(df, make_model_f64, TrainConfig(
-        mode="async", push_every=5, staleness_bound=0, ps_shards=3, **common))
-    assert max_param_diff(sync.model, sharded.model) < 1e-10
-    assert max_param_diff(sync.model, make_model_f64()) > 1e-2
+    sync, sharded = sync_and_lockstep(spark, rows=240, epochs=2, ps_shards=3)
+    assert max_param_diff(sync, sharded) < 1e-10
+    assert max_param_diff(sync, make_model_f64()) > 1e-2
 
 
 @pytest.fixture(scope="module")

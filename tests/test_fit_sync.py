@@ -60,6 +60,18 @@ def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
                                                                   strict=True))
 
 
+def sync_and_lockstep(spark, rows: int, epochs: int, **async_fields):
+    """The models of a sync fit averaging every 5 steps and of an async one in lockstep
+    (staleness_bound=0, a push every 5 steps), on the same float64 data and settings."""
+    df = frame(spark, *make_data(rows))
+    common = {"num_workers": 2, "epochs": epochs, "batch_size": 4, "optimizer": "sgd",
+              "lr": 0.05, "momentum": 0.9, "shuffle": False, "seed": 2, "log_model": False}
+    sync = fit(df, make_model_f64, TrainConfig(averaging_frequency=5, **common))
+    lockstep = fit(df, make_model_f64, TrainConfig(
+        mode="async", push_every=5, staleness_bound=0, **async_fields, **common))
+    return sync.model, lockstep.model
+
+
 @pytest.mark.parametrize(("momentum", "rows"), [(0.0, 411), (0.9, 400)])
 def test_averaging_every_step_equals_large_batch_sgd(spark, momentum, rows):
     # Plain SGD on 411 rows: shards of 206 and 205 rows and a partial last batch, so the
