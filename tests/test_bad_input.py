@@ -171,6 +171,21 @@ def test_a_pure_float16_model_is_refused_before_training(good):
         fit(good, lambda: torch.nn.Linear(3, 2).half(), CFG)
 
 
+def test_more_shards_than_parameters_is_refused_before_any_spark_job(good, mlflow_client,
+                                                                     monkeypatch):
+    from sparkdl_avg.driver import plan
+
+    def no_job(*_, **__):
+        raise AssertionError("a Spark job ran before the shard check")
+
+    monkeypatch.setattr(plan, "check_cluster", no_job)
+    with pytest.raises(ConfigError, match="ps_shards=5 needs a model of at least 5 parameters "
+                       r"\(this one has 4\)"):
+        fit(good, lambda: torch.nn.Linear(3, 1),
+            dataclasses.replace(CFG, mode="async", ps_shards=5))
+    assert_failed_run(mlflow_client, "ps_shards=5")
+
+
 def test_not_a_dataframe(mlflow_client):
     with pytest.raises(DataError, match="train_df must be a pyspark DataFrame, got DataFrame"):
         fit(pd.DataFrame({"features": [[1.0]], "label": [0]}), model, CFG)

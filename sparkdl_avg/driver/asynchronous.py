@@ -35,7 +35,6 @@ from sparkdl_avg.ps.server import DRIVER
 from sparkdl_avg.ps.settings import COMPARED, ServerSettings
 from sparkdl_avg.ps.sharded_client import ShardedClient
 from sparkdl_avg.ps.sharded_client import connect as connect_ps
-from sparkdl_avg.ps.shards import bounds as shard_bounds
 from sparkdl_avg.ps.shards import parse_addresses, shard_name
 from sparkdl_avg.ps.sidecar import Sidecar
 from sparkdl_avg.tracking.run import RunLogger
@@ -59,7 +58,6 @@ def server_settings(config) -> ServerSettings:
 def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
     config = plan.config
     flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
-    shard_bounds(flat.array.size, config.ps_shards)  # a model too small to shard: refused
     waits = config.waits()
     tls_ca_pem = None
     history: list[dict] = []

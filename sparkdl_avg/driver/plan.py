@@ -19,9 +19,11 @@ from sparkdl_avg._model import (
     model_dtype,
     pickle_for_executors,
 )
+from sparkdl_avg.averaging.flat_buffer import averaged_tensors
 from sparkdl_avg.data.prepare import PreparedData, prepare
 from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
+from sparkdl_avg.ps.shards import bounds as shard_bounds
 from sparkdl_avg.task.optimizer_step import check_schedule
 from sparkdl_avg.task.schedule import Schedule, make_schedule
 from sparkdl_avg.task.spec import WorkerSpec
@@ -93,6 +95,8 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     model = build_model(model_fn)
     dtype = model_dtype(model)
     check_schedule(config, model)
+    if config.mode == "async":  # a model too small to shard: refused before any Spark job
+        shard_bounds(sum(t.numel() for t in averaged_tensors(model)), config.ps_shards)
     if callable(config.optimizer):  # fails naming the optimizer, not the whole config
         pickle_for_executors("optimizer", config.optimizer)
     pickled = {"model_fn": pickle_for_executors("model_fn", model_fn),
