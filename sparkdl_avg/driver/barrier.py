@@ -41,21 +41,20 @@ class BarrierJob:
     def training(cls, frame: DataFrame, spec, description: str, config) -> BarrierJob:
         """The job of a fit's training tasks (`task.entry.run_task` on every partition),
         with a `LoadMonitor` the tasks report their loading to."""
-        from sparkdl_avg.driver.cluster import driver_address, training_profile
+        from sparkdl_avg.driver.cluster import driver_address, training_resources
         from sparkdl_avg.task import report
         from sparkdl_avg.task.entry import run_task
 
         spark = frame.sparkSession
         address = driver_address(spark, config)
-        profile = training_profile(spark, config.device)
-        gpu_amount = float(session.conf(spark, "spark.task.resource.gpu.amount", "0"))
+        profile, gpus = training_resources(spark, config.device)
         monitor = LoadMonitor(host=address.bind, advertise=address.advertise,
                               num_workers=len(spec.train_rows))
         monitor.start()  # here: the tasks need its port; the job closes it
         try:
             spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,
                                        load_secret=monitor.secret,
-                                       gpu_tasks=profile is not None or gpu_amount > 0)
+                                       gpu_tasks=gpus > 0)
             job = cls(frame, partial(run_task, spec), report.DDL, description,
                       rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
             job.profile = profile

@@ -69,9 +69,7 @@ def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S, *,
     (the fit's servers hold theirs)."""
     num_workers, device = config.num_workers, config.device
     master = session.conf(spark, "spark.master", "")
-    gpu_amount = float(session.conf(spark, "spark.task.resource.gpu.amount", "0"))
-    profile = training_profile(spark, device)
-    gpus = 1.0 if profile is not None else gpu_amount
+    profile, gpus = training_resources(spark, device)
     check_gpu_scheduling(master, gpus, device)
     if session.conf(spark, "spark.dynamicAllocation.enabled", "false").lower() == "true":
         raise ClusterError("spark.dynamicAllocation.enabled=true: the training tasks run as one "
@@ -111,6 +109,15 @@ def _too_few_slots(spark, num_workers: int, gpus: float, what: str) -> ClusterEr
         f"num_workers={num_workers} but the cluster {what} (master {master}, "
         f"spark.task.cpus={cpus}, GPUs a task {gpus:g}); all workers must run together, so "
         "lower num_workers or add executors/cores")
+
+
+def training_resources(spark, device: str) -> tuple[object, float]:
+    """The training stage's resource profile (`training_profile`) and the GPUs each training
+    task is given: 1 under that profile, else `spark.task.resource.gpu.amount`."""
+    profile = training_profile(spark, device)
+    if profile is not None:
+        return profile, 1.0
+    return None, float(session.conf(spark, "spark.task.resource.gpu.amount", "0"))
 
 
 def training_profile(spark, device: str):

@@ -159,7 +159,8 @@ class _Attempt:
             self.run_logger.set_tags({"sparkdl_avg.devices": ", ".join(sorted(set(devices)))})
 
     def _checkpoints_after(self, r: int, last: bool) -> bool:
-        """Whether round `r` ends with a checkpoint (`TrainConfig.checkpoint_every`)."""
+        """Whether round `r` ends with a checkpoint (`TrainConfig.checkpoint_every`); by time,
+        a yes also starts the next interval (`checkpointed_at`)."""
         every = self.plan.config.checkpoint_every
         if every == 0:
             return False
