@@ -74,3 +74,26 @@ def check_sync_transport(config) -> None:
         raise ConfigError("tls_cert with transport='collective': the parameters would travel "
                           "between the tasks unencrypted (gloo and NCCL have no TLS); use "
                           "transport='driver' for TLS")
+
+
+def check_registered_model(config) -> None:
+    """A registered model needs a name and a logged model (its version is that model)."""
+    name = config.registered_model_name
+    if name is not None and (not isinstance(name, str) or not name.strip()
+                             or not config.log_model):
+        raise ConfigError(f"registered_model_name={name!r} must be a model name, with "
+                          "log_model=True (the version is the logged model)")
+
+
+def check_cache(config, caches: tuple[str, ...]) -> None:
+    """The data cache's choice (one of `caches`), budget and shuffle window."""
+    if config.data_cache not in caches:
+        raise ConfigError(f"data_cache={config.data_cache!r} is not supported; use one of "
+                          f"{caches}")
+    require_int("cache_budget_mb", config.cache_budget_mb, minimum=1)
+    require_int("shuffle_buffer_mb", config.shuffle_buffer_mb, minimum=1)
+    if config.data_cache != "memory" and config.shuffle_buffer_mb > config.cache_budget_mb:
+        raise ConfigError(
+            f"shuffle_buffer_mb={config.shuffle_buffer_mb} is more than cache_budget_mb="
+            f"{config.cache_budget_mb}: a task reading its partition from disk holds one "
+            "shuffle window in memory; lower shuffle_buffer_mb or raise cache_budget_mb")

@@ -8,7 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sparkdl_avg._checks import check_async, check_sync_transport, require_float, require_int
+from sparkdl_avg._checks import (
+    check_async,
+    check_cache,
+    check_registered_model,
+    check_sync_transport,
+    require_float,
+    require_int,
+)
 from sparkdl_avg._controls import EarlyStopping, check_controls
 from sparkdl_avg._errors import ConfigError
 from sparkdl_avg.net.message_base import MAX_WORKERS
@@ -28,7 +35,7 @@ _CACHES = typing.get_args(DataCache)
 _TRANSPORTS = typing.get_args(Transport)
 
 SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
-             "tls_cert", "tls_key", "tls_ca", "transport")
+             "tls_cert", "tls_key", "tls_ca", "transport", "overlap_averaging")
 ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_lambda",
               "ps_address", "ps_secret_file", "ps_tls_ca", "eval_interval_s",
               "ps_checkpoint_every", "reconnect_timeout", "ps_shards")
@@ -122,6 +129,12 @@ class TrainConfig:
 
     average_optimizer_state: bool = False
     """Sync: also average optimizer state (momentum buffers, Adam moments) at every round."""
+
+    overlap_averaging: bool = False
+    """Sync: a worker starts its next round while its replica is being averaged, and when the
+    average arrives adds what it learned since (CoCoD-SGD): the round trip hides behind
+    compute, and each round starts from the average of the round before last plus the
+    worker's own progress. Rounds that evaluate or checkpoint, and the last, still wait."""
 
     shuffle: bool = True
     """Reshuffle each worker's partition every epoch (seeded); False keeps the DataFrame's order."""
@@ -295,7 +308,7 @@ class TrainConfig:
             require_int(name, getattr(self, name), minimum=0)
         if self.checkpoint_every is not None:
             require_int("checkpoint_every", self.checkpoint_every, minimum=0)
-        self._check_cache()
+        check_cache(self, _CACHES)
         if self.eval_batch_size is not None:
             require_int("eval_batch_size", self.eval_batch_size, minimum=1)
         if self.driver_address is not None:
@@ -329,27 +342,11 @@ class TrainConfig:
         check_async(self)
         check_controls(self)
         check_sync_transport(self)
-        if self.registered_model_name is not None and (
-                not isinstance(self.registered_model_name, str)
-                or not self.registered_model_name.strip() or not self.log_model):
-            raise ConfigError(f"registered_model_name={self.registered_model_name!r} must be "
-                              "a model name, with log_model=True (the version is the logged "
-                              "model)")
-        for name in ("average_optimizer_state", "shuffle", "log_model", "deterministic"):
+        check_registered_model(self)
+        for name in ("average_optimizer_state", "overlap_averaging", "shuffle", "log_model",
+                     "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-
-    def _check_cache(self) -> None:
-        if self.data_cache not in _CACHES:
-            raise ConfigError(f"data_cache={self.data_cache!r} is not supported; use one of "
-                              f"{_CACHES}")
-        require_int("cache_budget_mb", self.cache_budget_mb, minimum=1)
-        require_int("shuffle_buffer_mb", self.shuffle_buffer_mb, minimum=1)
-        if self.data_cache != "memory" and self.shuffle_buffer_mb > self.cache_budget_mb:
-            raise ConfigError(
-                f"shuffle_buffer_mb={self.shuffle_buffer_mb} is more than cache_budget_mb="
-                f"{self.cache_budget_mb}: a task reading its partition from disk holds one "
-                "shuffle window in memory; lower shuffle_buffer_mb or raise cache_budget_mb")
 
     def default_run_name(self) -> str:
         """What the fit is, for the MLflow runs table."""

@@ -71,7 +71,8 @@ def _non_default(name: str):
             "ps_secret_file": "s", "ps_tls_ca": "ca.pem", "eval_interval_s": 1.0,
             "ps_checkpoint_every": 3, "reconnect_timeout": 5.0, "tls_cert": "c.pem",
             "ps_shards": 2,
-            "tls_key": "k.pem", "tls_ca": "ca.pem", "transport": "collective"}[name]
+            "tls_key": "k.pem", "tls_ca": "ca.pem", "transport": "collective",
+            "overlap_averaging": True}[name]
 
 
 @pytest.mark.parametrize("name", ASYNC_ONLY)

@@ -78,7 +78,7 @@ class CollectiveChannel(Transport):
             self._control.send(msg.Averaged(round=report.round, **msg.tensor(average)),
                                average)
         return RoundReply(evaluate=orders.evaluate, checkpoint=orders.checkpoint,
-                          stop=orders.stop)
+                          stop=orders.stop, wait_next=orders.wait_next)
 
     def send_state(self, layout: list, payload: np.ndarray) -> None:
         self._control.send_state(layout, payload)

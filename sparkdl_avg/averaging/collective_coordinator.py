@@ -26,7 +26,7 @@ from sparkdl_avg.net.frames import Connection
 class CollectiveCoordinator(Coordinator):
     def run_round(self, round_index: int, *, model_numel: int, allow_state: bool,
                   evaluate: bool, checkpoint: bool = False, stop: bool = False,
-                  need_average: bool = True) -> RoundStats:
+                  need_average: bool = True, wait_next: bool = False) -> RoundStats:
         """One round: every report, the orders back, then the average (`need_average`, or a
         checkpoint) from worker 0, and what the driver asked for after it."""
         reports = self._all(lambda rank, conn: self._recv_report(rank, conn, round_index))
@@ -39,7 +39,8 @@ class CollectiveCoordinator(Coordinator):
                                 "training diverged; lower the learning rate or check the loss")
         orders = msg.Orders(round=round_index, evaluate=evaluate and not stop,
                             checkpoint=checkpoint and not stop, stop=stop,
-                            send_average=(need_average or checkpoint) and not stop)
+                            send_average=(need_average or checkpoint) and not stop,
+                            wait_next=wait_next)
         self._all(lambda rank, conn: msg.send(conn, orders))
         if orders.send_average:
             self._recv_average(round_index, model_numel, allow_state)

@@ -129,7 +129,8 @@ class Coordinator(Server):
 
     def accept_workers(self, initial: np.ndarray, deadline_s: float, *, start_round: int = 0,
                        states: list[tuple[list, np.ndarray]] | None = None,
-                       vet: Callable[[list[msg.WorkerHello]], None] | None = None) -> None:
+                       vet: Callable[[list[msg.WorkerHello]], None] | None = None,
+                       wait_next: bool = False) -> None:
         """Wait for every worker to connect and authenticate, let `vet` see their hellos (by
         rank; it raises to stop), then send the parameters to start from: before
         `start_round`, with each worker's optimizer state when restarting."""
@@ -154,7 +155,7 @@ class Coordinator(Server):
             vet([self.hellos[rank] for rank in range(self.num_workers)])
         self.average[:initial.size] = initial  # the result if no round is left to run
         start = msg.Average(round=start_round - 1, state_follows=states is not None,
-                            **msg.tensor(initial))
+                            wait_next=wait_next, **msg.tensor(initial))
 
         def send_start(rank: int, conn: Connection) -> None:
             msg.send(conn, start, initial)
@@ -170,10 +171,11 @@ class Coordinator(Server):
 
     def run_round(self, round_index: int, *, model_numel: int, allow_state: bool,
                   evaluate: bool, checkpoint: bool = False, stop: bool = False,
-                  need_average: bool = True) -> RoundStats:
+                  need_average: bool = True, wait_next: bool = False) -> RoundStats:
         """One round: every push, their average back (`stop`: as the last; the workers then
         send DONE), and what the driver asked for after it. `need_average`: whether the
-        driver uses this round's average (here it always has it)."""
+        driver uses this round's average (here it always has it); `wait_next`: see
+        `msg.Average`."""
         pushes = self._all(lambda rank, conn: self._recv_push(rank, conn, round_index,
                                                               model_numel, allow_state))
         sizes = {push.numel for push, _ in pushes}
@@ -195,7 +197,7 @@ class Coordinator(Server):
         t_averaged = time.perf_counter()
         reply = msg.Average(round=round_index, evaluate=evaluate and not stop,
                             checkpoint=checkpoint and not stop, stop=stop,
-                            **msg.tensor(self.average))
+                            wait_next=wait_next, **msg.tensor(self.average))
         evaluate, checkpoint = reply.evaluate, reply.checkpoint
         self._all(lambda rank, conn: msg.send(conn, reply, self.average))
         stats = RoundStats(

@@ -43,7 +43,7 @@ class DriverChannel(Transport):
         if start.state_follows:
             frame, payload = msg.expect(self._conn, msg.State)
             state = (frame.layout, payload)
-        return StartPoint(round=start.round + 1, state=state)
+        return StartPoint(round=start.round + 1, state=state, wait_next=start.wait_next)
 
     def exchange(self, report: RoundReport, flat: FlatBuffer) -> RoundReply:
         params = flat.gather()
@@ -52,7 +52,7 @@ class DriverChannel(Transport):
         reply, _ = msg.expect(self._conn, msg.Average, into=msg.into_checked(params, "the driver"))
         flat.scatter()
         return RoundReply(evaluate=reply.evaluate, checkpoint=reply.checkpoint,
-                          stop=reply.stop)
+                          stop=reply.stop, wait_next=reply.wait_next)
 
     def send(self, message: msg.Message, payload=None) -> None:
         msg.send(self._conn, message, payload)

@@ -50,14 +50,14 @@ class FlatBuffer:
         """The tensors' current values in `array`."""
         if self.host is not self.flat:
             self.host.copy_(self.flat, non_blocking=True)
-            _sync(self.flat)
+            sync_device(self.flat)
         return self.array
 
     def scatter(self) -> None:
         """`array`'s values (e.g. a received average) into the tensors."""
         if self.host is not self.flat:
             self.flat.copy_(self.host, non_blocking=True)
-            _sync(self.flat)
+            sync_device(self.flat)
 
 
 def _same_layout(segment: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -69,6 +69,6 @@ def _same_layout(segment: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return segment.view_as(t)
 
 
-def _sync(tensor: torch.Tensor) -> None:
+def sync_device(tensor: torch.Tensor) -> None:
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)

@@ -26,6 +26,8 @@ class StartPoint:
     """The first round to run (after a restart: the round after the checkpoint)."""
     state: tuple[list, memoryview | None] | None
     """After a restart: this worker's optimizer state (layout, bytes) to restore."""
+    wait_next: bool = False
+    """`RoundReply.wait_next`, for the first round."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,9 @@ class RoundReply:
     checkpoint: bool
     stop: bool = False
     """Early stopping: this average is the last; the worker sends DONE."""
+    wait_next: bool = False
+    """overlap_averaging: the next round's average is waited for (it evaluates or
+    checkpoints)."""
 
 
 class Transport(ABC):

@@ -104,6 +104,8 @@ class _Attempt:
         self.t_train = 0.0
         self.checkpointed_at = 0.0
         """perf_counter() at the last checkpoint, or when this attempt began training."""
+        self.orders = (False, False)
+        """The next round's (evaluate, checkpoint): `_orders`."""
         self.stopper: Stopping | None = None
         self.stop_round: int | None = None
         """The round at which early stopping or on_round stopped the fit: the workers take
@@ -128,8 +130,11 @@ class _Attempt:
             config,
         ) as job:
             try:
+                self.checkpointed_at = time.perf_counter()  # again once all have connected
+                self.orders = self._orders(point.round)
                 coord.accept_workers(point.params, waits.connect, start_round=point.round,
-                                     states=point.states, vet=self._check_devices)
+                                     states=point.states, vet=self._check_devices,
+                                     wait_next=any(self.orders))
                 self.t_train = self.t_train or time.perf_counter()
                 self.checkpointed_at = time.perf_counter()
                 for r in range(point.round, plan.schedule.num_rounds):
@@ -174,18 +179,28 @@ class _Attempt:
         self.checkpointed_at = now
         return True
 
+    def _orders(self, r: int) -> tuple[bool, bool]:
+        """Whether round `r` ends with an evaluation, and with a checkpoint: decided a round
+        ahead, as the workers learn it with the average before (`Average.wait_next`)."""
+        schedule = self.plan.schedule
+        if r >= schedule.num_rounds:
+            return False, False
+        last = r == schedule.num_rounds - 1
+        evaluate = self.plan.data.eval_sizes[0] > 0 and (
+            last or schedule.evaluates_after(r, self.plan.config.eval_every))
+        return evaluate, self._checkpoints_after(r, last)
+
     def _round(self, coord: Coordinator, r: int, stop: bool = False) -> None:
         """Round `r`; `stop`: the fit stopped at the round before, so this average ends the
         workers' training and the round is not part of the fit's history."""
         config, schedule = self.plan.config, self.plan.schedule
         last = r == schedule.num_rounds - 1
         numel = self.flat.array.size
-        evaluate = self.plan.data.eval_sizes[0] > 0 and (
-            last or schedule.evaluates_after(r, config.eval_every))
+        (evaluate, checkpoint), self.orders = self.orders, self._orders(r + 1)
         stats = coord.run_round(
             r, model_numel=numel, allow_state=config.average_optimizer_state,
-            evaluate=evaluate, checkpoint=self._checkpoints_after(r, last),
-            stop=stop,
+            evaluate=evaluate, checkpoint=checkpoint, stop=stop,
+            wait_next=any(self.orders),
             # the average reaches the driver only if it may keep it (see Stopping)
             need_average=last or self.plan.on_round is not None
             or (evaluate and config.early_stopping is not None),

@@ -134,6 +134,9 @@ class Average(Message):
     state_follows: bool = False
     stop: bool = False
     """Early stopping: the fit ends here; the worker sends DONE."""
+    wait_next: bool = False
+    """With overlap_averaging: the next round evaluates or checkpoints, so after its push
+    the worker waits for its average instead of computing on."""
 
     def check(self) -> None:
         if self.round < -1:
@@ -228,6 +231,8 @@ class Orders(Message):
     checkpoint: bool = False
     stop: bool = False
     send_average: bool = False
+    wait_next: bool = False
+    """As `Average.wait_next`."""
 
     def check(self) -> None:
         if self.round < 0:

@@ -1,5 +1,6 @@
 """Sync mode in a task: k local steps, push the parameters, take the average, repeat; send
-optimizer state at checkpoints and evaluation results when the driver asks."""
+optimizer state at checkpoints and evaluation results when the driver asks. With
+overlap_averaging, the average is taken while the next round computes (`averaging.overlap`)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
                transport: Transport, hello: msg.WorkerHello) -> None:
     from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
     from sparkdl_avg.averaging.optimizer_state import averaged_state_tensors
+    from sparkdl_avg.averaging.overlap import OverlappedExchange
     from sparkdl_avg.task import worker_state
     from sparkdl_avg.task.replica import Replica
 
     schedule = spec.schedule
     # Build the replica before connecting, so the driver's first round starts once all are
     # ready; a failure here is reported once connected, like any other.
-    setup_error, replica = None, None
+    setup_error, replica, overlap = None, None, None
     try:
         replica = Replica(spec, config, rank, data, device)
         model = replica.model
@@ -43,11 +45,18 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
             worker_state.restore(replica.optimizer, model, *start.state,
                                  scaler=replica.steps.scaler)
         state: list = []
+        overlap = OverlappedExchange(transport) if config.overlap_averaging else None
+        wait_next, buffers_pushed = start.wait_next, None
         for round_index in range(start.round, schedule.num_rounds):
             t0 = time.perf_counter()
             setup_s = t0 - ready
             loss_sum, samples, _ = replica.run_steps(schedule.steps_in_round(round_index))
             compute_s = time.perf_counter() - t0
+            if overlap is not None and overlap.pending:  # the round before's average
+                reply = overlap.finish(flat)
+                if reply.stop:  # that average is the fit's: this round's steps are dropped
+                    break
+                wait_next = reply.wait_next
             if config.average_optimizer_state:
                 # Optimizer state appears lazily (after a parameter's first step): re-home it
                 # into the wire buffer whenever the set of state tensors changes.
@@ -58,7 +67,16 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
             report = RoundReport(round=round_index, samples=samples,
                                  loss_sum=msg.finite_or_none(loss_sum), compute_s=compute_s,
                                  setup_s=setup_s, lr=replica.last_lr)
+            if overlap is not None and not wait_next \
+                    and round_index < schedule.num_rounds - 1:
+                overlap.begin(report, flat)
+                # should this average stop the fit, DONE carries the buffers as pushed
+                buffers_pushed = worker_state.pack(None, model)
+                ready = time.perf_counter()
+                continue
+            buffers_pushed = None
             reply = transport.exchange(report, flat)
+            wait_next = reply.wait_next
             if reply.stop:  # early stopping: this average is the fit's
                 break
             if reply.checkpoint:
@@ -70,13 +88,17 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
                 result["loss_sum"] = msg.finite_or_none(result["loss_sum"])
                 transport.send_eval(msg.Eval(**result, eval_s=time.perf_counter() - t_eval))
             ready = time.perf_counter()
-        transport.done(*worker_state.pack(None, model))
+        transport.done(*(buffers_pushed or worker_state.pack(None, model)))
     except BaseException as exc:
+        if overlap is not None:
+            overlap.close()  # the exchange in flight ends before the failure is sent
         message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         transport.fail(message, final=is_final(exc))
         raise
     finally:
         try:
+            if overlap is not None:
+                overlap.close()
             transport.close()
         finally:
             if replica is not None:
