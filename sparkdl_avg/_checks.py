@@ -61,8 +61,8 @@ def check_async(config) -> None:
 
 
 def check_sync_transport(config) -> None:
-    """The sync channel's TLS files, and TLS with the transport (a TrainConfig calls this
-    when built)."""
+    """The sync channel's TLS files, TLS with the transport, and overlap's checkpoints (a
+    TrainConfig calls this when built)."""
     for name in ("tls_cert", "tls_key", "tls_ca"):
         value = getattr(config, name)
         if value is not None and (not isinstance(value, str) or not value):
@@ -70,6 +70,11 @@ def check_sync_transport(config) -> None:
     if (config.tls_cert is None) != (config.tls_key is None) or \
             (config.tls_ca is not None and config.tls_cert is None):
         raise ConfigError("TLS needs tls_cert and tls_key together (tls_ca only with them)")
+    if config.overlap_averaging and config.checkpoint_every is None:
+        raise ConfigError("overlap_averaging with checkpoint_every=None: rounds that "
+                          "checkpoint are not overlapped, so checkpoints timed by the clock "
+                          "would change the trajectory; set checkpoint_every to a number of "
+                          "rounds (0: none)")
     if config.transport == "collective" and config.tls_cert is not None:
         raise ConfigError("tls_cert with transport='collective': the parameters would travel "
                           "between the tasks unencrypted (gloo and NCCL have no TLS); use "

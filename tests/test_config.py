@@ -144,3 +144,12 @@ def test_a_driver_address_is_a_host_or_host_and_port(value):
     assert TrainConfig(driver_address="10.0.0.7").driver_host_port() == ("10.0.0.7", 0)
     assert TrainConfig(driver_address="node-1:7100").driver_host_port() == ("node-1", 7100)
     assert TrainConfig().driver_host_port() == (None, 0)
+
+
+def test_overlap_needs_checkpoints_counted_in_rounds():
+    # checkpoint rounds are waited for, not overlapped: placed by the clock, they would make
+    # the trajectory depend on timing
+    with pytest.raises(ConfigError, match="overlap_averaging with checkpoint_every=None"):
+        TrainConfig(overlap_averaging=True)
+    TrainConfig(overlap_averaging=True, checkpoint_every=0)
+    TrainConfig(overlap_averaging=True, checkpoint_every=10)

@@ -143,3 +143,25 @@ def test_overlapped_fit_recovers_from_a_fault_bit_identically(spark, fault, tmp_
     assert [f["restart_at"] for f in result.failures] == ["round 3"]
     assert same_parameters(result.model, reference.model)
     data.unpersist()
+
+
+def test_a_fault_in_the_steps_after_a_stop_does_not_fail_the_stopped_fit(spark, tmp_path):
+    # on_round stops the fit at round 2, so round 3's average is the workers' last; overlapped,
+    # they learn it only after round 4's steps, where partition 1's forward raises. Those
+    # steps were past the end: the fit finishes as it does without the fault.
+    data = dataset(spark).cache()
+    base = dict(num_workers=2, epochs=2, batch_size=15, averaging_frequency=2,
+                optimizer="adam", lr=0.01, seed=5, checkpoint_every=0, log_model=False,
+                overlap_averaging=True)
+
+    def stop_at_2(row):
+        return row["round"] == 2
+
+    reference = fit(data, FaultyMLP, TrainConfig(**base), on_round=stop_at_2)
+    result = fit(data, partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired")),
+                 TrainConfig(**base), on_round=stop_at_2)
+    assert (tmp_path / "fired").exists()  # the fault did fire, in the dropped round
+    assert result.failures == []
+    assert len(result.history) == 3
+    assert same_parameters(result.model, reference.model)
+    data.unpersist()

@@ -89,12 +89,13 @@ class OverlappedExchange:
                 self._snapshot.correct(replica)
         return reply
 
-    def close(self) -> None:
+    def close(self) -> RoundReply | None:
         """After a failure too: let the exchange in flight end (the driver answers a push it
         got; the transport's timeouts bound the rest), so that what is sent next does not
-        cross it."""
-        if self._pending is not None:
-            with contextlib.suppress(BaseException):
-                self._pending.result()
-            self._pending = None
+        cross it. Returns its reply, if it had one."""
+        pending, self._pending, reply = self._pending, None, None
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                reply = pending.result()
         self._thread.shutdown(wait=True)
+        return reply

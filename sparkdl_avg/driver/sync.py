@@ -105,7 +105,7 @@ class _Attempt:
         self.checkpointed_at = 0.0
         """perf_counter() at the last checkpoint, or when this attempt began training."""
         self.orders = (False, False)
-        """The next round's (evaluate, checkpoint): `_orders`."""
+        """With overlap_averaging, the next round's (evaluate, checkpoint): `_orders`."""
         self.stopper: Stopping | None = None
         self.stop_round: int | None = None
         """The round at which early stopping or on_round stopped the fit: the workers take
@@ -130,8 +130,8 @@ class _Attempt:
             config,
         ) as job:
             try:
-                self.checkpointed_at = time.perf_counter()  # again once all have connected
-                self.orders = self._orders(point.round)
+                if config.overlap_averaging:  # its checkpoint_every is a number of rounds
+                    self.orders = self._orders(point.round)
                 coord.accept_workers(point.params, waits.connect, start_round=point.round,
                                      states=point.states, vet=self._check_devices,
                                      wait_next=any(self.orders))
@@ -180,8 +180,9 @@ class _Attempt:
         return True
 
     def _orders(self, r: int) -> tuple[bool, bool]:
-        """Whether round `r` ends with an evaluation, and with a checkpoint: decided a round
-        ahead, as the workers learn it with the average before (`Average.wait_next`)."""
+        """Whether round `r` ends with an evaluation, and with a checkpoint. With
+        overlap_averaging, decided a round ahead: the workers learn it with the average
+        before (`Average.wait_next`)."""
         schedule = self.plan.schedule
         if r >= schedule.num_rounds:
             return False, False
@@ -196,7 +197,10 @@ class _Attempt:
         config, schedule = self.plan.config, self.plan.schedule
         last = r == schedule.num_rounds - 1
         numel = self.flat.array.size
-        (evaluate, checkpoint), self.orders = self.orders, self._orders(r + 1)
+        if config.overlap_averaging:
+            (evaluate, checkpoint), self.orders = self.orders, self._orders(r + 1)
+        else:
+            evaluate, checkpoint = self._orders(r)
         stats = coord.run_round(
             r, model_numel=numel, allow_state=config.average_optimizer_state,
             evaluate=evaluate, checkpoint=checkpoint, stop=stop,

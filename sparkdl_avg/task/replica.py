@@ -28,6 +28,8 @@ def _check_device_memory(model, config: TrainConfig, row_bytes: int, device) -> 
     from sparkdl_avg.task.device import device_shortfall
 
     slots = 2 if config.optimizer == "adam" else (1 if config.momentum else 0)
+    if config.overlap_averaging:  # the exchange's two copies of the averaged buffer
+        slots += 2 * (1 + (slots if config.average_optimizer_state else 0))
     problem = device_shortfall(
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         optimizer_slots=slots, batch_bytes=config.batch_size * row_bytes,

@@ -90,8 +90,11 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
             ready = time.perf_counter()
         transport.done(*(buffers_pushed or worker_state.pack(None, model)))
     except BaseException as exc:
-        if overlap is not None:
-            overlap.close()  # the exchange in flight ends before the failure is sent
+        # the exchange in flight ends before the failure is sent; if it stopped the fit, the
+        # failed steps were past the end: the worker is done
+        if overlap is not None and (reply := overlap.close()) is not None and reply.stop:
+            transport.done(*buffers_pushed)
+            return
         message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         transport.fail(message, final=is_final(exc))
         raise
