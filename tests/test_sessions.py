@@ -55,11 +55,13 @@ def test_python_workers_are_forked_from_the_warm_daemon_with_torch_loaded(spark)
         daemon = sys.modules["__main__"]  # the daemon runs as `python -m <module>`
         yield pa.RecordBatch.from_pydict({
             "daemon": [getattr(daemon.__spec__, "name", None)],
-            "preloaded": [bool(getattr(daemon, "preloaded", False))]})
+            "preloaded": [bool(getattr(daemon, "preloaded", False))],
+            # torch's objects, frozen before the fork: collections skip them
+            "frozen": [getattr(daemon, "frozen", 0) > 100_000]})
 
     rows = spark.range(2, numPartitions=2).mapInArrow(
-        forked_from, "daemon string, preloaded boolean").collect()
-    assert [tuple(r) for r in rows] == [("sparkdl_avg.task.warm_daemon", True)] * 2
+        forked_from, "daemon string, preloaded boolean, frozen boolean").collect()
+    assert [tuple(r) for r in rows] == [("sparkdl_avg.task.warm_daemon", True, True)] * 2
 
 
 @pytest.fixture(scope="module")

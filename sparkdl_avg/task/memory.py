@@ -41,12 +41,15 @@ def release_task_memory() -> None:
     """After a task, on every path: Spark reuses the Python worker, so what the task cached
     would outlive it into the next fit or scoring task. Collect reference cycles (a model or a
     traceback can hold tensors in one), then hand CUDA's cached blocks and torch's pinned host
-    cache back."""
+    cache back. What survives is frozen (`gc.freeze`): the modules and what they keep, which
+    later collections then skip (torch's 300,000 objects cost a full one 0.15 s, on the fit's
+    critical path); a later task's cycles are newer, and still collected."""
     import gc
 
     import torch
 
     gc.collect()
+    gc.freeze()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
         host_empty = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds only

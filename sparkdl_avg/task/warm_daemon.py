@@ -21,6 +21,13 @@ if __name__ == "__main__":
     from sparkdl_avg.task.probe import import_for_training
 
     preloaded = import_for_training()  # workers forked below inherit it, and the modules
+    import gc
+
+    # The imports' objects are permanent: the workers' collections skip them (a full one
+    # takes 0.15 s with torch loaded, at every task's end: `memory.release_task_memory`)
+    # and so never write to the pages the workers share with the daemon.
+    gc.freeze()
+    frozen = gc.get_freeze_count()
     from pyspark import daemon
 
     daemon.manager()
