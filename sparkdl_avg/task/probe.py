@@ -44,12 +44,15 @@ def warm_up() -> None:
 def import_for_training() -> bool:
     """Import what a training task needs (`warm_up`, `task.warm_daemon`); whether all of it
     imported. Only a head start: a failure is the task's to report when it imports them."""
-    try:
-        import torch._dynamo  # noqa: F401 - the first optimizer imports it, ~1.5 s cold
+    from sparkdl_avg._gc_pause import collector_paused
 
-        from sparkdl_avg.averaging import driver_channel, flat_buffer  # noqa: F401
-        from sparkdl_avg.data import batches, partition  # noqa: F401
-        from sparkdl_avg.task import async_loop, entry, replica, sync_loop  # noqa: F401
+    try:
+        with collector_paused():
+            import torch._dynamo  # noqa: F401 - the first optimizer imports it, ~1.5 s cold
+
+            from sparkdl_avg.averaging import driver_channel, flat_buffer  # noqa: F401
+            from sparkdl_avg.data import batches, partition  # noqa: F401
+            from sparkdl_avg.task import async_loop, entry, replica, sync_loop  # noqa: F401
     except Exception:  # noqa: BLE001
         return False
     return True

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from sparkdl_avg._gc_pause import collector_paused
+
 log = logging.getLogger("sparkdl_avg")
 _FLUSH_EVERY_S = 1.0
 _MAX_BATCH = 1000
@@ -91,6 +93,10 @@ class RunLogger:
             self._warm.join(timeout=120)
 
     def _open(self, active, parent: str | None) -> None:
+        with collector_paused():  # a first fit imports MLflow and its store's SQLAlchemy here
+            self._open_run(active, parent)
+
+    def _open_run(self, active, parent: str | None) -> None:
         import mlflow
         from mlflow.tracking import MlflowClient
 
@@ -286,30 +292,35 @@ def _warm_up(logs_model: bool) -> None:
     and MLflow's model saving (torch.export's first export alone takes over a second), on a
     2-parameter model saved to a folder that is then removed. Once a process: a later fit's
     saving would only take CPU from its workers (0.3-0.5 s a fit on two busy cores)."""
-    global _saved_a_model
     try:
-        import shutil
-        import tempfile
-
-        from matplotlib.figure import Figure  # noqa: F401
-
-        from sparkdl_avg.tracking import plots  # noqa: F401
-
-        if not logs_model or _saved_a_model:
-            return
-        import mlflow.pytorch
-        import torch
-
-        folder = tempfile.mkdtemp(prefix="sparkdl-avg-warm-up-")
-        try:
-            mlflow.pytorch.save_model(torch.nn.Linear(2, 1).eval(), f"{folder}/model",
-                                      input_example=np.zeros((2, 2), np.float32),
-                                      pip_requirements=["torch"])
-            _saved_a_model = True
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        with collector_paused():  # a first fit imports matplotlib and torch.export here
+            _import_and_save(logs_model)
     except Exception:  # noqa: BLE001 - only a head start
         log.debug("warm-up failed", exc_info=True)
+
+
+def _import_and_save(logs_model: bool) -> None:
+    global _saved_a_model
+    import shutil
+    import tempfile
+
+    from matplotlib.figure import Figure  # noqa: F401
+
+    from sparkdl_avg.tracking import plots  # noqa: F401
+
+    if not logs_model or _saved_a_model:
+        return
+    import mlflow.pytorch
+    import torch
+
+    folder = tempfile.mkdtemp(prefix="sparkdl-avg-warm-up-")
+    try:
+        mlflow.pytorch.save_model(torch.nn.Linear(2, 1).eval(), f"{folder}/model",
+                                  input_example=np.zeros((2, 2), np.float32),
+                                  pip_requirements=["torch"])
+        _saved_a_model = True
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _start_system_metrics(run_id: str, tracking_uri: str):
