@@ -12,7 +12,11 @@ and the MLflow store existing, as on any machine that has run a job before; both
 themselves either way).
 
     python bench/mnist1d_vs_torchdistributor.py [--sessions 2] [--repeats 3]
-        [--averaging-frequency 1] [--transport collective]
+        [--averaging-frequency 1] [--transport collective] [--overlap] [--c1-jit]
+
+`--c1-jit` gives both sessions' JVM `-XX:TieredStopAtLevel=1` (spark.driver.extraJavaOptions):
+in local mode that JVM is the executor too, and its C2 compiler's CPU (1.4-2.5 s a fit here)
+comes out of the training processes' two cores.
 """
 
 from __future__ import annotations
@@ -81,31 +85,36 @@ def run_torchdistributor(folder) -> tuple[float, float]:
     return time.perf_counter() - t0, acc
 
 
-def run_sparkdl_avg(spark, train_df, test_df, every: int,
-                    transport: str) -> tuple[float, float, dict]:
+def run_sparkdl_avg(spark, train_df, test_df, every: int, transport: str,
+                    overlap: bool) -> tuple[float, float, dict]:
     from sparkdl_avg import TrainConfig, fit
     from sparkdl_avg.examples import mnist1d
 
     cfg = TrainConfig(num_workers=2, epochs=EPOCHS, batch_size=BATCH, averaging_frequency=every,
                       optimizer="adam", lr=LR, seed=SEED, experiment_name="bench-mnist1d",
                       eval_every=10**6,  # evaluate once, after the last round, as DDP does
-                      transport=transport)
+                      transport=transport, overlap_averaging=overlap,
+                      # overlap needs checkpoints counted in rounds: after the last only,
+                      # as the timed default gives a fit this short
+                      checkpoint_every=10**6 if overlap else None)
     t0 = time.perf_counter()
     result = fit(train_df, mnist1d.mlp(HIDDEN), cfg, eval_df=test_df)
     return time.perf_counter() - t0, result.history[-1]["eval_accuracy"], result.timings
 
 
-def one_side(side: str, repeats: int, every: int, transport: str) -> list:
+def one_side(side: str, repeats: int, every: int, transport: str, overlap: bool,
+             c1_jit: bool) -> list:
     """This process: a fresh local[2] session and `repeats` runs of one side."""
     from sparkdl_avg import SPARK_CONF
     from sparkdl_avg.examples import mnist1d
 
-    spark = local_session(2, **SPARK_CONF)  # both sides: the settings our jobs use
+    jit = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"} if c1_jit else {}
+    spark = local_session(2, **SPARK_CONF, **jit)  # both sides: the settings our jobs use
     try:
         train_df, test_df = mnist1d.load(spark, 20_000)
         train_df.count()  # the session is up and has run a job, on both sides
         if side == "ours":
-            return [run_sparkdl_avg(spark, train_df, test_df, every, transport)
+            return [run_sparkdl_avg(spark, train_df, test_df, every, transport, overlap)
                     for _ in range(repeats)]
         folder = mnist1d.write_parquet(20_000, 42, None)
         return [run_torchdistributor(folder) for _ in range(repeats)]
@@ -122,11 +131,15 @@ def main() -> None:
                         help="1: average after every step, as DDP all-reduces every step")
     parser.add_argument("--transport", choices=["driver", "collective"], default="driver",
                         help="our side's sync transport")
+    parser.add_argument("--overlap", action="store_true",
+                        help="our side with overlap_averaging")
+    parser.add_argument("--c1-jit", action="store_true",
+                        help="both sessions' JVM compiles with C1 only")
     parser.add_argument("--side", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         print(json.dumps(one_side(args.side, args.repeats, args.averaging_frequency,
-                                  args.transport)))
+                                  args.transport, args.overlap, args.c1_jit)))
         return
     store = f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"
     import mlflow
@@ -138,7 +151,8 @@ def main() -> None:
             done = subprocess.run(
                 [sys.executable, __file__, "--side", side, "--repeats", str(args.repeats),
                  "--averaging-frequency", str(args.averaging_frequency),
-                 "--transport", args.transport],
+                 "--transport", args.transport] + (["--overlap"] if args.overlap else [])
+                + (["--c1-jit"] if args.c1_jit else []),
                 capture_output=True, text=True, check=True,
                 env={**os.environ, "MLFLOW_TRACKING_URI": store})
             runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -153,9 +167,11 @@ def main() -> None:
     ours, theirs = summary("ours"), summary("theirs")
     name = "mnist1d_vs_torchdistributor" + (
         f"_every_{args.averaging_frequency}" if args.averaging_frequency != 8 else "") + (
-        f"_{args.transport}" if args.transport != "driver" else "")
+        f"_{args.transport}" if args.transport != "driver" else "") + (
+        "_overlap" if args.overlap else "") + ("_c1_jit" if args.c1_jit else "")
     report(name, {
         "averaging_frequency": args.averaging_frequency, "transport": args.transport,
+        "overlap_averaging": args.overlap, "c1_jit": args.c1_jit,
         "sparkdl_avg": ours, "torchdistributor": theirs,
         "cold_ratio": ours["cold_median_s"] / theirs["cold_median_s"],
         "warm_ratio": ours["warm_median_s"] / theirs["warm_median_s"]
