@@ -21,11 +21,11 @@ pytestmark = pytest.mark.spark
 ROWS, BATCH, EVERY, EPOCHS, LR, MOMENTUM = 411, 4, 4, 2, 0.05, 0.9
 
 
-def reference_overlapped(x, y, *, hold: set[int]) -> torch.nn.Module:
+def reference_overlapped(x, y, *, hold: set[int], with_state: bool = False) -> torch.nn.Module:
     """Two replicas on rows g % 2, in DataFrame order, `EVERY` SGD steps a round. The
     exchange of round r returns after round r + 1 computed: x <- x - S_r + A_r, A_r the
     sample-weighted average of the pushed S_r. Rounds in `hold`, and the last, are waited
-    for: x <- A_r."""
+    for: x <- A_r. `with_state`: x holds the momentum buffers too, after the parameters."""
     shards = [(torch.from_numpy(x[w::2]), torch.from_numpy(y[w::2])) for w in range(2)]
     steps_per_epoch = -(-min(len(s[0]) for s in shards) // BATCH)
     total = steps_per_epoch * EPOCHS
@@ -33,15 +33,20 @@ def reference_overlapped(x, y, *, hold: set[int]) -> torch.nn.Module:
     replicas = [make_model_f64() for _ in range(2)]
     opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in replicas]
 
-    def flat(m):
-        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    def tensors(w):
+        params = list(replicas[w].parameters())
+        state = [opts[w].state[p]["momentum_buffer"] for p in params] if with_state else []
+        return params + state
 
-    def assign(m, values):
+    def flat(w):
+        return torch.cat([t.detach().reshape(-1) for t in tensors(w)])
+
+    def assign(w, values):
         offset = 0
         with torch.no_grad():
-            for p in m.parameters():
-                p.copy_(values[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for t in tensors(w):
+                t.copy_(values[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     pending = None
     for r in range(rounds):
@@ -55,40 +60,47 @@ def reference_overlapped(x, y, *, hold: set[int]) -> torch.nn.Module:
                 samples[w] += b - a
         if pending is not None:
             sent, average = pending
-            for m, s in zip(replicas, sent, strict=True):
-                assign(m, flat(m) - s + average)
-        sent = [flat(m) for m in replicas]
+            for w in range(2):
+                assign(w, flat(w) - sent[w] + average)
+        sent = [flat(w) for w in range(2)]
         average = (samples[0] * sent[0] + samples[1] * sent[1]) / sum(samples)
         if r in hold or r == rounds - 1:
-            for m in replicas:
-                assign(m, average)
+            for w in range(2):
+                assign(w, average)
             pending = None
         else:
             pending = (sent, average)
     return replicas[0]
 
 
-@pytest.mark.parametrize(("checkpoint_every", "transport"),
-                         [(0, "driver"), (3, "driver"), (3, "collective")])
-def test_overlapped_fit_equals_the_simulated_rule(spark, checkpoint_every, transport):
+@pytest.mark.parametrize(("checkpoint_every", "transport", "with_state"),
+                         [(0, "driver", False), (3, "driver", False), (3, "collective", False),
+                          (3, "driver", True)])
+def test_overlapped_fit_equals_the_simulated_rule(spark, checkpoint_every, transport,
+                                                  with_state):
     # 206 and 205 rows: unequal shards and partial last batches, so the weights matter;
     # checkpoint_every=3: every third round is waited for (the checkpoint takes the
-    # worker's state at the average), the others overlap. Either transport.
+    # worker's state at the average), the others overlap. Either transport; with the
+    # momentum buffers averaged too (they join the buffer after the first step).
     x, y = make_data(ROWS)
     cfg = TrainConfig(num_workers=2, epochs=EPOCHS, batch_size=BATCH,
                       averaging_frequency=EVERY, optimizer="sgd", lr=LR, momentum=MOMENTUM,
                       shuffle=False, log_model=False, overlap_averaging=True,
-                      checkpoint_every=checkpoint_every, transport=transport)
+                      checkpoint_every=checkpoint_every, transport=transport,
+                      average_optimizer_state=with_state)
     result = fit(frame(spark, x, y), make_model_f64, cfg)
     rounds = len(result.history)
     hold = {r for r in range(rounds) if checkpoint_every and (r + 1) % checkpoint_every == 0}
-    expected = reference_overlapped(x, y, hold=hold)
+    expected = reference_overlapped(x, y, hold=hold, with_state=with_state)
     assert max_param_diff(result.model, expected) < 1e-10
     # the rule is not plain averaging: without the overlap (every round held) it differs
-    plain = reference_overlapped(x, y, hold=set(range(rounds)))
+    plain = reference_overlapped(x, y, hold=set(range(rounds)), with_state=with_state)
     assert max_param_diff(plain, expected) > 1e-4
     if checkpoint_every:  # ... and the held rounds are not overlapped ones
-        assert max_param_diff(reference_overlapped(x, y, hold=set()), expected) > 1e-4
+        assert max_param_diff(reference_overlapped(x, y, hold=set(), with_state=with_state),
+                              expected) > 1e-4
+    if with_state:  # ... and the averaged momentum changes the trajectory
+        assert max_param_diff(reference_overlapped(x, y, hold=hold), expected) > 1e-4
 
 
 class SlowSteps(torch.nn.Module):
