@@ -27,6 +27,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # one mode's settings: passed on only when given (the other mode's are refused)
     p.add_argument("--averaging-frequency", type=int, help="sync: steps a round (8)")
     p.add_argument("--average-optimizer-state", action="store_const", const=True, help="sync")
+    p.add_argument("--overlap-averaging", action="store_const", const=True,
+                   help="sync: compute the next round while this one is averaged (needs "
+                        "--checkpoint-every)")
     p.add_argument("--eval-every", type=int, help="sync: rounds between evaluations (5)")
     p.add_argument("--checkpoint-every", type=int, help="sync: rounds between checkpoints")
     p.add_argument("--transport", choices=["driver", "collective"],
@@ -73,8 +76,9 @@ def main(argv: list[str]) -> int:
     from sparkdl_avg.examples import mnist1d
 
     per_mode = {name: getattr(args, name) for name in (
-        "averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
-        "transport", "algorithm", "push_every", "staleness_bound", "ps_checkpoint_every")
+        "averaging_frequency", "average_optimizer_state", "overlap_averaging", "eval_every",
+        "checkpoint_every", "transport", "algorithm", "push_every", "staleness_bound",
+        "ps_checkpoint_every")
         if getattr(args, name) is not None}
     if args.mode == "sync":  # evaluating 4,000 rows every round would cost ~40% of training
         per_mode.setdefault("eval_every", 5)
