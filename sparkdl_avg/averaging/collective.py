@@ -18,7 +18,7 @@ import torch
 
 from sparkdl_avg._errors import ProtocolError
 from sparkdl_avg.averaging.driver_channel import DriverChannel
-from sparkdl_avg.averaging.flat_buffer import FlatBuffer
+from sparkdl_avg.averaging.flat_buffer import WireBuffer
 from sparkdl_avg.averaging.process_group import TaskGroup
 from sparkdl_avg.averaging.transport import RoundReply, RoundReport, StartPoint, Transport
 from sparkdl_avg.net import messages as msg
@@ -48,7 +48,7 @@ class CollectiveChannel(Transport):
         self._model_numel = params.size  # optimizer state, if averaged, joins later
         return self._control.receive_start(params)
 
-    def exchange(self, report: RoundReport, flat: FlatBuffer) -> RoundReply:
+    def exchange(self, report: RoundReport, flat: WireBuffer) -> RoundReply:
         t0 = time.perf_counter()
         values, numel = flat.flat, self._model_numel
         if self._before is None:

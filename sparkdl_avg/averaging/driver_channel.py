@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from sparkdl_avg.averaging.coordinator import MAX_STATE_FACTOR
-from sparkdl_avg.averaging.flat_buffer import FlatBuffer
+from sparkdl_avg.averaging.flat_buffer import WireBuffer
 from sparkdl_avg.averaging.transport import RoundReply, RoundReport, StartPoint, Transport
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import authenticate_to_server
@@ -45,7 +45,7 @@ class DriverChannel(Transport):
             state = (frame.layout, payload)
         return StartPoint(round=start.round + 1, state=state, wait_next=start.wait_next)
 
-    def exchange(self, report: RoundReport, flat: FlatBuffer) -> RoundReply:
+    def exchange(self, report: RoundReport, flat: WireBuffer) -> RoundReply:
         params = flat.gather()
         msg.send(self._conn, msg.Push(**dataclasses.asdict(report), **msg.tensor(params)),
                  params)

@@ -19,7 +19,30 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class FlatBuffer:
+class WireBuffer:
+    """A flat tensor on its device (`flat`) and its host copy for the wire (`host`, the same
+    tensor on the CPU in the wire's dtype; `array` is its numpy view). What a transport
+    averages: `FlatBuffer`, or overlap's detached `Snapshot`."""
+
+    flat: torch.Tensor
+    host: torch.Tensor
+    array: np.ndarray
+
+    def gather(self) -> np.ndarray:
+        """The tensors' current values in `array`."""
+        if self.host is not self.flat:
+            self.host.copy_(self.flat, non_blocking=True)
+            sync_device(self.flat)
+        return self.array
+
+    def scatter(self) -> None:
+        """`array`'s values (e.g. a received average) into the tensors."""
+        if self.host is not self.flat:
+            self.flat.copy_(self.host, non_blocking=True)
+            sync_device(self.flat)
+
+
+class FlatBuffer(WireBuffer):
     """The tensors re-homed into one contiguous tensor, and its host copy for the wire.
 
     Each tensor's storage becomes a view of `flat` (`t.data = view`), so the module and the
@@ -46,18 +69,6 @@ class FlatBuffer:
                                     pin_memory=first.device.type == "cuda")
         self.array = self.host.numpy()
 
-    def gather(self) -> np.ndarray:
-        """The tensors' current values in `array`."""
-        if self.host is not self.flat:
-            self.host.copy_(self.flat, non_blocking=True)
-            sync_device(self.flat)
-        return self.array
-
-    def scatter(self) -> None:
-        """`array`'s values (e.g. a received average) into the tensors."""
-        if self.host is not self.flat:
-            self.flat.copy_(self.host, non_blocking=True)
-            sync_device(self.flat)
 
 
 def _same_layout(segment: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from sparkdl_avg._errors import ProtocolError
-from sparkdl_avg.averaging.flat_buffer import FlatBuffer, sync_device
+from sparkdl_avg.averaging.flat_buffer import FlatBuffer, WireBuffer, sync_device
 from sparkdl_avg.averaging.transport import RoundReply, RoundReport, Transport
 
 
-class Snapshot:
+class Snapshot(WireBuffer):
     """A replica's flat values as pushed (`sent`), and the copy the transport averages in
-    place (`flat`, with its host copy `array` for the wire): a FlatBuffer to the transport."""
+    place (`flat`, with its host copy for the wire)."""
 
     def __init__(self, source: FlatBuffer) -> None:
         self.flat = torch.empty_like(source.flat)
@@ -38,17 +38,6 @@ class Snapshot:
         self.sent.copy_(source.flat)
         self.flat.copy_(source.flat)
         sync_device(self.flat)
-
-    def gather(self):
-        if self.host is not self.flat:
-            self.host.copy_(self.flat, non_blocking=True)
-            sync_device(self.flat)
-        return self.array
-
-    def scatter(self) -> None:
-        if self.host is not self.flat:
-            self.flat.copy_(self.host, non_blocking=True)
-            sync_device(self.flat)
 
     def correct(self, replica: FlatBuffer) -> None:
         """The replica (which went on from `sent`) moved onto the average: x - sent + A."""

@@ -17,7 +17,7 @@ import numpy as np
 from sparkdl_avg.net import messages as msg
 
 if TYPE_CHECKING:
-    from sparkdl_avg.averaging.flat_buffer import FlatBuffer
+    from sparkdl_avg.averaging.flat_buffer import WireBuffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +68,7 @@ class Transport(ABC):
         """Wait for every worker; the parameters to start from go into `params`."""
 
     @abstractmethod
-    def exchange(self, report: RoundReport, flat: FlatBuffer) -> RoundReply:
+    def exchange(self, report: RoundReport, flat: WireBuffer) -> RoundReply:
         """Average this replica's `flat` buffer (parameters, then averaged optimizer state)
         with the others': the average ends up in the replica's tensors."""
 
