@@ -70,7 +70,6 @@ class FlatBuffer(WireBuffer):
         self.array = self.host.numpy()
 
 
-
 def _same_layout(segment: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """`segment` shaped as `t`, keeping a channels_last layout (a conv model converted with
     `model.to(memory_format=torch.channels_last)` stays so, and its kernels fast)."""

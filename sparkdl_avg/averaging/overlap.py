@@ -4,8 +4,8 @@ worker learned meanwhile, x <- A_r + (x - S_r), S_r being the replica it pushed 
 Shen et al., "Faster Distributed Deep Net Training: Computation and Communication Decoupled
 Stochastic Gradient Descent", IJCAI 2019).
 
-The transport does not change: it averages a detached copy of the replica (`Snapshot`, with
-a `FlatBuffer`'s interface) instead of the model's own tensors."""
+The transport does not change: it averages a detached copy of the replica (`Snapshot`, a
+`WireBuffer` like the model's own `FlatBuffer`) instead of the model's own tensors."""
 
 from __future__ import annotations
 
