@@ -5,7 +5,8 @@ mid-training (a lost executor; the worker starts a new one). Then the fit with t
 CUDA faked to disagree with the discovery scripts. Writes the task reports, the
 recovered failures, the rounds the second fit logged, how many training steps partition
 `FAULT_PARTITION` ran in all (recomputed ones included), the schedule the fault fired in and
-whether both fits ended with the same parameters, and what the fake-GPU fits did, as JSON."""
+whether both fits ended with the same parameters, what the fake-GPU fits did and the
+executors alive before and after them, as JSON."""
 
 import json
 import math
@@ -13,6 +14,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from functools import partial
 from pathlib import Path
 
@@ -72,6 +74,11 @@ def _executor_pid() -> int:
     raise RuntimeError("no executor JVM above this process")
 
 
+def _executor_ids(spark) -> list[str]:
+    ids = spark.sparkContext._jsc.sc().getExecutorIds()  # the live ones, driver excluded
+    return sorted(ids.apply(i) for i in range(ids.size()))
+
+
 def fake_gpu_fits(df, fake_cuda: Path) -> dict:
     """The same fit with the executors' CUDA faked (`fake_cuda/sitecustomize.py`) to show
     GPUs that disagree with the discovery scripts' addresses "0" and "1": what each fit raised,
@@ -125,13 +132,18 @@ def main(out_path: str, master: str) -> None:
                     "epochs": CONFIG.epochs, "averaging_frequency": CONFIG.averaging_frequency,
                     "checkpoint_every": CONFIG.checkpoint_every,
                     "fault_partition": FAULT_PARTITION, "at_call": AT_CALL}
+        executors = {"before_fake_gpus": _executor_ids(spark)}
+        fake = fake_gpu_fits(df, fake_cuda)
+        time.sleep(2)  # an executor that dies as its task is killed is reported in ms
+        executors["after_fake_gpus"] = _executor_ids(spark)
         with open(out_path, "w") as f:
             json.dump({"workers": plain.workers, "failures": recovered.failures,
                        "killed": os.path.exists(os.path.join(folder, "killed")),
                        "rounds": [h["round"] for h in recovered.history],
                        "fault_partition_steps": steps.stat().st_size if steps.exists() else 0,
                        "schedule": schedule, "same_parameters": same,
-                       "fake_gpus": fake_gpu_fits(df, fake_cuda)}, f)
+                       "fake_gpus": fake,
+                       "executors": executors}, f)
     finally:
         spark.stop()
 

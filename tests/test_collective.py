@@ -181,3 +181,34 @@ def test_a_collective_fit_that_diverges_fails_naming_the_workers(data, mlflow_cl
                                             r"in round 0"):
         fit(data, diverges, TrainConfig(**BASE, transport="collective"))
     assert latest_run(mlflow_client, "collective").info.status == "FAILED"
+
+
+def test_the_group_forms_only_after_the_driver_sends_the_start(monkeypatch):
+    """The driver sends the start once every task has loaded its data and joined: forming the
+    group (the barrier's all-gather) only then, no task waits in the gather for a peer that
+    may still fail loading (a task killed there takes its executor down with it)."""
+    import numpy as np
+
+    from sparkdl_avg.averaging import collective
+
+    events = []
+
+    class Control:
+        local_address = "127.0.0.1"
+
+        def open(self, hello):
+            events.append("open")
+
+        def receive_start(self, params):
+            events.append("start")
+            return "start point"
+
+    monkeypatch.setattr(collective.TaskGroup, "form",
+                        classmethod(lambda cls, **kw: events.append("form") or "group"))
+    channel = collective.CollectiveChannel(
+        Control(), rank=0, world=2, device=torch.device("cpu"), all_gather=None,
+        connect_timeout_s=1, round_timeout_s=1)
+    channel.open(hello=None)
+    assert events == ["open"]
+    assert channel.receive_start(np.zeros(3, dtype=np.float32)) == "start point"
+    assert events == ["open", "start", "form"]

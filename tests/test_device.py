@@ -113,13 +113,14 @@ def test_device_cuda_without_gpu_scheduling_is_refused():
         check_gpu_scheduling("spark://host:7077", 0.0, "cuda")
 
 
-def test_the_task_refuses_a_gpu_another_task_on_its_host_was_given():
+def test_the_task_refuses_a_gpu_another_task_on_its_host_was_given(monkeypatch):
     """The barrier all-gather's plumbing: each task's (rank, host, UUID) in, ClusterError out."""
     import json
     import socket
 
+    from sparkdl_avg.task import device
     from sparkdl_avg.task.device import DeviceChoice
-    from sparkdl_avg.task.entry import _refuse_shared_gpus
+    from sparkdl_avg.task.entry import _agree_on_devices
 
     class Peers:
         def __init__(self, theirs):
@@ -130,10 +131,48 @@ def test_the_task_refuses_a_gpu_another_task_on_its_host_was_given():
 
     host = socket.gethostname()
     mine = DeviceChoice("cuda:0", "0", None, "aaaa")
+    monkeypatch.setattr(device, "task_device", lambda wanted: mine)
     with pytest.raises(ClusterError, match=f"tasks 0 and 1 on host {host} were both given"):
-        _refuse_shared_gpus(Peers([1, host, "aaaa"]), 0, mine)
-    _refuse_shared_gpus(Peers([1, host, "bbbb"]), 0, mine)
-    _refuse_shared_gpus(Peers([1, "elsewhere", "aaaa"]), 0, mine)
+        _agree_on_devices(Peers([1, host, "aaaa", None]), 0, "auto")
+    assert _agree_on_devices(Peers([1, host, "bbbb", None]), 0, "auto") is mine
+    assert _agree_on_devices(Peers([1, "elsewhere", "aaaa", None]), 0, "auto") is mine
+
+
+def test_a_task_whose_device_check_fails_still_joins_the_gather(monkeypatch):
+    """No task may be left waiting in the barrier's all-gather for a peer that already failed
+    (Spark kills a waiting task's executor when the stage is cancelled): the failing task
+    says why in the gather and raises its own error; its peers fail naming it."""
+    import json
+
+    from sparkdl_avg.task import device
+    from sparkdl_avg.task.device import DeviceChoice
+    from sparkdl_avg.task.entry import _agree_on_devices
+
+    gathered = []
+
+    class Peers:
+        def __init__(self, theirs):
+            self.theirs = theirs
+
+        def allGather(self, mine):  # noqa: N802 - pyspark's name
+            gathered.append(json.loads(mine))
+            return [mine, json.dumps(self.theirs)]
+
+    def hidden(wanted):
+        raise ClusterError("Spark assigned GPU 0, but CUDA_VISIBLE_DEVICES='1,2' hides it")
+
+    monkeypatch.setattr(device, "task_device", hidden)
+    with pytest.raises(ClusterError, match="CUDA_VISIBLE_DEVICES='1,2' hides it"):
+        _agree_on_devices(Peers([1, "h", "bbbb", None]), 0, "auto")
+    assert gathered[-1][2] is None and "hides it" in gathered[-1][3]
+
+    monkeypatch.setattr(device, "task_device",
+                        lambda wanted: DeviceChoice("cuda:0", "1", None, "bbbb"))
+    with pytest.raises(ClusterError, match="partition 0 on h has no device to train on: "
+                                           "ClusterError: Spark assigned GPU 0"):
+        _agree_on_devices(Peers([0, "h", None, "ClusterError: Spark assigned GPU 0"]), 1,
+                          "auto")
+    assert gathered[-1] == [1, gathered[-1][1], "bbbb", None]
 
 
 def test_device_errors_before_training_are_final_not_retried():

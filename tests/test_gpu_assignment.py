@@ -54,6 +54,17 @@ def test_a_gpu_hidden_by_cuda_visible_devices_is_refused_before_any_device_is_us
 
 
 @pytest.mark.cluster
+def test_a_fit_refused_on_its_devices_leaves_every_executor_alive(cluster_fits):
+    """The task that finds no device still joins the barrier's all-gather, so no peer is left
+    waiting there when the stage is cancelled: Spark would kill that peer's whole executor
+    (a TaskKilledException escapes `barrierAndServe`, exit code 50), and the next fit could be
+    scheduled on the dying executor."""
+    executors = cluster_fits["executors"]
+    assert len(executors["before_fake_gpus"]) == 2
+    assert executors["after_fake_gpus"] == executors["before_fake_gpus"]
+
+
+@pytest.mark.cluster
 def test_gpus_listed_out_of_order_are_each_found_by_their_id(cluster_fits):
     """CUDA_VISIBLE_DEVICES="1,0": GPU 0 is cuda:1 and GPU 1 is cuda:0, one task each; the
     fake devices then refuse to run, which stops the fit as a final device error."""

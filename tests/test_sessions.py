@@ -150,6 +150,37 @@ def test_a_probe_job_without_its_slots_is_interrupted_at_its_deadline(spark):
     assert spark.range(4).count() == 4  # the interrupted job left the session usable
 
 
+def test_a_probe_job_that_loses_an_executor_runs_again_and_nothing_else_does():
+    """An executor lost under the probe (the CI run that lost one as the previous fit's
+    failed barrier stage was cancelled) is no reason to fail the fit: the cluster replaces it.
+    A failure of the probe's own doing is raised at once; the attempts are bounded."""
+    from sparkdl_avg.driver.probe import run_past_lost_executors
+
+    lost = RuntimeError("Job aborted due to stage failure: ... ExecutorLostFailure (executor 0 "
+                        "exited unrelated to the running tasks) Reason: Command exited with "
+                        "code 50")
+    calls = []
+
+    def flaky(failures, cause):
+        def run_once(timeout):
+            calls.append(timeout)
+            if len(calls) <= failures:
+                raise ClusterError("the probe job before training failed") from cause
+            return ["rows"]
+        return run_once
+
+    assert run_past_lost_executors(flaky(1, lost), 30.0) == ["rows"]
+    assert len(calls) == 2 and 0 < calls[1] <= calls[0] <= 30.0
+    calls.clear()
+    with pytest.raises(ClusterError):
+        run_past_lost_executors(flaky(1, RuntimeError("ModuleNotFoundError: sparkdl_avg")), 30)
+    assert len(calls) == 1
+    calls.clear()
+    with pytest.raises(ClusterError):
+        run_past_lost_executors(flaky(5, lost), 30.0, attempts=3)
+    assert len(calls) == 3
+
+
 def test_the_driver_address_is_chosen_for_the_session_kind_or_given(spark):
     from sparkdl_avg.driver.cluster import driver_address
 

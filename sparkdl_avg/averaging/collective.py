@@ -36,17 +36,21 @@ class CollectiveChannel(Transport):
         self._before: torch.Tensor | None = None
 
     def open(self, hello: msg.WorkerHello) -> None:
-        """Join the driver, then form the group: every task has loaded its data by now."""
         self._control.open(hello)
+
+    def receive_start(self, params: np.ndarray) -> StartPoint:
+        """From the driver, as with the driver transport (once per attempt), then form the
+        group. The driver sends the start once every task has loaded its data and joined, so
+        no task waits in the barrier's all-gather for a peer that may still fail loading:
+        a task waiting there when the stage is cancelled takes its whole executor down
+        (Spark's `barrierAndServe` lets the TaskKilledException escape)."""
+        self._model_numel = params.size  # optimizer state, if averaged, joins later
+        start = self._control.receive_start(params)
         self._group = TaskGroup.form(
             rank=self._rank, world=self._world, address=self._control.local_address,
             device=self._device, all_gather=self._all_gather,
             connect_timeout_s=self._connect_timeout_s, op_timeout_s=self._round_timeout_s)
-
-    def receive_start(self, params: np.ndarray) -> StartPoint:
-        """From the driver, as with the driver transport: once per attempt."""
-        self._model_numel = params.size  # optimizer state, if averaged, joins later
-        return self._control.receive_start(params)
+        return start
 
     def exchange(self, report: RoundReport, flat: WireBuffer) -> RoundReply:
         t0 = time.perf_counter()

@@ -7,18 +7,25 @@ either kind of session, so a cold fit pays for one job:
 - whether every executor reaches the address the driver's servers will listen on (a laptop
   talking to a remote cluster must hear so in seconds, not after the connect timeout);
 - whether each executor has a local directory for spill files (`data_cache="disk"`).
+
+An executor lost under the probe (not by its doing) is replaced by the cluster: the probe
+runs again, within its deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 import uuid
 from functools import partial
 
 from sparkdl_avg._errors import ClusterError
 from sparkdl_avg.driver import session
 from sparkdl_avg.driver.load_monitor import LoadMonitor
+
+log = logging.getLogger(__name__)
 
 
 def probe_cluster(spark, config, profile, address, deadline_s: float, *,
@@ -40,9 +47,10 @@ def probe_cluster(spark, config, profile, address, deadline_s: float, *,
     try:
         fn = partial(probe_task, server.reachable_at, server.secret)
         frame = spark.range(n, numPartitions=n)
-        job = _TaggedJob(spark, lambda: frame.mapInArrow(fn, SCHEMA, barrier=True,
-                                                         profile=profile).collect())
-        rows = job.run(deadline_s)
+        rows = run_past_lost_executors(
+            lambda timeout: _TaggedJob(spark, lambda: frame.mapInArrow(
+                fn, SCHEMA, barrier=True, profile=profile).collect()).run(timeout),
+            deadline_s)
     finally:
         server.close()
     if rows is None:
@@ -61,6 +69,28 @@ def probe_cluster(spark, config, profile, address, deadline_s: float, *,
             "outside the cluster's network cannot host the averaging)")
     check_local_dirs({r["host"]: r["local_dirs"] for r in rows if r["local_dirs"]},
                      config.data_cache)
+
+
+PROBE_ATTEMPTS = 3
+"""Runs of the probe job when an executor is lost under it (none of its own doing)."""
+
+
+def run_past_lost_executors(run_once, deadline_s: float, attempts: int = PROBE_ATTEMPTS):
+    """`run_once(timeout)`, run again while it fails because Spark lost an executor under it
+    (a machine preempted, or an executor dying as a previous fit's failed barrier stage was
+    cancelled) and the deadline allows: the cluster replaces the executor, and a fit should
+    not fail on what the next attempt would not meet. Any other failure is raised at once."""
+    deadline, attempt = time.monotonic() + deadline_s, 1
+    while True:
+        try:
+            return run_once(max(0.0, deadline - time.monotonic()))
+        except ClusterError as exc:
+            lost = "ExecutorLostFailure" in str(exc.__cause__ or exc)
+            if not lost or attempt == attempts or time.monotonic() >= deadline:
+                raise
+            attempt += 1
+            log.warning("the probe job lost an executor (%s); running it again (attempt %d "
+                        "of %d)", exc, attempt, attempts)
 
 
 class _TaggedJob:

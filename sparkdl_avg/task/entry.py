@@ -54,9 +54,9 @@ def _run(spec: WorkerSpec, batches: Iterator):
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
     set_deterministic(config.deterministic)  # before CUDA starts: cuBLAS reads its setting
-    choice = task_device(config.device)
-    if spec.gpu_tasks:  # every task or none: the same spec reaches them all
-        _refuse_shared_gpus(ctx, rank, choice)
+    # every task or none: the same spec reaches them all
+    choice = _agree_on_devices(ctx, rank, config.device) if spec.gpu_tasks \
+        else task_device(config.device)
     device = torch.device(choice.device)
     if device.type == "cuda":
         with _final_on_device_errors(choice, "start on"):
@@ -135,18 +135,37 @@ def _final_on_device_errors(choice, what: str):
                            f"{choice.gpu_address}): {exc}") from exc
 
 
-def _refuse_shared_gpus(ctx, rank: int, choice) -> None:
-    """Every task says which GPU it got (a barrier all-gather, before any data moves); two
-    tasks on one host with one GPU stop the fit with a ClusterError naming both."""
+def _agree_on_devices(ctx, rank: int, wanted: str):
+    """This task's device, once every task has said which GPU it got, or why it has none (a
+    barrier all-gather, before any data moves). Two tasks on one host with one GPU stop the
+    fit with a ClusterError naming both. A task whose device check fails still joins the
+    gather, and every task then fails with its error: a task left waiting in the gather when
+    the stage is cancelled takes its whole executor down (Spark's `barrierAndServe` lets the
+    TaskKilledException escape to the executor's uncaught-exception handler, exit code 50),
+    and the next fit would meet a dying executor."""
     import json
 
     from sparkdl_avg._errors import ClusterError
-    from sparkdl_avg.task.device import shared_gpus
+    from sparkdl_avg.task.device import shared_gpus, task_device
 
-    mine = json.dumps([rank, socket.gethostname(), choice.uuid])
-    problem = shared_gpus([tuple(json.loads(m)) for m in ctx.allGather(mine)])
+    host = socket.gethostname()
+    try:
+        choice, own_error = task_device(wanted), None
+        mine = json.dumps([rank, host, choice.uuid, None])
+    except Exception as exc:  # noqa: BLE001 - raised below, after the gather
+        own_error = exc
+        mine = json.dumps([rank, host, None, f"{type(exc).__name__}: {exc}"[:2000]])
+    said = [json.loads(m) for m in ctx.allGather(mine)]
+    if own_error is not None:
+        raise own_error
+    failed = [(r, h, error) for r, h, _, error in said if error is not None]
+    if failed:
+        r, h, error = min(failed)
+        raise ClusterError(f"partition {r} on {h} has no device to train on: {error}")
+    problem = shared_gpus([(r, h, uuid) for r, h, uuid, _ in said])
     if problem:
         raise ClusterError(problem)
+    return choice
 
 
 def _mb(n: int | None) -> float | None:
