@@ -88,6 +88,10 @@ class Server:
         """No new connections from now on; the ones already served stay."""
         listener, self._listener = self._listener, None
         if listener is not None:
+            # wakes the accept loop now, not at its next poll (closing alone does not wake
+            # a thread blocked on the socket): an owner's close() returns at once
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
             listener.close()
         with self._lock:
             for handle in list(self._pending.values()):
