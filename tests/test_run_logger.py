@@ -16,3 +16,28 @@ def test_the_model_saving_warm_up_runs_once_a_process(monkeypatch):
     run._warm_up(logs_model=True)
     run._warm_up(logs_model=True)
     assert len(saved) == 1
+
+
+def test_the_run_imports_pyspark_ml_before_it_writes_params(tmp_path):
+    """MLflow's Param reads `pyspark.ml.param` once "pyspark.ml" is in sys.modules: had the
+    caller's thread been halfway through importing it (the dataset schema does), the write
+    failed and the fit with it ("cannot access submodule 'ml'", seen in a test run). The run's
+    writer imports it whole before it writes anything."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pyspark\n"
+        "from sparkdl_avg.tracking.run import RunLogger\n"
+        "assert 'pyspark.ml' not in sys.modules\n"
+        "with RunLogger(experiment_name='imports', run_name='r', tags={}) as run:\n"
+        "    run.log_params({'a': 1})\n"
+        "    run.ready()\n"
+        "    assert hasattr(pyspark, 'ml') and hasattr(pyspark.ml, 'param')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path,
+                          env={**os.environ,
+                               "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"})
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -94,6 +94,7 @@ class RunLogger:
 
     def _open(self, active, parent: str | None) -> None:
         with collector_paused():  # a first fit imports MLflow and its store's SQLAlchemy here
+            _import_pyspark_ml()
             self._open_run(active, parent)
 
     def _open_run(self, active, parent: str | None) -> None:
@@ -321,6 +322,16 @@ def _import_and_save(logs_model: bool) -> None:
         _saved_a_model = True
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _import_pyspark_ml() -> None:
+    """MLflow's `Param` checks `"pyspark.ml" in sys.modules`, then reads `pyspark.ml.param`.
+    While another thread is halfway through importing pyspark.ml (the fit's dataset schema,
+    through MLflow's `_infer_schema`, imports it on the caller's thread), that read fails
+    ("cannot access submodule 'ml' of module 'pyspark'") and the fit with it. Imported whole
+    here, on the thread that writes the params, before it writes any."""
+    with contextlib.suppress(ImportError):
+        import pyspark.ml.param  # noqa: F401
 
 
 def _start_system_metrics(run_id: str, tracking_uri: str):
