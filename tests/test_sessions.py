@@ -181,6 +181,43 @@ def test_a_probe_job_that_loses_an_executor_runs_again_and_nothing_else_does():
     assert len(calls) == 3
 
 
+def test_a_probe_runs_again_only_when_what_it_checked_changed(spark, monkeypatch):
+    """A warm session's next fit skips the probe job its executors already passed; other
+    executors, another worker count or a port the user gave (the probe finds it taken) run
+    it again. On Connect, which cannot list executors, it runs every time."""
+    import socket
+
+    from sparkdl_avg.driver import cluster, probe, session
+
+    ran = []
+    real = probe.probe_cluster
+    monkeypatch.setattr(probe, "probe_cluster", lambda *a, **k: ran.append(1) or real(*a, **k))
+    monkeypatch.setattr(cluster, "_PROBED", set())
+    config = TrainConfig(num_workers=2)
+    cluster.check_cluster(spark, config)
+    cluster.check_cluster(spark, config)
+    if session.is_connect(spark):
+        assert len(ran) == 2
+        return
+    assert len(ran) == 1
+    cluster.check_cluster(spark, replace(config, num_workers=1))
+    assert len(ran) == 2
+    with socket.create_server(("127.0.0.1", 0)) as free:
+        port = free.getsockname()[1]
+    given = replace(config, driver_address=f"127.0.0.1:{port}")
+    cluster.check_cluster(spark, given)
+    cluster.check_cluster(spark, given)
+    assert len(ran) == 4
+    listed = session.executors(spark)
+    monkeypatch.setattr(session, "executors", lambda s: (*listed, "a new executor"))
+    cluster.check_cluster(spark, config)
+    assert len(ran) == 5
+    monkeypatch.setattr(session, "executors", lambda s: None)  # as on Connect
+    cluster.check_cluster(spark, config)
+    cluster.check_cluster(spark, config)
+    assert len(ran) == 7
+
+
 def test_the_driver_address_is_chosen_for_the_session_kind_or_given(spark):
     from sparkdl_avg.driver.cluster import driver_address
 

@@ -66,7 +66,8 @@ def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S, *,
     `num_workers` tasks at once (waiting up to `wait_s` for executors still registering or
     replacing a lost one), then one probe job (`probe_cluster`). Before a `restart`, the
     probe runs only where the slots are not known otherwise (Connect), on a port of its own
-    (the fit's servers hold theirs)."""
+    (the fit's servers hold theirs); nor does it run again where an earlier one found the
+    same executors fit (`_probe_key`)."""
     num_workers, device = config.num_workers, config.device
     master = session.conf(spark, "spark.master", "")
     profile, gpus = training_resources(spark, device)
@@ -99,7 +100,29 @@ def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S, *,
             return ClusterError(f"the probe job before training did not finish within "
                                 f"{s:.0f}s, though the cluster has {slots} task slots: "
                                 "are the executors' Python workers starting?")
+    probed = _probe_key(spark, config, address, slots)
+    if probed is not None and probed in _PROBED:
+        return
     probe_cluster(spark, config, profile, address, wait_s + PROBE_S, too_few_slots=too_late)
+    if probed is not None:
+        _PROBED.add(probed)
+
+
+_PROBED: set[tuple] = set()
+"""What probe jobs found fit: a later fit that asks the same of the same executors skips
+its probe (a Spark job, 0.1-0.3 s of a warm fit), as a restart does."""
+
+
+def _probe_key(spark, config, address: DriverAddress, slots: int | None) -> tuple | None:
+    """What a probe's verdict depends on: the application and its executors, the slots, the
+    address the servers listen on and the data cache. None where it must run every time: on
+    Connect (executors cannot be listed there), or on a port the user gave (the probe is what
+    finds it taken)."""
+    executors = session.executors(spark)
+    if executors is None or slots is None or address.port != 0:
+        return None
+    return (executors, slots, config.num_workers, config.device, address.bind,
+            address.advertise, config.data_cache)
 
 
 def _too_few_slots(spark, num_workers: int, gpus: float, what: str) -> ClusterError:

@@ -82,6 +82,16 @@ def concurrent_slots(spark, profile=None) -> int | None:
     return int(jsc.maxNumConcurrentTasks(profile._java_resource_profile))
 
 
+def executors(spark) -> tuple[str, ...] | None:
+    """The application's id, then its live executors' ids, sorted (none in local mode: the
+    driver runs the tasks); None on Connect, which cannot list them."""
+    if is_connect(spark):
+        return None
+    sc = spark.sparkContext
+    ids = sc._jsc.sc().getExecutorIds()
+    return (sc.applicationId, *sorted(ids.apply(i) for i in range(ids.size())))
+
+
 def tag_jobs(spark, tag: str, description: str) -> None:
     """Mark the jobs this thread starts from now on, for `cancel_jobs` (and, on a classic
     session, for the status tracker): a job tag on Connect, a job group on a classic
