@@ -24,6 +24,7 @@ import torch
 from pyspark.sql import SparkSession
 
 from sparkdl_avg import TrainConfig, fit
+from sparkdl_avg.driver import session  # the live executors, after the app id
 
 ROWS = 64
 CONFIG = TrainConfig(num_workers=2, batch_size=8, epochs=3, averaging_frequency=2,
@@ -72,11 +73,6 @@ def _executor_pid() -> int:
             return pid
         pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     raise RuntimeError("no executor JVM above this process")
-
-
-def _executor_ids(spark) -> list[str]:
-    ids = spark.sparkContext._jsc.sc().getExecutorIds()  # the live ones, driver excluded
-    return sorted(ids.apply(i) for i in range(ids.size()))
 
 
 def fake_gpu_fits(df, fake_cuda: Path) -> dict:
@@ -132,10 +128,10 @@ def main(out_path: str, master: str) -> None:
                     "epochs": CONFIG.epochs, "averaging_frequency": CONFIG.averaging_frequency,
                     "checkpoint_every": CONFIG.checkpoint_every,
                     "fault_partition": FAULT_PARTITION, "at_call": AT_CALL}
-        executors = {"before_fake_gpus": _executor_ids(spark)}
+        executors = {"before_fake_gpus": list(session.executors(spark)[1:])}
         fake = fake_gpu_fits(df, fake_cuda)
         time.sleep(2)  # an executor that dies as its task is killed is reported in ms
-        executors["after_fake_gpus"] = _executor_ids(spark)
+        executors["after_fake_gpus"] = list(session.executors(spark)[1:])
         with open(out_path, "w") as f:
             json.dump({"workers": plain.workers, "failures": recovered.failures,
                        "killed": os.path.exists(os.path.join(folder, "killed")),

@@ -113,21 +113,29 @@ def test_device_cuda_without_gpu_scheduling_is_refused():
         check_gpu_scheduling("spark://host:7077", 0.0, "cuda")
 
 
+class Peers:
+    """A barrier context whose one other task says `theirs` in the all-gather; what this
+    task said is kept in `gathered`."""
+
+    gathered: list = []
+
+    def __init__(self, theirs):
+        self.theirs = theirs
+
+    def allGather(self, mine):  # noqa: N802 - pyspark's name
+        import json
+
+        Peers.gathered.append(json.loads(mine))
+        return [mine, json.dumps(self.theirs)]
+
+
 def test_the_task_refuses_a_gpu_another_task_on_its_host_was_given(monkeypatch):
     """The barrier all-gather's plumbing: each task's (rank, host, UUID) in, ClusterError out."""
-    import json
     import socket
 
     from sparkdl_avg.task import device
     from sparkdl_avg.task.device import DeviceChoice
     from sparkdl_avg.task.entry import _agree_on_devices
-
-    class Peers:
-        def __init__(self, theirs):
-            self.theirs = theirs
-
-        def allGather(self, mine):  # noqa: N802 - pyspark's name
-            return [mine, json.dumps(self.theirs)]
 
     host = socket.gethostname()
     mine = DeviceChoice("cuda:0", "0", None, "aaaa")
@@ -142,21 +150,12 @@ def test_a_task_whose_device_check_fails_still_joins_the_gather(monkeypatch):
     """No task may be left waiting in the barrier's all-gather for a peer that already failed
     (Spark kills a waiting task's executor when the stage is cancelled): the failing task
     says why in the gather and raises its own error; its peers fail naming it."""
-    import json
-
     from sparkdl_avg.task import device
     from sparkdl_avg.task.device import DeviceChoice
     from sparkdl_avg.task.entry import _agree_on_devices
 
-    gathered = []
-
-    class Peers:
-        def __init__(self, theirs):
-            self.theirs = theirs
-
-        def allGather(self, mine):  # noqa: N802 - pyspark's name
-            gathered.append(json.loads(mine))
-            return [mine, json.dumps(self.theirs)]
+    gathered = Peers.gathered
+    gathered.clear()
 
     def hidden(wanted):
         raise ClusterError("Spark assigned GPU 0, but CUDA_VISIBLE_DEVICES='1,2' hides it")
