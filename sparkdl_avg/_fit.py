@@ -119,9 +119,11 @@ def fit(
                 raise ConfigError("resume_from needs mode='sync'; an async fit restarts its "
                                   "parameter server from the server's own checkpoint")
             resume = Resume(*open_source(resume_from, run.tracking_uri))
+        run.warm_up()  # in the wait for the first Spark job: cold executors import torch
         plan = make_plan(spark, train_df, eval_df, model_fn, config, features_col=features_col,
                          label_col=label_col, loss=loss, resume=resume, on_round=on_round)
         run.log_params(plan.params)
+        run.warmed_up()  # before importing MLflow's schema modules here
         log_datasets(run, train_df, sum(plan.data.train_sizes), eval_df,
                      sum(plan.data.eval_sizes))
         run.ready()  # a tracking store that fails stops the fit before training

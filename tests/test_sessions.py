@@ -127,6 +127,38 @@ def test_resume_from_a_directory_continues_to_the_same_parameters(synced, data, 
     assert same_parameters(resumed.model, synced.model)
 
 
+def test_the_end_of_fit_warm_up_runs_beside_the_first_spark_job(data, monkeypatch):
+    """What a fit logs at its end (matplotlib, MLflow's model saving) is warmed up while its
+    first Spark job runs, where a cold session's executors import torch and the driver idles,
+    not while the workers train, where it takes their CPU; and only once the run is open, so
+    that one thread at a time imports MLflow."""
+    import threading
+
+    from sparkdl_avg.driver import plan
+    from sparkdl_avg.tracking import run
+
+    warmed, opened = threading.Event(), []
+    open_run, check_cluster = run.RunLogger._open_run, plan.check_cluster
+
+    def slow_open(self, *args):
+        time.sleep(0.5)
+        open_run(self, *args)
+        opened.append(time.monotonic())
+
+    def warm_up(logs_model):
+        assert opened, "the warm-up started before the run was open"
+        warmed.set()
+
+    def first_job(spark, config):
+        assert warmed.wait(20), "the warm-up did not run beside the first Spark job"
+        check_cluster(spark, config)
+
+    monkeypatch.setattr(run.RunLogger, "_open_run", slow_open)
+    monkeypatch.setattr(run, "_warm_up", warm_up)
+    monkeypatch.setattr(plan, "check_cluster", first_job)
+    assert sync_fit(data).history
+
+
 def test_executors_that_cannot_reach_the_client_are_named_in_seconds(data, mlflow_client):
     started = time.monotonic()
     with pytest.raises(ClusterError, match=r"2 of 2 executors cannot reach this process at "

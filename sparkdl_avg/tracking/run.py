@@ -87,11 +87,6 @@ class RunLogger:
         self._opened = self._writes.submit(self._open, active.info if active else None, parent)
         return self
 
-    def _warmed_up(self) -> None:
-        """Before drawing or exporting: the warm-up must not export beside the real one."""
-        if self._warm is not None:
-            self._warm.join(timeout=120)
-
     def _open(self, active, parent: str | None) -> None:
         with collector_paused():  # a first fit imports MLflow and its store's SQLAlchemy here
             _import_pyspark_ml()
@@ -140,15 +135,35 @@ class RunLogger:
         """Write to the run on the MLflow thread, in order, once the run exists."""
         self._pending.append(self._writes.submit(write))
 
+    def warm_up(self) -> None:
+        """Start warming up what is logged at the end (`_warm_up`), once the run is open (so
+        one thread at a time imports MLflow). The fit starts it before its first Spark job:
+        in a cold session that job waits seconds for the executors' Python to import torch,
+        on one core while the other idles, and the warm-up fills that time instead of taking
+        CPU from the workers once they train."""
+        if self._warm is not None:
+            return
+
+        def after_open() -> None:
+            if self._opened.exception() is None:  # a run that failed to open fails the fit
+                _warm_up(self._logs_model)
+
+        self._warm = threading.Thread(target=after_open, name="sparkdl-avg-warm-up",
+                                      daemon=True)
+        self._warm.start()
+
+    def warmed_up(self) -> None:
+        """Wait for the warm-up (`warm_up`), if it started: before importing on another
+        thread what it imports (MLflow's model and schema modules, matplotlib); two threads
+        importing one import cycle at once can fail in Python's import locks."""
+        if self._warm is not None:
+            self._warm.join(timeout=120)
+
     def ready(self) -> RunLogger:
-        """Before training: wait for the run and its pending writes (`_drain`), and start
-        warming up what is logged at the end (`_warm_up`): from here on this process mostly
-        waits for its workers, where before it holds the GIL that the probe's server needs."""
+        """Before training: wait for the run and its pending writes (`_drain`); the warm-up
+        starts here if the fit has not started it yet."""
         self._drain()
-        if self._warm is None:
-            self._warm = threading.Thread(target=_warm_up, args=(self._logs_model,),
-                                          name="sparkdl-avg-warm-up", daemon=True)
-            self._warm.start()
+        self.warm_up()
         return self
 
     def _drain(self) -> None:
@@ -237,7 +252,7 @@ class RunLogger:
     def log_figure(self, make_figure, artifact_file: str) -> None:
         """Log the figure `make_figure()` draws. A picture that fails is a warning, not a
         failed fit: the training it shows is done."""
-        self._warmed_up()
+        self.warmed_up()  # it imports matplotlib
         try:
             self._client.log_figure(self.run_id, make_figure(), artifact_file)
         except Exception:  # noqa: BLE001
@@ -249,7 +264,7 @@ class RunLogger:
         import mlflow
         import torch
 
-        self._warmed_up()
+        self.warmed_up()  # never an export beside the warm-up's
         if input_example.dtype not in (np.float32, np.float64):  # numpy has no bfloat16
             model = copy.deepcopy(model).float()
             input_example = input_example.astype(np.float32)
