@@ -135,8 +135,9 @@ class AveragingModel(Model, HasFeaturesCol, HasPredictionCol, MLWritable, MLRead
         scored = result.transform(dataset, output_col=out)
         if self.classify:
             from pyspark.sql import functions as F
+            from pyspark.sql import types as T
 
-            scored = scored.withColumn(out, F.col(out).cast("double"))
+            scored = scored.withColumn(out, F.col(out).cast(T.DoubleType()))
         return scored
 
     def write(self) -> MLWriter:

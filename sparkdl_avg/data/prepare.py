@@ -63,7 +63,7 @@ def prepare(
     # Spark lays out the union's partitions.
     frames = [
         frame.select(F.col(FEATURES), F.col(LABEL).cast(label_type).alias(LABEL),
-                     F.lit(split).cast("byte").alias(SPLIT),
+                     F.lit(split).cast(T.ByteType()).alias(SPLIT),
                      F.spark_partition_id().alias("_pid"),
                      F.monotonically_increasing_id().alias("_mid"))
         for split, (frame, _) in enumerate(sides)
@@ -72,11 +72,12 @@ def prepare(
     stats = _validate(numbered, features_col, label_col, has_eval=eval_df is not None)
 
     offsets, stride = _row_offsets(stats["per_partition"])
-    local_pos = F.col("_mid") - F.shiftleft(F.col("_pid").cast("long"), 33)
-    slot = F.col(SPLIT).cast("int") * stride + F.col("_pid") + 1
+    local_pos = F.col("_mid") - F.shiftleft(F.col("_pid").cast(T.LongType()), 33)
+    slot = F.col(SPLIT).cast(T.IntegerType()) * stride + F.col("_pid") + 1
     row = F.element_at(F.array(*[F.lit(o) for o in offsets]), slot) + local_pos
     keys = _partition_keys(num_workers)
-    key = F.element_at(F.array(*[F.lit(k) for k in keys]), (row % num_workers).cast("int") + 1)
+    key = F.element_at(F.array(*[F.lit(k) for k in keys]),
+                       (row % num_workers).cast(T.IntegerType()) + 1)
     frame = (
         numbered.withColumn(INDEX, row)
         .withColumn("_key", key)
@@ -172,17 +173,17 @@ def _validate(numbered: DataFrame, features_col: object, label_col: str, *, has_
     bad_feature = F.col(FEATURES).isNull() | F.exists(
         F.col(FEATURES), lambda x: x.isNull() | F.isnan(x) | (F.abs(x) == float("inf"))
     )
-    label = F.col(LABEL).cast("double")
+    label = F.col(LABEL).cast(T.DoubleType())
     bad_label = label.isNull() | F.isnan(label) | (F.abs(label) == float("inf"))
     rows = numbered.groupBy(SPLIT, "_pid").agg(
         F.count(F.lit(1)).alias("rows"),
-        F.sum(bad_feature.cast("long")).alias("bad_features"),
-        F.sum(bad_label.cast("long")).alias("bad_labels"),
+        F.sum(bad_feature.cast(T.LongType())).alias("bad_features"),
+        F.sum(bad_label.cast(T.LongType())).alias("bad_labels"),
         F.min(F.size(FEATURES)).alias("min_width"),
         F.max(F.size(FEATURES)).alias("max_width"),
         F.min(label).alias("label_min"),
         F.max(label).alias("label_max"),
-        F.sum((label != F.floor(label)).cast("long")).alias("fractional_labels"),
+        F.sum((label != F.floor(label)).cast(T.LongType())).alias("fractional_labels"),
     ).collect()
     names = {TRAIN: "train_df", EVAL: "eval_df"}
     total = {TRAIN: 0, EVAL: 0}

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from functools import partial
 
 from pyspark.sql import DataFrame
+from pyspark.sql.types import StructType
 
 from sparkdl_avg._errors import TrainingError, WorkerLostError, from_task
 from sparkdl_avg.driver import session
@@ -55,7 +56,7 @@ class BarrierJob:
             spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,
                                        load_secret=monitor.secret,
                                        gpu_tasks=gpus > 0)
-            job = cls(frame, partial(run_task, spec), report.DDL, description,
+            job = cls(frame, partial(run_task, spec), report.spark_schema(), description,
                       rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
             job.profile = profile
             return job
@@ -63,7 +64,7 @@ class BarrierJob:
             monitor.close()
             raise
 
-    def __init__(self, frame: DataFrame, fn: Callable, schema: str, description: str,
+    def __init__(self, frame: DataFrame, fn: Callable, schema: StructType, description: str,
                  rows: int = 0, monitor: LoadMonitor | None = None) -> None:
         """`rows`: the rows the tasks load; while they load, progress (from `monitor`, which
         the job closes) is logged every LOAD_LOG_S."""

@@ -34,7 +34,8 @@ def probe_cluster(spark, config, profile, address, deadline_s: float, *,
     ClusterError naming the problem, `too_few_slots(deadline_s)` if the tasks did not all run
     within `deadline_s`."""
     from sparkdl_avg.driver.cluster import check_local_dirs
-    from sparkdl_avg.task.probe import SCHEMA, probe_task
+    from sparkdl_avg.task.probe import FIELDS, probe_task
+    from sparkdl_avg.task.report import struct_type
 
     n = config.num_workers
     server = LoadMonitor(host=address.bind, advertise=address.advertise, num_workers=n,
@@ -46,10 +47,10 @@ def probe_cluster(spark, config, profile, address, deadline_s: float, *,
                            f"executors: {exc}; choose another driver_address") from exc
     try:
         fn = partial(probe_task, server.reachable_at, server.secret)
-        frame = spark.range(n, numPartitions=n)
+        frame, schema = spark.range(n, numPartitions=n), struct_type(FIELDS)
         rows = run_past_lost_executors(
             lambda timeout: _TaggedJob(spark, lambda: frame.mapInArrow(
-                fn, SCHEMA, barrier=True, profile=profile).collect()).run(timeout),
+                fn, schema, barrier=True, profile=profile).collect()).run(timeout),
             deadline_s)
     finally:
         server.close()

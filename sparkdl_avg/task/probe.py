@@ -9,7 +9,9 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 
-SCHEMA = "partition int, host string, unreachable string, local_dirs string"
+FIELDS = (("partition", "int"), ("host", "string"), ("unreachable", "string"),
+          ("local_dirs", "string"))
+"""A probe task's row (`report.struct_type` gives its Spark schema)."""
 CONNECT_S = 5.0
 """How long a probe task tries to reach the driver: a firewall that drops packets costs this."""
 
@@ -59,13 +61,13 @@ def import_for_training() -> bool:
 
 
 def probe_task(address: tuple[str, int], secret: bytes, batches: Iterator) -> Iterator:
-    import pyarrow as pa
     from pyspark import BarrierTaskContext
 
     from sparkdl_avg.data.spill import local_dirs, unusable
     from sparkdl_avg.net.auth import authenticate_to_server
     from sparkdl_avg.net.frames import connect
     from sparkdl_avg.task.load_report import LoadReport
+    from sparkdl_avg.task.report import record_batch
 
     for _ in batches:  # one row a task: nothing to read
         pass
@@ -82,8 +84,5 @@ def probe_task(address: tuple[str, int], secret: bytes, batches: Iterator) -> It
     problems = [f"{d}: {why}" for d in local_dirs() if (why := unusable(d, 0)) is not None]
     dirs_problem = "; ".join(problems) if len(problems) == len(local_dirs()) else None
     warm_up()  # once the probe's own work is done: its imports would hold the GIL
-    yield pa.RecordBatch.from_pydict(
-        {"partition": [rank], "host": [socket.gethostname()], "unreachable": [unreachable],
-         "local_dirs": [dirs_problem]},
-        schema=pa.schema([("partition", pa.int32()), ("host", pa.string()),
-                          ("unreachable", pa.string()), ("local_dirs", pa.string())]))
+    yield record_batch({"partition": rank, "host": socket.gethostname(),
+                        "unreachable": unreachable, "local_dirs": dirs_problem}, FIELDS)
