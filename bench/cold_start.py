@@ -5,7 +5,9 @@ process's later fits are warm. The samples share one sqlite MLflow store, create
 first (as a machine's store outlives its jobs); `--fresh-store` gives each its own, whose
 tables the first fit then creates (2-3 s here). Sessions alternate between one with
 `sparkdl_avg.SPARK_CONF` (as the job's: Python workers forked from `task.warm_daemon`, torch
-already imported) and a plain one, and each kind is reported.
+already imported) and a plain one, and each kind is reported. `--late-warm-up` adds a third
+kind: SPARK_CONF with the end-of-fit warm-up (matplotlib, MLflow's model saving) started
+where it was before, as training starts, instead of before the first Spark job.
 
 Each phase is the wall time the fit spends inside it on its critical path (a phase moved to a
 background thread costs only what the fit still waits for):
@@ -39,6 +41,11 @@ PHASES = ("run_open", "probe", "prepare", "to_first_step", "train", "log_figures
           "log_model", "total")
 
 
+KINDS = {"spark_conf": (True, False), "plain": (False, False),
+         "spark_conf_late_warm_up": (True, True)}
+"""Kinds of session: (SPARK_CONF, warm-up started as training starts)."""
+
+
 def _timed(owner, attr: str, spent: dict, name: str) -> None:
     """Wrap `owner.attr` so the wall time spent in its calls adds up under `spent[name]`."""
     inner = getattr(owner, attr)
@@ -54,7 +61,20 @@ def _timed(owner, attr: str, spent: dict, name: str) -> None:
     setattr(owner, attr, timed)
 
 
-def one_session(fits: int, warm_daemon: bool) -> list[dict]:
+def _late_warm_up(logger_class) -> None:
+    """The warm-up as it was placed before: started by `ready()`, as training starts."""
+    warm_up = logger_class.warm_up
+
+    def ready(self):
+        self._drain()
+        warm_up(self)
+        return self
+
+    logger_class.warm_up = lambda self: None
+    logger_class.ready = ready
+
+
+def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False) -> list[dict]:
     """This process: a fresh session, `fits` fits; each one's phases."""
     from sparkdl_avg import SPARK_CONF, TrainConfig, fit
     from sparkdl_avg import _fit as fit_module
@@ -62,6 +82,8 @@ def one_session(fits: int, warm_daemon: bool) -> list[dict]:
     from sparkdl_avg.examples import mnist1d
     from sparkdl_avg.tracking import run as run_module
 
+    if late_warm_up:
+        _late_warm_up(run_module.RunLogger)
     spent: dict = {}
     _timed(run_module.RunLogger, "__enter__", spent, "run_open")
     _timed(plan_module, "check_cluster", spent, "probe")
@@ -96,17 +118,21 @@ def main() -> None:
     parser.add_argument("--fits", type=int, default=3, help="fits in each process")
     parser.add_argument("--fresh-store", action="store_true",
                         help="a new MLflow store for each sample")
-    parser.add_argument("--one-session", choices=["spark_conf", "plain"], help=argparse.SUPPRESS)
+    parser.add_argument("--late-warm-up", action="store_true",
+                        help="also SPARK_CONF sessions with the warm-up started as training "
+                             "starts")
+    parser.add_argument("--one-session", choices=list(KINDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_session:
-        print(json.dumps(one_session(args.fits, args.one_session == "spark_conf")))
+        print(json.dumps(one_session(args.fits, *KINDS[args.one_session])))
         return
     store = f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"
     if not args.fresh_store:
         import mlflow
 
         mlflow.MlflowClient(store).search_experiments()  # creates the store's tables
-    sessions: dict[str, list] = {"spark_conf": [], "plain": []}
+    sessions: dict[str, list] = {kind: [] for kind in KINDS
+                                 if args.late_warm_up or kind != "spark_conf_late_warm_up"}
     for _ in range(args.samples):
         for kind in sessions:
             env = {**os.environ, "MLFLOW_TRACKING_URI": store if not args.fresh_store else
@@ -120,7 +146,7 @@ def main() -> None:
         return {k: round(median([f.get(k, 0.0) for f in fits]), 2)
                 for k in ("first_step", *PHASES)}
 
-    results = {"fresh_store": args.fresh_store}
+    results: dict = {"fresh_store": args.fresh_store}
     for kind, runs in sessions.items():
         cold = [s[0] for s in runs]
         warm = [f for s in runs for f in s[1:]]
