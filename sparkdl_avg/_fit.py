@@ -123,7 +123,7 @@ def fit(
         plan = make_plan(spark, train_df, eval_df, model_fn, config, features_col=features_col,
                          label_col=label_col, loss=loss, resume=resume, on_round=on_round)
         run.log_params(plan.params)
-        run.warmed_up()  # before importing MLflow's schema modules here
+        run.opened()  # MLflow's schema modules imported, by one thread only
         log_datasets(run, train_df, sum(plan.data.train_sizes), eval_df,
                      sum(plan.data.eval_sizes))
         run.ready()  # a tracking store that fails stops the fit before training

@@ -130,15 +130,18 @@ def test_resume_from_a_directory_continues_to_the_same_parameters(synced, data, 
 def test_the_end_of_fit_warm_up_runs_beside_the_first_spark_job(data, monkeypatch):
     """What a fit logs at its end (matplotlib, MLflow's model saving) is warmed up while its
     first Spark job runs, where a cold session's executors import torch and the driver idles,
-    not while the workers train, where it takes their CPU; and only once the run is open, so
-    that one thread at a time imports MLflow."""
+    not while the workers train, where it takes their CPU; only once the run is open, so that
+    one thread at a time imports MLflow; and training does not wait for it (a warm cluster's
+    probe is over long before a fresh driver's warm-up)."""
     import threading
 
+    from sparkdl_avg import _fit
     from sparkdl_avg.driver import plan
     from sparkdl_avg.tracking import run
 
-    warmed, opened = threading.Event(), []
+    warmed, training, opened = threading.Event(), threading.Event(), []
     open_run, check_cluster = run.RunLogger._open_run, plan.check_cluster
+    train = _fit._TRAIN["sync"]
 
     def slow_open(self, *args):
         time.sleep(0.5)
@@ -148,6 +151,11 @@ def test_the_end_of_fit_warm_up_runs_beside_the_first_spark_job(data, monkeypatc
     def warm_up(logs_model):
         assert opened, "the warm-up started before the run was open"
         warmed.set()
+        training.wait(20)  # a warm-up that outlasts the probe
+
+    def train_sync(spark, fit_plan, fit_run):
+        training.set()
+        return train(spark, fit_plan, fit_run)
 
     def first_job(spark, config):
         assert warmed.wait(20), "the warm-up did not run beside the first Spark job"
@@ -156,7 +164,10 @@ def test_the_end_of_fit_warm_up_runs_beside_the_first_spark_job(data, monkeypatc
     monkeypatch.setattr(run.RunLogger, "_open_run", slow_open)
     monkeypatch.setattr(run, "_warm_up", warm_up)
     monkeypatch.setattr(plan, "check_cluster", first_job)
+    monkeypatch.setitem(_fit._TRAIN, "sync", train_sync)
+    started = time.monotonic()
     assert sync_fit(data).history
+    assert time.monotonic() - started < 15, "training waited for the warm-up"
 
 
 def test_executors_that_cannot_reach_the_client_are_named_in_seconds(data, mlflow_client):

@@ -91,6 +91,7 @@ class RunLogger:
         with collector_paused():  # a first fit imports MLflow and its store's SQLAlchemy here
             _import_pyspark_ml()
             self._open_run(active, parent)
+            import mlflow.types.utils  # noqa: F401 - the fit's datasets need it (`opened`)
 
     def _open_run(self, active, parent: str | None) -> None:
         import mlflow
@@ -152,12 +153,18 @@ class RunLogger:
                                       daemon=True)
         self._warm.start()
 
-    def warmed_up(self) -> None:
-        """Wait for the warm-up (`warm_up`), if it started: before importing on another
-        thread what it imports (MLflow's model and schema modules, matplotlib); two threads
-        importing one import cycle at once can fail in Python's import locks."""
+    def _warmed_up(self) -> None:
+        """Wait for the warm-up (`warm_up`), if it started: before drawing or exporting."""
         if self._warm is not None:
             self._warm.join(timeout=120)
+
+    def opened(self) -> RunLogger:
+        """Wait until the run exists (raising why it could not be created). From then on
+        the MLflow modules the fit imports on its own thread are imported: the warm-up,
+        which starts then, never imports them beside it (two threads importing one import
+        cycle at once can fail in Python's import locks)."""
+        self._wait_open()
+        return self
 
     def ready(self) -> RunLogger:
         """Before training: wait for the run and its pending writes (`_drain`); the warm-up
@@ -252,7 +259,7 @@ class RunLogger:
     def log_figure(self, make_figure, artifact_file: str) -> None:
         """Log the figure `make_figure()` draws. A picture that fails is a warning, not a
         failed fit: the training it shows is done."""
-        self.warmed_up()  # it imports matplotlib
+        self._warmed_up()  # it imports matplotlib
         try:
             self._client.log_figure(self.run_id, make_figure(), artifact_file)
         except Exception:  # noqa: BLE001
@@ -264,7 +271,7 @@ class RunLogger:
         import mlflow
         import torch
 
-        self.warmed_up()  # never an export beside the warm-up's
+        self._warmed_up()  # never an export beside the warm-up's
         if input_example.dtype not in (np.float32, np.float64):  # numpy has no bfloat16
             model = copy.deepcopy(model).float()
             input_example = input_example.astype(np.float32)
