@@ -63,15 +63,15 @@ def _timed(owner, attr: str, spent: dict, name: str) -> None:
 
 def _late_warm_up(logger_class) -> None:
     """The warm-up as it was placed before: started by `ready()`, as training starts."""
-    warm_up = logger_class.warm_up
+    warm_up, ready = logger_class.warm_up, logger_class.ready
 
-    def ready(self):
-        self._drain()
+    def ready_then_warm_up(self):
+        ready(self)  # its own warm_up() call is the no-op below
         warm_up(self)
         return self
 
     logger_class.warm_up = lambda self: None
-    logger_class.ready = ready
+    logger_class.ready = ready_then_warm_up
 
 
 def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False) -> list[dict]:

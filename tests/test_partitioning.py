@@ -53,5 +53,5 @@ def test_the_fit_path_gives_spark_type_objects_not_type_strings(spark, monkeypat
     prepare(df, df, features_col="features", label_col="label", num_workers=2,
             double_precision=False)
     assert given and [to for to in given if isinstance(to, str)] == []
-    assert isinstance(report.spark_schema(), StructType)
+    assert isinstance(report.struct_type(), StructType)
     assert isinstance(report.struct_type(probe.FIELDS), StructType)

@@ -56,7 +56,7 @@ class BarrierJob:
             spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,
                                        load_secret=monitor.secret,
                                        gpu_tasks=gpus > 0)
-            job = cls(frame, partial(run_task, spec), report.spark_schema(), description,
+            job = cls(frame, partial(run_task, spec), report.struct_type(), description,
                       rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
             job.profile = profile
             return job

@@ -16,20 +16,15 @@ off Linux), bytes spilled, and the throughput of loading the partition and of as
 minibatches from the cache."""
 
 
-
-def spark_schema():
-    """The Spark schema of FIELDS, as a type object: a DDL string would be parsed by Spark's
-    SQL parser, whose first use costs a cold session's driver about 0.35 s."""
-    return struct_type(FIELDS)
-
-
-def struct_type(fields):
-    """A StructType of (name, kind) pairs, kind one of int, long, double, string."""
+def struct_type(fields=FIELDS):
+    """The Spark schema of (name, kind) pairs, kind one of int, long, double, string, as a
+    type object: a DDL string would go through Spark's SQL parser, whose first use costs a
+    cold session's driver about 0.35 s."""
     from pyspark.sql import types as T
 
-    spark = {"int": T.IntegerType(), "long": T.LongType(), "double": T.DoubleType(),
+    types = {"int": T.IntegerType(), "long": T.LongType(), "double": T.DoubleType(),
              "string": T.StringType()}
-    return T.StructType([T.StructField(name, spark[kind]) for name, kind in fields])
+    return T.StructType([T.StructField(name, types[kind]) for name, kind in fields])
 
 
 def record_batch(values: dict, fields=FIELDS):
