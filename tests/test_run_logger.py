@@ -1,6 +1,4 @@
-"""The MLflow run logger's parts that need no fit, and the driver's collector around its imports."""
-
-import time
+"""The MLflow run logger's parts that need no fit."""
 
 from sparkdl_avg.tracking import run
 
@@ -43,54 +41,3 @@ def test_the_run_imports_pyspark_ml_before_it_writes_params(tmp_path):
                           env={**os.environ,
                                "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-
-def test_a_first_fits_warm_up_leaves_the_full_collection_due_and_a_later_ones_does_not(
-        monkeypatch):
-    """The imports and the first model save leave the collector a full collection to do,
-    which the next fit runs (`RunLogger.warm_up` arms it); a later warm-up imports nothing."""
-    import mlflow.pytorch
-
-    monkeypatch.setattr(run, "_saved_a_model", False)
-    monkeypatch.setattr(run, "_collection_due", False)
-    monkeypatch.setattr(mlflow.pytorch, "save_model", lambda model, path, **_: None)
-    run._warm_up(logs_model=True)
-    assert run._collection_due
-    run._warm_up(logs_model=True)
-    assert not run._collection_due
-
-
-def test_an_armed_full_collection_runs_once_on_a_thread_of_its_own(monkeypatch):
-    """Beside a wait on the JVM, where the waiting thread needs no GIL: the collection holds
-    it for 0.4-0.5 s after a first fit's imports."""
-    import gc
-    import threading
-
-    from sparkdl_avg import _gc_pause
-
-    full = []
-
-    def on_collection(phase, info):
-        if phase == "start" and info["generation"] == 2:
-            full.append(threading.current_thread().name)
-
-    monkeypatch.setattr(_gc_pause, "_armed", False)
-    was_enabled = gc.isenabled()
-    gc.disable()  # only the armed collection is counted
-    gc.callbacks.append(on_collection)
-    try:
-        with _gc_pause.full_collection_beside():
-            time.sleep(0.2)
-        assert full == []
-        _gc_pause.arm_full_collection()
-        with _gc_pause.full_collection_beside():
-            time.sleep(0.5)
-        assert full == ["sparkdl-avg-collect"]
-        with _gc_pause.full_collection_beside():
-            time.sleep(0.2)
-        assert full == ["sparkdl-avg-collect"]
-    finally:
-        gc.callbacks.remove(on_collection)
-        if was_enabled:
-            gc.enable()

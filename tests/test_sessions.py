@@ -170,45 +170,6 @@ def test_the_end_of_fit_warm_up_runs_beside_the_first_spark_job(data, monkeypatc
     assert time.monotonic() - started < 15, "training waited for the warm-up"
 
 
-
-def test_the_full_collection_an_earlier_fit_left_runs_beside_the_validation_job(
-        data, monkeypatch):
-    """A process's first fit imports what it logs (MLflow's store, matplotlib, torch.export),
-    which leaves the cycle collector one full collection: 0.4-0.5 s holding the GIL, which
-    fell in the middle of the next fit's rounds or pictures. The next fit runs it on a thread
-    of its own during its validation job, where the driver waits on Spark, once."""
-    import gc
-    import threading
-
-    from sparkdl_avg import _gc_pause
-    from sparkdl_avg.tracking import run
-
-    full, in_job = [], threading.Event()
-    collect = type(data).collect  # the session kind's DataFrame: classic or Connect
-
-    def job(frame):
-        in_job.set()
-        try:
-            return collect(frame)
-        finally:
-            in_job.clear()
-
-    def on_collection(phase, info):
-        if phase == "start" and info["generation"] == 2:
-            full.append((threading.current_thread().name, in_job.is_set()))
-
-    monkeypatch.setattr(run, "_collection_due", True)  # as a first fit's imports leave it
-    monkeypatch.setattr(_gc_pause, "_armed", False)
-    monkeypatch.setattr(type(data), "collect", job)
-    gc.callbacks.append(on_collection)
-    try:
-        assert sync_fit(data).history
-    finally:
-        gc.callbacks.remove(on_collection)
-    assert [c for c in full if c[0] == "sparkdl-avg-collect"] == [("sparkdl-avg-collect", True)]
-    assert not _gc_pause._armed
-
-
 def test_executors_that_cannot_reach_the_client_are_named_in_seconds(data, mlflow_client):
     started = time.monotonic()
     with pytest.raises(ClusterError, match=r"2 of 2 executors cannot reach this process at "

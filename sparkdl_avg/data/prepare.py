@@ -17,7 +17,6 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sparkdl_avg._errors import DataError
-from sparkdl_avg._gc_pause import full_collection_beside
 from sparkdl_avg.data.columns import EVAL, FEATURES, INDEX, LABEL, SPLIT, TRAIN
 from sparkdl_avg.data.order import partition_sizes
 
@@ -176,7 +175,7 @@ def _validate(numbered: DataFrame, features_col: object, label_col: str, *, has_
     )
     label = F.col(LABEL).cast(T.DoubleType())
     bad_label = label.isNull() | F.isnan(label) | (F.abs(label) == float("inf"))
-    aggregate = numbered.groupBy(SPLIT, "_pid").agg(
+    rows = numbered.groupBy(SPLIT, "_pid").agg(
         F.count(F.lit(1)).alias("rows"),
         F.sum(bad_feature.cast(T.LongType())).alias("bad_features"),
         F.sum(bad_label.cast(T.LongType())).alias("bad_labels"),
@@ -185,9 +184,7 @@ def _validate(numbered: DataFrame, features_col: object, label_col: str, *, has_
         F.min(label).alias("label_min"),
         F.max(label).alias("label_max"),
         F.sum((label != F.floor(label)).cast(T.LongType())).alias("fractional_labels"),
-    )
-    with full_collection_beside():  # the JVM's job: the driver's Python waits, GIL free
-        rows = aggregate.collect()
+    ).collect()
     names = {TRAIN: "train_df", EVAL: "eval_df"}
     total = {TRAIN: 0, EVAL: 0}
     for r in rows:

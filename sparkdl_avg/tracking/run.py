@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkdl_avg._gc_pause import arm_full_collection, collector_paused
+from sparkdl_avg._gc_pause import collector_paused
 
 log = logging.getLogger("sparkdl_avg")
 _FLUSH_EVERY_S = 1.0
@@ -141,14 +141,9 @@ class RunLogger:
         one thread at a time imports MLflow). The fit starts it before its first Spark job:
         in a cold session that job waits seconds for the executors' Python to import torch,
         on one core while the other idles, and the warm-up fills that time instead of taking
-        CPU from the workers once they train. A previous fit's imports left a full
-        collection due: it is armed to run beside this fit's first Spark job."""
-        global _collection_due
+        CPU from the workers once they train."""
         if self._warm is not None:
             return
-        if _collection_due:
-            _collection_due = False
-            arm_full_collection()
 
         def after_open() -> None:
             if self._opened.exception() is None:  # a run that failed to open fails the fit
@@ -314,42 +309,30 @@ class RunLogger:
 _saved_a_model = False
 """Whether this process has saved a model (`_warm_up`): the first-use costs are paid."""
 
-_collection_due = False
-"""Whether a first fit's imports have left the cycle collector a full collection to do
-(`_warm_up`): the next fit arms it (`RunLogger.warm_up`)."""
-
 
 def _warm_up(logs_model: bool) -> None:
     """Pay, while the fit trains, the first-use costs of what it logs at the end: matplotlib,
     and MLflow's model saving (torch.export's first export alone takes over a second), on a
     2-parameter model saved to a folder that is then removed. Once a process: a later fit's
-    saving would only take CPU from its workers (0.3-0.5 s a fit on two busy cores).
-
-    The objects those imports leave (and the first fit's other imports: MLflow's store,
-    SQLAlchemy) make one full collection due, which the next fit runs beside its first Spark
-    job (`RunLogger.warm_up`, `_gc_pause`): a process's only fit, a spark-submit job's, never
-    pays it."""
-    global _collection_due
+    saving would only take CPU from its workers (0.3-0.5 s a fit on two busy cores)."""
     try:
         with collector_paused():  # a first fit imports matplotlib and torch.export here
-            _collection_due = _import_and_save(logs_model)
+            _import_and_save(logs_model)
     except Exception:  # noqa: BLE001 - only a head start
         log.debug("warm-up failed", exc_info=True)
 
 
-def _import_and_save(logs_model: bool) -> bool:
-    """Whether it imported or saved anything for the first time."""
+def _import_and_save(logs_model: bool) -> None:
     global _saved_a_model
     import shutil
     import tempfile
 
-    first_import = "matplotlib.figure" not in sys.modules
     from matplotlib.figure import Figure  # noqa: F401
 
     from sparkdl_avg.tracking import plots  # noqa: F401
 
     if not logs_model or _saved_a_model:
-        return first_import
+        return
     import mlflow.pytorch
     import torch
 
@@ -361,7 +344,6 @@ def _import_and_save(logs_model: bool) -> bool:
         _saved_a_model = True
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    return True
 
 
 def _import_pyspark_ml() -> None:
