@@ -84,6 +84,8 @@ def test_unsupported_label_type(good):
         ([1.0, None, 2.0], 0, "features.*null"),
         ([1.0, float("nan"), 2.0], 0, "features.*NaN"),
         (None, 0, "features.*null"),
+        ([1.0, float("inf"), 2.0], 0, "features.*infinite"),
+        ([float("-inf"), 1.0, 2.0], 0, "features.*infinite"),
         ([1.0, 2.0, 3.0], None, "label.*null"),
     ],
 )
@@ -93,6 +95,30 @@ def test_nulls_and_nans_are_refused(spark, features, label, message, mlflow_clie
     with pytest.raises(DataError, match=message):
         fit(df, model, CFG)
     assert_failed_run(mlflow_client, "DataError")
+
+
+@pytest.mark.parametrize("element", ["float", "double"])
+def test_the_bad_feature_check_agrees_with_numpy(spark, element):
+    """The validation's one expression for null, NaN and infinite features (`array_contains`,
+    which Spark compiles, in place of an interpreted lambda), against numpy row by row, in
+    both precisions a fit casts features to."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    from sparkdl_avg.data.prepare import bad_features
+
+    nan, inf = float("nan"), float("inf")
+    rows = [[1.0, 2.0], [nan, 1.0], [1.0, inf], [-inf, 0.0], [None, 1.0], None, [],
+            [None, nan], [0.0, -0.0], [3.4e38, -3.4e38], [1e-45, 5e-324], [nan, nan, inf]]
+    expected = [row is None or any(x is None or not np.isfinite(x) for x in row)
+                for row in rows]
+    element_type = T.FloatType() if element == "float" else T.DoubleType()
+    df = spark.createDataFrame([(i, row) for i, row in enumerate(rows)],
+                               "i int, features array<double>")
+    cast = df.select("i", F.col("features").cast(T.ArrayType(element_type)).alias("features"))
+    got = {r.i: r.bad for r in cast.select("i", bad_features(element_type).alias("bad"))
+           .collect()}
+    assert [got[i] for i in range(len(rows))] == expected
 
 
 def test_nan_label(spark):
