@@ -173,8 +173,8 @@ def bad_features(element: T.DataType) -> Column:
     """True for rows whose features are null or hold a null, NaN or infinite element.
 
     Spark generates code for `array_contains` (NaN equals NaN there), not for a lambda
-    through `exists`, which it interprets element by element: the validation job over
-    2M rows of 40 features took 0.75-0.91 s this way against 1.45-1.48 s with the lambda.
+    through `exists`, which it interprets element by element: the validation over 2M rows
+    of 40 features takes 0.87 s this way against 1.30 s (`bench/validation_scan.py`).
     `array_contains` is null for a null array, or for one holding a null and none of the
     values: both count as bad."""
     nan, inf = F.lit(float("nan")).cast(element), F.lit(float("inf")).cast(element)
