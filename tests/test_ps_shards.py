@@ -211,7 +211,8 @@ def test_the_command_line_serves_k_shards_and_restarts_a_dead_one(tmp_path):
             worker.pull()
             worker.push(np.ones(5), steps=3)
         shard = tmp_path / "ps-1-of-2.npz"
-        assert shard.exists() and (tmp_path / "ps-0-of-2.npz").exists()
+        _wait_for_checkpoint(shard, applied=1)  # written after the ack, on the shard's writer
+        _wait_for_checkpoint(tmp_path / "ps-0-of-2.npz", applied=1)
         os.kill(_pid_serving(str(shard)), signal.SIGKILL)
         deadline = time.monotonic() + 30
         while True:  # back on its port, from its checkpoint
@@ -232,6 +233,19 @@ def test_the_command_line_serves_k_shards_and_restarts_a_dead_one(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _wait_for_checkpoint(path, applied: int, timeout: float = 30.0) -> None:
+    """Until the checkpoint at `path` holds `applied` updates: the server acknowledges an
+    update before its background writer has saved it."""
+    import time
+
+    from sparkdl_avg.ps import state_file
+
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and state_file.load(str(path))[1]["applied"] >= applied):
+        assert time.monotonic() < deadline, f"{path} never held {applied} updates"
+        time.sleep(0.05)
 
 
 def _pid_serving(checkpoint: str) -> int:
