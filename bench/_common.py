@@ -27,6 +27,16 @@ def local_session(workers: int = 2, **conf: str):
     return spark
 
 
+def in_fresh_process(script: str, *args: str, env: dict | None = None):
+    """`script` run again in a process of its own with `args` (a fresh Python, a fresh
+    session); what it printed last, as JSON."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                          check=True, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def median(values) -> float:
     return statistics.median(values)
 

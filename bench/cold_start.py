@@ -29,13 +29,12 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import local_session, median, report  # noqa: E402
+from _common import in_fresh_process, local_session, median, report  # noqa: E402
 
 PHASES = ("run_open", "probe", "prepare", "to_first_step", "train", "log_figures",
           "log_model", "total")
@@ -137,10 +136,8 @@ def main() -> None:
         for kind in sessions:
             env = {**os.environ, "MLFLOW_TRACKING_URI": store if not args.fresh_store else
                    f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"}
-            done = subprocess.run([sys.executable, __file__, "--one-session", kind, "--fits",
-                                   str(args.fits)], capture_output=True, text=True, check=True,
-                                  env=env)
-            sessions[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            sessions[kind].append(in_fresh_process(__file__, "--one-session", kind,
+                                                   "--fits", str(args.fits), env=env))
 
     def medians(fits: list[dict]) -> dict:
         return {k: round(median([f.get(k, 0.0) for f in fits]), 2)

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import local_session, median, report  # noqa: E402
+from _common import in_fresh_process, local_session, median, report  # noqa: E402
 
 EPOCHS, BATCH, LR, HIDDEN, SEED = 5, 50, 1e-3, (1024, 1024), 0
 
@@ -148,14 +147,12 @@ def main() -> None:
     runs: dict[str, list] = {"ours": [], "theirs": []}
     for _ in range(args.sessions):
         for side in ("ours", "theirs"):
-            done = subprocess.run(
-                [sys.executable, __file__, "--side", side, "--repeats", str(args.repeats),
-                 "--averaging-frequency", str(args.averaging_frequency),
-                 "--transport", args.transport] + (["--overlap"] if args.overlap else [])
-                + (["--c1-jit"] if args.c1_jit else []),
-                capture_output=True, text=True, check=True,
-                env={**os.environ, "MLFLOW_TRACKING_URI": store})
-            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            runs[side].append(in_fresh_process(
+                __file__, "--side", side, "--repeats", str(args.repeats),
+                "--averaging-frequency", str(args.averaging_frequency),
+                "--transport", args.transport, *(["--overlap"] if args.overlap else []),
+                *(["--c1-jit"] if args.c1_jit else []),
+                env={**os.environ, "MLFLOW_TRACKING_URI": store}))
 
     def summary(side: str) -> dict:
         sessions = runs[side]

@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import local_session, median, report  # noqa: E402
+from _common import in_fresh_process, local_session, median, report  # noqa: E402
 
 
 def one_session(objects: bool) -> dict:
@@ -58,9 +57,7 @@ def main() -> None:
     runs: dict[str, list] = {"strings": [], "objects": []}
     for _ in range(args.samples):
         for kind in runs:
-            done = subprocess.run([sys.executable, __file__, "--kind", kind],
-                                  capture_output=True, text=True, check=True)
-            runs[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            runs[kind].append(in_fresh_process(__file__, "--kind", kind))
     report("type_strings", {
         kind: {"first_median_s": median([r["first_s"] for r in samples]),
                "ten_casts_median_s": median([r["ten_casts_s"] for r in samples]),

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import local_session, median, report  # noqa: E402
+from _common import in_fresh_process, local_session, median, report  # noqa: E402
 
 
 def lambda_check(element):
@@ -86,11 +85,8 @@ def main() -> None:
         runs: dict[str, list] = {"array_contains": [], "lambda": []}
         for _ in range(args.sessions):
             for kind in runs:
-                done = subprocess.run(
-                    [sys.executable, __file__, "--kind", kind, "--path", path,
-                     "--repeats", str(args.repeats)],
-                    capture_output=True, text=True, check=True)
-                runs[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                runs[kind].append(in_fresh_process(__file__, "--kind", kind, "--path", path,
+                                                   "--repeats", str(args.repeats)))
     summary = {kind: {"cold_median_s": median([s[0] for s in sessions]),
                       "warm_median_s": median([t for s in sessions for t in s[1:]])}
                for kind, sessions in runs.items()}
