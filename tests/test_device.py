@@ -65,8 +65,15 @@ def test_two_tasks_on_one_host_never_share_a_gpu():
     clash = shared_gpus([(0, "h1", "aaaa"), (1, "h1", None), (2, "h1", "aaaa"),
                          (3, "h2", "bbbb")])
     assert clash.startswith("tasks 0 and 2 on host h1 were both given GPU aaaa")
-    # the same GPU model's UUID on two hosts is two GPUs
-    assert shared_gpus([(0, "h1", "aaaa"), (1, "h2", "aaaa")]) is None
+    assert shared_gpus([(0, "h1", "aaaa"), (1, "h2", "bbbb")]) is None
+
+
+def test_one_gpu_seen_from_two_containers_is_shared_whatever_their_host_names():
+    """UUIDs are unique: two containers on one node, each with its own host name, given the
+    same GPU share it (the old check, keyed by host and UUID, let them)."""
+    clash = shared_gpus([(0, "container-a", "aaaa"), (1, "container-b", "aaaa")])
+    assert clash.startswith("tasks 0 and 1 on hosts container-a and container-b were both "
+                            "given GPU aaaa")
 
 
 def test_extra_gpus_given_to_a_task_are_named():
@@ -143,7 +150,8 @@ def test_the_task_refuses_a_gpu_another_task_on_its_host_was_given(monkeypatch):
     with pytest.raises(ClusterError, match=f"tasks 0 and 1 on host {host} were both given"):
         _agree_on_devices(Peers([1, host, "aaaa", None]), 0, "auto")
     assert _agree_on_devices(Peers([1, host, "bbbb", None]), 0, "auto") is mine
-    assert _agree_on_devices(Peers([1, "elsewhere", "aaaa", None]), 0, "auto") is mine
+    with pytest.raises(ClusterError, match=f"on hosts {host} and elsewhere"):
+        _agree_on_devices(Peers([1, "elsewhere", "aaaa", None]), 0, "auto")
 
 
 def test_a_task_whose_device_check_fails_still_joins_the_gather(monkeypatch):

@@ -132,18 +132,23 @@ def choose_device(
 
 
 def shared_gpus(devices: list[tuple[int, str, str | None]]) -> str | None:
-    """Given every task's (rank, host, GPU UUID), a message naming two tasks on one host that
-    were given the same GPU; None when no GPU is shared."""
-    owner: dict[tuple[str, str], int] = {}
+    """Given every task's (rank, host, GPU UUID), a message naming two tasks that were given
+    the same GPU; None when no GPU is shared. Keyed by the UUID alone: UUIDs are unique
+    across hosts, and two containers on one node may report different host names for one
+    GPU."""
+    owner: dict[str, tuple[int, str]] = {}
     for rank, host, uuid in devices:
         if uuid is None:
             continue
-        other = owner.setdefault((host, uuid), rank)
+        other, other_host = owner.setdefault(uuid, (rank, host))
         if other != rank:
-            return (f"tasks {other} and {rank} on host {host} were both given GPU {uuid}: one "
+            where = f"on host {host}" if host == other_host else \
+                f"on hosts {other_host} and {host}"
+            return (f"tasks {other} and {rank} {where} were both given GPU {uuid}: one "
                     "GPU would train two replicas while another idles. Spark's GPU addresses "
-                    "and the executor's CUDA_VISIBLE_DEVICES disagree; make the discovery "
-                    "script report the GPUs (ids or UUIDs) this executor's CUDA shows")
+                    "and the executor's CUDA_VISIBLE_DEVICES disagree (or two executors share "
+                    "the GPU); make the discovery script report the GPUs (ids or UUIDs) this "
+                    "executor's CUDA shows, and give each executor GPUs of its own")
     return None
 
 
