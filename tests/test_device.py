@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from sparkdl_avg import ClusterError
 from sparkdl_avg.task.device import (
@@ -263,3 +264,38 @@ def test_a_device_is_recorded_by_its_kind_and_gpu_model(monkeypatch):
     assert device_identity(torch.device("cpu")) == "cpu"
     assert device_identity(torch.device("cuda:1")) == "cuda/NVIDIA H100 80GB HBM3"
     assert asked == [torch.device("cuda:1")]  # the task's own GPU, not the current one
+
+
+class _StaysPut(torch.nn.Linear):
+    """A model that a fake GPU can take: moving it is a no-op."""
+
+    def to(self, *args, **kwargs):
+        return self
+
+
+def test_scoring_on_a_gpu_hands_cudas_cache_back_for_the_next_task(monkeypatch):
+    """Spark reuses the scoring task's Python worker: a cache still holding the model's
+    blocks would fail a later fit's free-memory check on that GPU."""
+    import gc
+
+    import pyspark.sql.functions
+
+    from sparkdl_avg import _scoring
+    from sparkdl_avg.task import device
+    from sparkdl_avg.task.device import DeviceChoice
+
+    monkeypatch.setattr(pyspark.sql.functions, "arrow_udf", lambda fn, return_type: fn)
+    predict = _scoring.make_predict_udf(_StaysPut(3, 2), num_features=3, classify=True,
+                                        device="cuda")
+    calls = []
+    monkeypatch.setattr(device, "task_device", lambda wanted: DeviceChoice("cuda:0", "0"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append("set_device"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
+    try:
+        assert list(predict(iter([]))) == []
+    finally:
+        gc.unfreeze()
+    assert calls == ["set_device", "empty_cache"]
