@@ -184,23 +184,74 @@ def test_a_task_whose_device_check_fails_still_joins_the_gather(monkeypatch):
 
 
 def test_device_errors_before_training_are_final_not_retried():
-    import torch
-
     from sparkdl_avg._errors import is_final
-    from sparkdl_avg.task.device import DeviceChoice
-    from sparkdl_avg.task.entry import _final_on_device_errors
+    from sparkdl_avg.task.device import LOAD_HINT, final_on_device_errors
 
-    choice = DeviceChoice("cuda:1", "1", None, "bbbb")
     with pytest.raises(ClusterError, match="load its partition onto cuda:1 .*data_cache='disk'") \
-            as err, _final_on_device_errors(choice, "load its partition onto"):
+            as err, final_on_device_errors("load its partition onto", "cuda:1", "1",
+                                           hint=LOAD_HINT):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
     assert is_final(err.value)
     with pytest.raises(ClusterError, match="invalid device ordinal"), \
-            _final_on_device_errors(choice, "start on"):
+            final_on_device_errors("start on", "cuda:1", "1"):
         raise RuntimeError("CUDA error: invalid device ordinal")
     with pytest.raises(RuntimeError, match="unrelated"), \
-            _final_on_device_errors(choice, "start on"):
+            final_on_device_errors("start on", "cuda:1", "1"):
         raise RuntimeError("unrelated")
+    with pytest.raises(ClusterError, match="^cuda:1: the replica needs"), \
+            final_on_device_errors("start on", "cuda:1", "1"):  # ours pass as they are
+        raise ClusterError("cuda:1: the replica needs at least 404 MiB more")
+
+
+class _Transport:
+    """A sync worker's transport that only records how the worker failed."""
+
+    def __init__(self):
+        self.failed = None
+
+    def open(self, hello):
+        pass
+
+    def fail(self, message, final):
+        self.failed = (message, final)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("where", ["model", "averaging buffer"])
+def test_out_of_memory_building_the_replica_on_its_gpu_is_final(monkeypatch, where):
+    """Out of device memory moving the model to the GPU, or building the flat buffer it is
+    averaged in, repeats on every restart (each reloading the partition): a final error."""
+    from types import SimpleNamespace
+
+    from sparkdl_avg import TrainConfig
+    from sparkdl_avg.averaging import flat_buffer
+    from sparkdl_avg.task import replica
+    from sparkdl_avg.task.sync_loop import train_sync
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB")
+
+    class Built:
+        def __init__(self, *args):
+            if where == "model":
+                out_of_memory()
+            self.model, self.wire_dtype = torch.nn.Linear(2, 1), torch.float32
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(replica, "Replica", Built)
+    if where == "averaging buffer":
+        monkeypatch.setattr(flat_buffer, "FlatBuffer", out_of_memory)
+    transport = _Transport()
+    with pytest.raises(ClusterError, match="could not build its replica on cuda:0: out of "
+                                           "device memory"):
+        train_sync(SimpleNamespace(schedule=None), TrainConfig(), 0, None,
+                   torch.device("cuda:0"), transport, hello=None)
+    message, final = transport.failed
+    assert final and "out of device memory" in message
 
 
 def test_a_task_leaves_no_reference_cycle_or_cuda_cache_behind(monkeypatch):

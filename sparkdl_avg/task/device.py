@@ -6,9 +6,10 @@ say, so the rules are tested without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
-from sparkdl_avg._errors import ClusterError
+from sparkdl_avg._errors import ClusterError, SparkdlAvgError
 
 GPU_SETTINGS_HINT = (
     "set spark.executor.resource.gpu.amount (GPUs per executor) and a GPU discovery script "
@@ -240,6 +241,33 @@ def device_shortfall(*, param_bytes: int, optimizer_slots: int, batch_bytes: int
             f"(gradients, optimizer state, the averaging buffer, minibatches), but "
             f"{free_bytes / mib:.0f} MiB are free: use a smaller model or batch_size, a GPU "
             "with more memory, or free this one (another process may hold it)")
+
+
+LOAD_HINT = "spill the partition with data_cache='disk' or a smaller cache_budget_mb"
+REPLICA_HINT = "use a smaller model, or a GPU with more free memory"
+
+
+@contextlib.contextmanager
+def final_on_device_errors(what: str, device: str, gpu: str | None = None, *,
+                           hint: str = REPLICA_HINT):
+    """A CUDA error before training (no such device; out of memory while loading the
+    partition, moving the model or building the averaging buffer) would repeat on every
+    restart: a ClusterError, which stops the fit at once. `what` the task could not do on
+    `device` (Spark's GPU `gpu`); `hint` what to do about too little memory."""
+    import torch
+
+    where = f"{device} (GPU {gpu})" if gpu is not None else device
+    try:
+        yield
+    except SparkdlAvgError:
+        raise
+    except torch.cuda.OutOfMemoryError as exc:
+        raise ClusterError(f"the task could not {what} {where}: out of device memory ({exc}); "
+                           f"{hint}") from exc
+    except RuntimeError as exc:
+        if "cuda" not in str(exc).lower():
+            raise
+        raise ClusterError(f"the task could not {what} {where}: {exc}") from exc
 
 
 def set_deterministic(on: bool) -> None:

@@ -46,7 +46,13 @@ def _run(spec: WorkerSpec, batches: Iterator):
     from sparkdl_avg.data.spill import SpillDir
     from sparkdl_avg.net import messages as msg
     from sparkdl_avg.task import memory
-    from sparkdl_avg.task.device import device_identity, set_deterministic, task_device
+    from sparkdl_avg.task.device import (
+        LOAD_HINT,
+        device_identity,
+        final_on_device_errors,
+        set_deterministic,
+        task_device,
+    )
     from sparkdl_avg.task.load_report import LoadReporter
     from sparkdl_avg.task.report import record_batch
 
@@ -59,7 +65,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
         else task_device(config.device)
     device = torch.device(choice.device)
     if device.type == "cuda":
-        with _final_on_device_errors(choice, "start on"):
+        with final_on_device_errors("start on", choice.device, choice.gpu_address):
             torch.cuda.set_device(device)
     torch.set_num_threads(max(1, ctx.cpus()))
     # without a reset the peak could be an earlier task's in this reused worker: none then
@@ -72,7 +78,8 @@ def _run(spec: WorkerSpec, batches: Iterator):
             if cache == "disk" else None
         progress = LoadReporter(spec.load_monitor, spec.load_secret, rank,
                                 shape.train_rows + shape.eval_rows)
-        with _final_on_device_errors(choice, "load its partition onto"):
+        with final_on_device_errors("load its partition onto", choice.device,
+                                    choice.gpu_address, hint=LOAD_HINT):
             data = load_partition(batches, shape, cache=cache, spill=spill, device=device,
                                   dtype=getattr(torch, spec.model_dtype), progress=progress)
         cleanup.callback(data.close)
@@ -111,28 +118,6 @@ def _run(spec: WorkerSpec, batches: Iterator):
             "load_mb_s": _mb(shape.bytes) / max(data.load_s, 1e-9),
             "read_mb_s": _mb(train.assembled_bytes) / train.assemble_s
             if train.assemble_s > 0 else None})
-
-
-@contextlib.contextmanager
-def _final_on_device_errors(choice, what: str):
-    """A CUDA error before training (no such device, out of memory while loading) would
-    repeat on every restart: a ClusterError, which stops the fit at once."""
-    import torch
-
-    from sparkdl_avg._errors import ClusterError
-
-    try:
-        yield
-    except torch.cuda.OutOfMemoryError as exc:
-        raise ClusterError(
-            f"the task could not {what} {choice.device} (GPU {choice.gpu_address}): out of "
-            f"device memory ({exc}); spill the partition with data_cache='disk' or a smaller "
-            "cache_budget_mb") from exc
-    except RuntimeError as exc:
-        if "cuda" not in str(exc).lower():
-            raise
-        raise ClusterError(f"the task could not {what} {choice.device} (GPU "
-                           f"{choice.gpu_address}): {exc}") from exc
 
 
 def _agree_on_devices(ctx, rank: int, wanted: str):
