@@ -45,6 +45,37 @@ def test_a_uuid_address_is_the_device_with_that_uuid(visible):
         cuda_index("GPU-eeee", visible, gpus)
 
 
+MIG = ["MIG-0a00", "MIG-0b00", "MIG-2a00"]
+"""MIG devices of the host's GPUs 0 (two) and 2 (one), in `nvidia-smi -L`'s order."""
+
+
+def _mig_gpus(visible: list[str]) -> VisibleGpus:
+    """What torch sees when CUDA_VISIBLE_DEVICES names MIG devices (or all, unset)."""
+    return VisibleGpus([u[4:] for u in visible], dict(enumerate(U)), MIG)
+
+
+def test_a_mig_device_is_found_by_its_uuid():
+    """MIG devices' UUIDs start "MIG-": only "GPU-" was stripped, so none was ever found."""
+    gpus = VisibleGpus(["2a00", "0b00"], dict(enumerate(U)))
+    assert cuda_index("MIG-0b00", "MIG-2a00,MIG-0b00", gpus) == 1
+    choice = choose_device("auto", ["mig-2A00"], cuda_visible_devices="MIG-2a00,MIG-0b00",
+                           cuda_available=True, gpus=gpus)
+    assert (choice.device, choice.uuid) == ("cuda:0", "2a00")
+
+
+def test_a_mig_device_by_number_counts_mig_devices_not_their_parent_gpu():
+    """A discovery script on a split GPU numbers its MIG devices; NVML's number 2 is the
+    parent GPU 2, which CUDA does not show (the old rule refused every such address)."""
+    assert [cuda_index(a, None, _mig_gpus(MIG)) for a in "012"] == [0, 1, 2]
+    assert cuda_index("2", "MIG-2a00,MIG-0a00", _mig_gpus(["MIG-2a00", "MIG-0a00"])) == 0
+    with pytest.raises(ClusterError, match="MIG device 1, but CUDA_VISIBLE_DEVICES"):
+        cuda_index("1", "MIG-2a00", _mig_gpus(["MIG-2a00"]))
+    with pytest.raises(ClusterError, match="this host has 3 MIG devices"):
+        cuda_index("3", None, _mig_gpus(MIG))
+    # whole GPUs on a host where some other GPU is split: numbered as GPUs
+    assert cuda_index("1", "1", VisibleGpus(["bbbb"], dict(enumerate(U)), MIG)) == 0
+
+
 @pytest.mark.parametrize("nvml", [True, False])
 def test_an_address_this_executor_cannot_see_is_refused_never_guessed(nvml):
     """The old rule took "0" under CUDA_VISIBLE_DEVICES=1,2 as an index: GPU 1 for the task

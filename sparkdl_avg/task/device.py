@@ -38,13 +38,17 @@ class VisibleGpus:
     """Each torch device's UUID, in torch's order."""
     physical: dict[int, str] | None = None
     """NVML's physical index -> UUID for every GPU on the host (None without NVML)."""
+    mig: list[str] | None = None
+    """NVML's MIG devices' UUIDs, in `nvidia-smi -L`'s order (by GPU, then by MIG device):
+    how a discovery script numbers them on a host whose GPUs are split (None or empty: no
+    MIG, or no NVML)."""
 
 
 def _uuid(text: str) -> str:
-    """A GPU UUID as NVML ("GPU-8e5b...") or torch ("8e5b...") writes it, compared lowercase
-    without the prefix."""
+    """A GPU's or MIG device's UUID as NVML ("GPU-8e5b...", "MIG-4f1c...") or torch
+    ("8e5b...") writes it, compared lowercase without the prefix."""
     text = text.strip().lower()
-    return text[4:] if text.startswith("gpu-") else text
+    return text[4:] if text.startswith(("gpu-", "mig-")) else text
 
 
 def _is_uuid(address: str) -> bool:
@@ -59,8 +63,10 @@ def cuda_index(address: str, cuda_visible_devices: str | None,
     physical GPU id, as nvidia-smi and Spark's example discovery script number them (PCI bus
     order; the task sets CUDA_DEVICE_ORDER=PCI_BUS_ID so torch counts the same way): through
     NVML's UUID of that id where NVML is there, else its position in CUDA_VISIBLE_DEVICES
-    when that lists ids, else the id itself. An address this process cannot see is a
-    ClusterError, never a guess: guessing put two tasks on one GPU."""
+    when that lists ids, else the id itself. Where this process's devices are MIG devices (a
+    split GPU), a numeric address counts MIG devices in `nvidia-smi -L`'s order instead,
+    never their parent GPU. An address this process cannot see is a ClusterError, never a
+    guess: guessing put two tasks on one GPU."""
     count = len(gpus.uuids) if gpus is not None else None
     visible_uuids = [_uuid(u) for u in gpus.uuids] if gpus is not None else []
     listed = [d.strip() for d in (cuda_visible_devices or "").split(",") if d.strip()]
@@ -74,6 +80,15 @@ def cuda_index(address: str, cuda_visible_devices: str | None,
     if not address.isdigit():
         raise ClusterError(f"GPU address {address!r} is neither a GPU number nor a UUID")
     physical = int(address)
+    migs = [_uuid(u) for u in (gpus.mig or [])] if gpus is not None else []
+    if set(migs) & set(visible_uuids):
+        if physical >= len(migs):
+            raise ClusterError(f"Spark assigned GPU {address}, but this host has "
+                               f"{len(migs)} MIG devices; {hint}")
+        if migs[physical] not in visible_uuids:
+            raise ClusterError(f"Spark assigned MIG device {address}, but CUDA_VISIBLE_DEVICES="
+                               f"{cuda_visible_devices!r} hides it; {hint}")
+        return visible_uuids.index(migs[physical])
     if gpus is not None and gpus.physical is not None:
         if physical not in gpus.physical:
             raise ClusterError(f"Spark assigned GPU {address}, but this host has GPUs "
@@ -208,19 +223,40 @@ def visible_gpus() -> VisibleGpus:
 
     uuids = [str(torch.cuda.get_device_properties(i).uuid)
              for i in range(torch.cuda.device_count())]
-    physical = None
+    physical, mig = None, None
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            physical = {i: _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                        for i in range(pynvml.nvmlDeviceGetCount())}
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                       for i in range(pynvml.nvmlDeviceGetCount())]
+            physical = {i: _text(pynvml.nvmlDeviceGetUUID(h)) for i, h in enumerate(handles)}
+            mig = [uuid for h in handles for uuid in _mig_uuids(pynvml, h)]
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no NVML: the CUDA_VISIBLE_DEVICES rule applies
-        physical = None
-    return VisibleGpus(uuids, physical)
+        physical, mig = None, None
+    return VisibleGpus(uuids, physical, mig)
+
+
+def _mig_uuids(pynvml, handle) -> list[str]:
+    """The UUIDs of a GPU's MIG devices, by MIG device index (none where MIG is off or not
+    supported)."""
+    try:
+        if pynvml.nvmlDeviceGetMigMode(handle)[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return []
+        slots = pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+    except pynvml.NVMLError:  # a GPU without MIG
+        return []
+    found = []
+    for index in range(slots):
+        try:
+            found.append(_text(pynvml.nvmlDeviceGetUUID(
+                pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index))))
+        except pynvml.NVMLError:  # an empty slot
+            continue
+    return found
 
 
 def _text(value) -> str:
