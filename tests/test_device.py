@@ -381,3 +381,41 @@ def test_scoring_on_a_gpu_hands_cudas_cache_back_for_the_next_task(monkeypatch):
     finally:
         gc.unfreeze()
     assert calls == ["set_device", "empty_cache"]
+
+
+def test_nvmls_mig_devices_are_listed_by_gpu_then_by_slot(monkeypatch):
+    """`visible_gpus` over a fake NVML: GPU 0 whole, GPU 1 split into MIG devices in slots
+    0 and 2 (slot 1 empty), GPU 2 without MIG support."""
+    import sys
+    from types import SimpleNamespace
+
+    from sparkdl_avg.task.device import visible_gpus
+
+    class NVMLError(Exception):
+        pass
+
+    def mig_mode(handle):
+        if handle == 2:
+            raise NVMLError("not supported")
+        return [int(handle == 1), 0]
+
+    def mig_handle(handle, slot):
+        if slot == 1:
+            raise NVMLError("not found")
+        return f"MIG-{handle}{slot}"
+
+    fake = SimpleNamespace(
+        NVMLError=NVMLError, NVML_DEVICE_MIG_ENABLE=1, nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 3,
+        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetMigMode=mig_mode,
+        nvmlDeviceGetMaxMigDeviceCount=lambda h: 3,
+        nvmlDeviceGetMigDeviceHandleByIndex=mig_handle,
+        nvmlDeviceGetUUID=lambda h: (h if isinstance(h, str) else f"GPU-{h}").encode())
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(uuid="12"))
+    gpus = visible_gpus()
+    assert gpus == VisibleGpus(["12"], {0: "GPU-0", 1: "GPU-1", 2: "GPU-2"},
+                               ["MIG-10", "MIG-12"])
+    assert cuda_index("1", None, gpus) == 0
