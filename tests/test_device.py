@@ -180,10 +180,75 @@ def test_the_task_refuses_a_gpu_another_task_on_its_host_was_given(monkeypatch):
     mine = DeviceChoice("cuda:0", "0", None, "aaaa")
     monkeypatch.setattr(device, "task_device", lambda wanted: mine)
     with pytest.raises(ClusterError, match=f"tasks 0 and 1 on host {host} were both given"):
-        _agree_on_devices(Peers([1, host, "aaaa", None]), 0, "auto")
-    assert _agree_on_devices(Peers([1, host, "bbbb", None]), 0, "auto") is mine
+        _agree_on_devices(Peers([1, host, "aaaa", None, "cuda:0", None]), 0, "auto")
+    assert _agree_on_devices(Peers([1, host, "bbbb", None, "cuda:1", None]), 0, "auto") is mine
     with pytest.raises(ClusterError, match=f"on hosts {host} and elsewhere"):
-        _agree_on_devices(Peers([1, "elsewhere", "aaaa", None]), 0, "auto")
+        _agree_on_devices(Peers([1, "elsewhere", "aaaa", None, "cuda:0", None]), 0, "auto")
+
+
+def test_a_fit_with_some_tasks_on_the_cpu_and_others_on_gpus_is_refused(monkeypatch):
+    """CUDA unusable on one host: that task fell back to the CPU while its peers took their
+    GPUs, and the collective transport's group (gloo there, NCCL here) hung until its
+    timeout on every restart. Every task now refuses the mix, naming the CPU's tasks."""
+    from sparkdl_avg._errors import is_final
+    from sparkdl_avg.task import device
+    from sparkdl_avg.task.device import DeviceChoice, mixed_devices
+    from sparkdl_avg.task.entry import _agree_on_devices
+
+    fell_back = choose_device("auto", ["0"], cuda_visible_devices=None, cuda_available=False)
+    assert fell_back.cpu_fallback.startswith("Spark assigned GPU 0 but CUDA is not available")
+    on_gpu = DeviceChoice("cuda:0", "0", None, "aaaa")
+    assert on_gpu.cpu_fallback is None and DeviceChoice("cpu", None).cpu_fallback is None
+
+    monkeypatch.setattr(device, "task_device", lambda wanted: on_gpu)
+    with pytest.raises(ClusterError, match=r"tasks 1 on h2 would train on the CPU while the "
+                                           r"others train on GPUs \(Spark assigned GPU 0 but "
+                                           "CUDA is not available") as info:
+        _agree_on_devices(Peers([1, "h2", None, None, "cpu", fell_back.cpu_fallback]), 0,
+                          "auto")
+    assert is_final(info.value)
+    monkeypatch.setattr(device, "task_device", lambda wanted: fell_back)
+    with pytest.raises(ClusterError, match="tasks 0 on "):
+        _agree_on_devices(Peers([1, "h2", "bbbb", None, "cuda:0", None]), 0, "auto")
+    # all on the CPU is one kind: trained, and reported as each task loads
+    assert _agree_on_devices(Peers([1, "h2", None, None, "cpu", "no CUDA"]), 0, "auto") \
+        is fell_back
+    assert mixed_devices([(0, "h", "cuda:0", None), (1, "h", "cuda:1", None)]) is None
+
+
+def test_a_cpu_fallback_reaches_the_driver_while_the_task_loads(monkeypatch):
+    """Not only in the report row at the end of the fit: the load monitor hears it with the
+    task's first load report, and the driver logs it and tags the run."""
+    import time
+
+    from sparkdl_avg.driver import barrier
+    from sparkdl_avg.driver.load_monitor import LoadMonitor
+    from sparkdl_avg.task.load_report import LoadReporter
+
+    class Run:
+        tags: dict = {}
+
+        def set_tags(self, tags):
+            self.tags.update(tags)
+
+    run, logged = Run(), []
+    monkeypatch.setattr(barrier.log, "warning",
+                        lambda fmt, *args: logged.append(fmt % args))
+    with LoadMonitor(host="127.0.0.1", advertise="127.0.0.1", num_workers=2,
+                     on_cpu_fallback=lambda rank, why: barrier.report_cpu_fallback(
+                         run, rank, why)) as monitor:
+        LoadReporter(monitor.reachable_at, monitor.secret, rank=0, of=10)(0)
+        reporter = LoadReporter(monitor.reachable_at, monitor.secret, rank=1, of=10,
+                                cpu_fallback="Spark assigned GPU 1 but CUDA is not available")
+        reporter(0)
+        reporter(10, done=True)  # heard twice, reported once
+        deadline = time.monotonic() + 5
+        while monitor.progress()[2] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert logged == ["partition 1 trains on the CPU: Spark assigned GPU 1 but CUDA is not "
+                      "available"]
+    assert run.tags == {"sparkdl_avg.cpu_fallback.1": "Spark assigned GPU 1 but CUDA is not "
+                                                      "available"}
 
 
 def test_a_task_whose_device_check_fails_still_joins_the_gather(monkeypatch):
@@ -202,16 +267,16 @@ def test_a_task_whose_device_check_fails_still_joins_the_gather(monkeypatch):
 
     monkeypatch.setattr(device, "task_device", hidden)
     with pytest.raises(ClusterError, match="CUDA_VISIBLE_DEVICES='1,2' hides it"):
-        _agree_on_devices(Peers([1, "h", "bbbb", None]), 0, "auto")
+        _agree_on_devices(Peers([1, "h", "bbbb", None, "cuda:1", None]), 0, "auto")
     assert gathered[-1][2] is None and "hides it" in gathered[-1][3]
 
     monkeypatch.setattr(device, "task_device",
                         lambda wanted: DeviceChoice("cuda:0", "1", None, "bbbb"))
     with pytest.raises(ClusterError, match="partition 0 on h has no device to train on: "
                                            "ClusterError: Spark assigned GPU 0"):
-        _agree_on_devices(Peers([0, "h", None, "ClusterError: Spark assigned GPU 0"]), 1,
-                          "auto")
-    assert gathered[-1] == [1, gathered[-1][1], "bbbb", None]
+        _agree_on_devices(Peers([0, "h", None, "ClusterError: Spark assigned GPU 0", None,
+                                 None]), 1, "auto")
+    assert gathered[-1] == [1, gathered[-1][1], "bbbb", None, "cuda:0", None]
 
 
 def test_device_errors_before_training_are_final_not_retried():

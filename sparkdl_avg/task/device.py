@@ -27,7 +27,13 @@ class DeviceChoice:
     """The GPU address Spark assigned to the task, if any."""
     warning: str | None = None
     uuid: str | None = None
-    """The chosen GPU's UUID where CUDA reports it: two tasks on one host must not share it."""
+    """The chosen GPU's UUID where CUDA reports it: two tasks must not share it."""
+
+    @property
+    def cpu_fallback(self) -> str | None:
+        """Why the task trains on the CPU though Spark gave it a GPU; None if it does not."""
+        return self.warning if self.device == "cpu" and self.gpu_address is not None \
+            else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +172,23 @@ def shared_gpus(devices: list[tuple[int, str, str | None]]) -> str | None:
                     "the GPU); make the discovery script report the GPUs (ids or UUIDs) this "
                     "executor's CUDA shows, and give each executor GPUs of its own")
     return None
+
+
+def mixed_devices(devices: list[tuple[int, str, str, str | None]]) -> str | None:
+    """Given every task's (rank, host, device, why it trains on the CPU), a message naming
+    the tasks on the CPU when others train on GPUs; None when all train on one kind. A
+    mixed fit would form a gloo group on some tasks and an NCCL one on others (the
+    collective transport hangs until its timeout, on every restart) and trains at the pace
+    of its slowest replica: refused, as a host's broken CUDA repeats on a restart."""
+    on_cpu = [(r, h, why) for r, h, device, why in devices if device == "cpu"]
+    if not on_cpu or len(on_cpu) == len(devices):
+        return None
+    named = ", ".join(f"{r} on {h}" for r, h, _ in sorted(on_cpu))
+    why = next((why for _, _, why in sorted(on_cpu) if why), "no GPU")
+    return (f"tasks {named} would train on the CPU while the others train on GPUs ({why}): "
+            "every replica of a fit trains on one kind of device. Make CUDA usable on those "
+            "executors (the driver, a CUDA build of torch), or train on the CPU with "
+            "device='cpu'")
 
 
 def is_local_master(master: str) -> bool:
