@@ -187,7 +187,7 @@ def mixed_devices(devices: list[tuple[int, str, str, str | None]]) -> str | None
     why = next((why for _, _, why in sorted(on_cpu) if why), "no GPU")
     return (f"tasks {named} would train on the CPU while the others train on GPUs ({why}): "
             "every replica of a fit trains on one kind of device. Make CUDA usable on those "
-            "executors (the driver, a CUDA build of torch), or train on the CPU with "
+            "executors (an NVIDIA driver, a CUDA build of torch), or train on the CPU with "
             "device='cpu'")
 
 
