@@ -484,3 +484,25 @@ def test_nvmls_mig_devices_are_listed_by_gpu_then_by_slot(monkeypatch):
     assert gpus == VisibleGpus(["12"], {0: "GPU-0", 1: "GPU-1", 2: "GPU-2"},
                                ["MIG-10", "MIG-12"])
     assert cuda_index("1", None, gpus) == 0
+
+
+class _TooBigForItsGpu(torch.nn.Linear):
+    def to(self, *args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB")
+
+
+def test_out_of_memory_moving_the_model_is_final_in_either_mode():
+    """The replica (which both the sync and the async loop build) says so itself."""
+    from types import SimpleNamespace
+
+    import cloudpickle
+
+    from sparkdl_avg import TrainConfig
+    from sparkdl_avg._errors import is_final
+    from sparkdl_avg.task.replica import Replica
+
+    spec = SimpleNamespace(model_fn=cloudpickle.dumps(lambda: _TooBigForItsGpu(2, 1)))
+    with pytest.raises(ClusterError, match="could not move the model to cuda:0: out of device "
+                                           "memory") as info:
+        Replica(spec, TrainConfig(), 0, None, torch.device("cuda:0"))
+    assert is_final(info.value)
