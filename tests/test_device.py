@@ -297,6 +297,9 @@ def test_device_errors_before_training_are_final_not_retried():
     with pytest.raises(ClusterError, match="^cuda:1: the replica needs"), \
             final_on_device_errors("start on", "cuda:1", "1"):  # ours pass as they are
         raise ClusterError("cuda:1: the replica needs at least 404 MiB more")
+    with pytest.raises(RuntimeError, match="^CUDA error: the user's"), \
+            final_on_device_errors("build its replica on", "cpu"):  # a CPU fit's: as it is
+        raise RuntimeError("CUDA error: the user's model_fn called .cuda()")
 
 
 class _Transport:

@@ -312,9 +312,13 @@ def final_on_device_errors(what: str, device: str, gpu: str | None = None, *,
     """A CUDA error before training (no such device; out of memory while loading the
     partition, moving the model or building the averaging buffer) would repeat on every
     restart: a ClusterError, which stops the fit at once. `what` the task could not do on
-    `device` (Spark's GPU `gpu`); `hint` what to do about too little memory."""
+    `device` (Spark's GPU `gpu`); `hint` what to do about too little memory. On the CPU
+    nothing is converted: an error there that names CUDA is the user's code's."""
     import torch
 
+    if not device.startswith("cuda"):
+        yield
+        return
     where = f"{device} (GPU {gpu})" if gpu is not None else device
     try:
         yield
