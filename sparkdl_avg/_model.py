@@ -108,7 +108,9 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
         raise ModelError(
             "the model's parameters are float16: trained as they are (no autocast, no loss "
             "scaling), gradients underflow and Adam's second moment overflows to inf/NaN. Keep "
-            "the parameters in float32 (or bfloat16, whose range is float32's) in model_fn")
+            "the parameters in float32 in model_fn and set TrainConfig(precision=\"fp16\") "
+            "to compute in float16 (autocast and loss scaling, on CUDA), or "
+            "precision=\"bf16\"; or make the parameters bfloat16, whose range is float32's")
     if dtype not in (torch.bfloat16, torch.float32, torch.float64):
         raise ModelError(f"parameters of dtype {dtype} cannot be trained")
     return dtype

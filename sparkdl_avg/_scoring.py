@@ -37,9 +37,12 @@ def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: boo
     payload = pickle_for_executors("model", model)
 
     def predict(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
-        yield from _predict_batches(payload, batches, num_features=num_features,
-                                    classify=classify, width=width, device=device,
-                                    batch_size=batch_size)
+        try:
+            yield from _predict_batches(payload, batches, num_features=num_features,
+                                        classify=classify, width=width, device=device,
+                                        batch_size=batch_size)
+        finally:
+            _release_gpu()
 
     return arrow_udf(predict, return_type)
 
@@ -78,6 +81,16 @@ def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, cl
                 flat = out.reshape(-1, width).double().cpu().numpy()
                 yield pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), width) \
                     .cast(pa.list_(pa.float64()))
+
+
+def _release_gpu() -> None:
+    """Once a task has scored (the model gone with `_predict_batches`' frame): Spark reuses
+    the Python worker, and CUDA's cache of the model's and the batches' blocks would hold
+    the GPU's memory into the next fit, whose free-memory check would then fail."""
+    if torch.cuda.is_initialized():
+        from sparkdl_avg.task.memory import release_task_memory
+
+        release_task_memory()
 
 
 def _on(x: torch.Tensor, target: torch.device) -> torch.Tensor:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from mlflow.tracking import MlflowClient
 from pyspark.sql import SparkSession
 
 from sparkdl_avg import TrainConfig, fit
@@ -121,6 +122,8 @@ def main(out_path: str, master: str) -> None:
             "label": rng.integers(0, 2, ROWS)})).cache()
         plain = fit(df, KillsItsExecutor, CONFIG)
         recovered = fit(df, partial(KillsItsExecutor, folder), CONFIG)
+        tags = MlflowClient().get_run(plain.run_id).data.tags
+        fallbacks = {k: v for k, v in tags.items() if k.startswith("sparkdl_avg.cpu_fallback.")}
         before, after = plain.model.state_dict(), recovered.model.state_dict()
         same = all(torch.equal(before[k], after[k]) for k in before)
         steps = Path(folder, f"steps-{FAULT_PARTITION}")
@@ -133,7 +136,8 @@ def main(out_path: str, master: str) -> None:
         time.sleep(2)  # an executor that dies as its task is killed is reported in ms
         executors["after_fake_gpus"] = list(session.executors(spark)[1:])
         with open(out_path, "w") as f:
-            json.dump({"workers": plain.workers, "failures": recovered.failures,
+            json.dump({"workers": plain.workers, "cpu_fallbacks": fallbacks,
+                       "failures": recovered.failures,
                        "killed": os.path.exists(os.path.join(folder, "killed")),
                        "rounds": [h["round"] for h in recovered.history],
                        "fault_partition_steps": steps.stat().st_size if steps.exists() else 0,

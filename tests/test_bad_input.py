@@ -193,7 +193,9 @@ def test_model_that_does_not_accept_the_features(good):
 
 
 def test_a_pure_float16_model_is_refused_before_training(good):
-    with pytest.raises(ModelError, match="parameters are float16.*Keep the parameters in float32"):
+    """The message points to what the user wanted: training in float16, done right."""
+    with pytest.raises(ModelError, match="parameters are float16.*Keep the parameters in float32 "
+                                         r"in model_fn and set TrainConfig\(precision=\"fp16\"\)"):
         fit(good, lambda: torch.nn.Linear(3, 2).half(), CFG)
 
 

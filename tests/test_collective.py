@@ -212,3 +212,60 @@ def test_the_group_forms_only_after_the_driver_sends_the_start(monkeypatch):
     assert events == ["open"]
     assert channel.receive_start(np.zeros(3, dtype=np.float32)) == "start point"
     assert events == ["open", "start", "form"]
+
+
+def test_a_bfloat16_replica_is_averaged_in_float32_as_the_driver_averages_it():
+    """Scaled and summed in bfloat16, the collective average rounded at every step; the
+    driver transport averages the same replicas in float32 (its wire dtype) and rounds
+    once, when the worker takes the average in."""
+    import numpy as np
+
+    from sparkdl_avg.averaging import collective
+    from sparkdl_avg.averaging.arithmetic import weighted_average
+    from sparkdl_avg.averaging.flat_buffer import FlatBuffer
+    from sparkdl_avg.averaging.transport import RoundReport
+    from sparkdl_avg.net import messages as msg
+
+    world, samples, found, results = 2, [3, 7], [], {}
+    gathered = threading.Barrier(world)
+    generator = torch.Generator().manual_seed(0)
+    replicas = [torch.randn(4096, generator=generator).bfloat16() for _ in range(world)]
+
+    def all_gather(message: str) -> list[str]:
+        found.append(message)
+        gathered.wait(timeout=30)
+        return list(found)
+
+    class Control:
+        def send(self, message, payload=None):
+            pass
+
+        def expect(self, kind):
+            return msg.Orders(round=0)
+
+    def task(rank: int) -> None:
+        channel = collective.CollectiveChannel(
+            Control(), rank=rank, world=world, device=torch.device("cpu"),
+            all_gather=all_gather, connect_timeout_s=30, round_timeout_s=30)
+        channel._model_numel = replicas[rank].numel()
+        channel._group = collective.TaskGroup.form(
+            rank=rank, world=world, address="127.0.0.1", device=torch.device("cpu"),
+            all_gather=all_gather, connect_timeout_s=30, op_timeout_s=30)
+        try:
+            flat = FlatBuffer([replicas[rank].clone()], torch.float32)
+            channel.exchange(RoundReport(round=0, samples=samples[rank], loss_sum=0.0,
+                                         compute_s=0.0, setup_s=0.0, lr=None), flat)
+            results[rank] = flat.flat
+        finally:
+            channel._group.close()
+
+    threads = [threading.Thread(target=task, args=(rank,)) for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    by_the_driver = np.empty(4096, np.float32)
+    weighted_average([r.float().numpy() for r in replicas], samples, by_the_driver)
+    expected = torch.from_numpy(by_the_driver).bfloat16()
+    assert results[0].dtype == torch.bfloat16
+    assert torch.equal(results[0], expected) and torch.equal(results[1], expected)

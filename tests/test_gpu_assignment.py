@@ -32,14 +32,20 @@ def cluster_fits(tmp_path_factory, standalone):
 
 
 @pytest.mark.cluster
-def test_each_task_trains_on_its_own_spark_assigned_gpu(cluster_fits):
+def test_each_task_is_given_its_own_gpu_and_without_cuda_trains_on_the_cpu_saying_so(
+        cluster_fits):
     """With GPUs on the executors but none asked for tasks in general, the fit's training
-    stage alone gets one a task (a stage-level resource profile)."""
+    stage alone gets one a task (a stage-level resource profile). The cluster's GPUs are
+    fake and no task can use CUDA: every task trains on the CPU (one kind of device: not
+    refused) and the run says so per partition. That each task trains on its own GPU is
+    checked by the fake-CUDA fits below, not here."""
     workers = cluster_fits["workers"]
     assert sorted(w["gpu"] for w in workers) == ["0", "1"]
-    for w in workers:  # the cluster hides any real GPU: the task says so, trains on the CPU
+    for w in workers:
         assert w["device"] == "cpu"
         assert "CUDA is not available" in w["warning"]
+    assert sorted(cluster_fits["cpu_fallbacks"]) == [
+        "sparkdl_avg.cpu_fallback.0", "sparkdl_avg.cpu_fallback.1"]
 
 
 @pytest.mark.cluster

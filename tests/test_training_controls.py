@@ -198,9 +198,29 @@ def test_fp16_on_a_task_without_cuda_is_a_final_error(data, mlflow_client):
     assert latest_run(mlflow_client, "controls").info.status == "FAILED"
 
 
-def test_bf16_autocast_trains_a_float32_model(data):
-    result = fit(data, FaultyMLP, replace(CONTROLLED, precision="bf16", epochs=4),
-                 eval_df=data)
+class RecordsAutocast(FaultyMLP):
+    """Leaves a file in `folder` naming the autocast state each training forward ran in."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+
+        if self.training:
+            kind = x.device.type  # torch >= 2.4 asks which device's autocast
+            state = f"{torch.is_autocast_enabled(kind)}-{torch.get_autocast_dtype(kind)}"
+            os.close(os.open(os.path.join(self.folder, state), os.O_CREAT))
+        return super().forward(x)
+
+
+def test_bf16_autocast_trains_a_float32_model(data, tmp_path):
+    """Every training step runs under bfloat16 autocast (a fit that ignored `precision`
+    would train as well), while the parameters stay float32."""
+    result = fit(data, partial(RecordsAutocast, str(tmp_path)),
+                 replace(CONTROLLED, precision="bf16", epochs=4), eval_df=data)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["True-torch.bfloat16"]
     assert next(result.model.parameters()).dtype == torch.float32  # parameters keep theirs
     assert result.history[-1]["eval_accuracy"] > 0.6
 

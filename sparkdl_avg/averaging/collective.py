@@ -6,7 +6,8 @@ it (checkpoints, early stopping, the end).
 
 A round: the weights (samples) are summed first, each replica scales itself by its share,
 and one all-reduce sums the scaled replicas: the weighted average the driver would compute,
-in the same order of operations for two workers. Every task ends with the same bits."""
+in the same order of operations for two workers and in the same dtype (the wire's: float32
+for a bfloat16 model). Every task ends with the same bits."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class CollectiveChannel(Transport):
         self._group: TaskGroup | None = None
         self._model_numel = 0
         self._before: torch.Tensor | None = None
+        self._wide: torch.Tensor | None = None
 
     def open(self, hello: msg.WorkerHello) -> None:
         self._control.open(hello)
@@ -54,7 +56,7 @@ class CollectiveChannel(Transport):
 
     def exchange(self, report: RoundReport, flat: WireBuffer) -> RoundReply:
         t0 = time.perf_counter()
-        values, numel = flat.flat, self._model_numel
+        values, numel = self._in_wire_dtype(flat), self._model_numel
         if self._before is None:
             self._before = torch.empty(numel, dtype=values.dtype, device=values.device)
         self._before.copy_(values[:numel])
@@ -63,6 +65,8 @@ class CollectiveChannel(Transport):
         self._group.all_reduce_sum(weights)
         values.mul_(report.samples / float(weights.item()))
         self._group.all_reduce_sum(values)
+        if values is not flat.flat:
+            flat.flat.copy_(values)  # rounded to the model's dtype once, at the end
         # the average is finite when every replica was; only when it is not, which were
         average_finite = _finite(values)
         replica_finite = average_finite or _finite(self._before)
@@ -83,6 +87,18 @@ class CollectiveChannel(Transport):
                                average)
         return RoundReply(evaluate=orders.evaluate, checkpoint=orders.checkpoint,
                           stop=orders.stop, wait_next=orders.wait_next)
+
+    def _in_wire_dtype(self, flat: WireBuffer) -> torch.Tensor:
+        """What the all-reduce sums: the replica itself, or for a bfloat16 replica a float32
+        copy on its device, so that the tasks average in float32 as the driver transport
+        does (its wire dtype): scaled and summed in bfloat16, each step would round to 8
+        bits of mantissa."""
+        values, wide = flat.flat, flat.host.dtype
+        if values.dtype == wide:
+            return values
+        if self._wide is None or self._wide.numel() != values.numel():
+            self._wide = torch.empty(values.numel(), dtype=wide, device=values.device)
+        return self._wide.copy_(values)
 
     def send_state(self, layout: list, payload: np.ndarray) -> None:
         self._control.send_state(layout, payload)

@@ -97,7 +97,7 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
                 server.revive(len(history))
                 with BarrierJob.training(plan.data.frame, spec, "sparkdl-avg: async "
                                          f"training, {config.num_workers} workers",
-                                         config) as job:
+                                         config, run) as job:
                     while not job.done(config.eval_interval_s):
                         server.call(intervals.log, len(history))
                     rows = job.wait(waits.finish)

@@ -30,6 +30,15 @@ _TASKS_END_S = 60.0
 """After a failure, how long the driver waits for the aborted job's tasks to leave their slots."""
 
 
+def report_cpu_fallback(run, rank: int, why: str) -> None:
+    """A task Spark gave a GPU trains on the CPU: said before training (a log line, and the
+    MLflow tag `sparkdl_avg.cpu_fallback.<partition>` when there is a `run`), not after it,
+    so a user watching a slow fit knows why."""
+    log.warning("partition %d trains on the CPU: %s", rank, why)
+    if run is not None:
+        run.set_tags({f"sparkdl_avg.cpu_fallback.{rank}": why})
+
+
 class BarrierJob:
     """Runs `frame.mapInArrow(fn, schema, barrier=True).collect()` in a thread it owns.
 
@@ -39,9 +48,11 @@ class BarrierJob:
     fills in which task failed, where and why (`explain`)."""
 
     @classmethod
-    def training(cls, frame: DataFrame, spec, description: str, config) -> BarrierJob:
+    def training(cls, frame: DataFrame, spec, description: str, config,
+                 run=None) -> BarrierJob:
         """The job of a fit's training tasks (`task.entry.run_task` on every partition),
-        with a `LoadMonitor` the tasks report their loading to."""
+        with a `LoadMonitor` the tasks report their loading to; a task's CPU fallback is
+        reported (`report_cpu_fallback`, to the fit's MLflow `run`) as it loads."""
         from sparkdl_avg.driver.cluster import driver_address, training_resources
         from sparkdl_avg.task import report
         from sparkdl_avg.task.entry import run_task
@@ -50,7 +61,8 @@ class BarrierJob:
         address = driver_address(spark, config)
         profile, gpus = training_resources(spark, config.device)
         monitor = LoadMonitor(host=address.bind, advertise=address.advertise,
-                              num_workers=len(spec.train_rows))
+                              num_workers=len(spec.train_rows),
+                              on_cpu_fallback=partial(report_cpu_fallback, run))
         monitor.start()  # here: the tasks need its port; the job closes it
         try:
             spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,

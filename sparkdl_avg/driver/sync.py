@@ -127,7 +127,7 @@ class _Attempt:
         ) as coord, BarrierJob.training(
             plan.data.frame, plan.worker_spec(coord.address, secret, self.tls_ca_pem),
             f"sparkdl-avg: train {config.num_workers} replicas from round {point.round}",
-            config,
+            config, self.run_logger,
         ) as job:
             try:
                 if config.overlap_averaging:  # its checkpoint_every is a number of rounds

@@ -6,9 +6,10 @@ say, so the rules are tested without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
-from sparkdl_avg._errors import ClusterError
+from sparkdl_avg._errors import ClusterError, SparkdlAvgError
 
 GPU_SETTINGS_HINT = (
     "set spark.executor.resource.gpu.amount (GPUs per executor) and a GPU discovery script "
@@ -26,7 +27,13 @@ class DeviceChoice:
     """The GPU address Spark assigned to the task, if any."""
     warning: str | None = None
     uuid: str | None = None
-    """The chosen GPU's UUID where CUDA reports it: two tasks on one host must not share it."""
+    """The chosen GPU's UUID where CUDA reports it: two tasks must not share it."""
+
+    @property
+    def cpu_fallback(self) -> str | None:
+        """Why the task trains on the CPU though Spark gave it a GPU; None if it does not."""
+        return self.warning if self.device == "cpu" and self.gpu_address is not None \
+            else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,13 +44,17 @@ class VisibleGpus:
     """Each torch device's UUID, in torch's order."""
     physical: dict[int, str] | None = None
     """NVML's physical index -> UUID for every GPU on the host (None without NVML)."""
+    mig: list[str] | None = None
+    """NVML's MIG devices' UUIDs, in `nvidia-smi -L`'s order (by GPU, then by MIG device):
+    how a discovery script numbers them on a host whose GPUs are split (None or empty: no
+    MIG, or no NVML)."""
 
 
 def _uuid(text: str) -> str:
-    """A GPU UUID as NVML ("GPU-8e5b...") or torch ("8e5b...") writes it, compared lowercase
-    without the prefix."""
+    """A GPU's or MIG device's UUID as NVML ("GPU-8e5b...", "MIG-4f1c...") or torch
+    ("8e5b...") writes it, compared lowercase without the prefix."""
     text = text.strip().lower()
-    return text[4:] if text.startswith("gpu-") else text
+    return text[4:] if text.startswith(("gpu-", "mig-")) else text
 
 
 def _is_uuid(address: str) -> bool:
@@ -58,8 +69,10 @@ def cuda_index(address: str, cuda_visible_devices: str | None,
     physical GPU id, as nvidia-smi and Spark's example discovery script number them (PCI bus
     order; the task sets CUDA_DEVICE_ORDER=PCI_BUS_ID so torch counts the same way): through
     NVML's UUID of that id where NVML is there, else its position in CUDA_VISIBLE_DEVICES
-    when that lists ids, else the id itself. An address this process cannot see is a
-    ClusterError, never a guess: guessing put two tasks on one GPU."""
+    when that lists ids, else the id itself. Where this process's devices are MIG devices (a
+    split GPU), a numeric address counts MIG devices in `nvidia-smi -L`'s order instead,
+    never their parent GPU. An address this process cannot see is a ClusterError, never a
+    guess: guessing put two tasks on one GPU."""
     count = len(gpus.uuids) if gpus is not None else None
     visible_uuids = [_uuid(u) for u in gpus.uuids] if gpus is not None else []
     listed = [d.strip() for d in (cuda_visible_devices or "").split(",") if d.strip()]
@@ -73,6 +86,15 @@ def cuda_index(address: str, cuda_visible_devices: str | None,
     if not address.isdigit():
         raise ClusterError(f"GPU address {address!r} is neither a GPU number nor a UUID")
     physical = int(address)
+    migs = [_uuid(u) for u in (gpus.mig or [])] if gpus is not None else []
+    if set(migs) & set(visible_uuids):
+        if physical >= len(migs):
+            raise ClusterError(f"Spark assigned GPU {address}, but this host has "
+                               f"{len(migs)} MIG devices; {hint}")
+        if migs[physical] not in visible_uuids:
+            raise ClusterError(f"Spark assigned MIG device {address}, but CUDA_VISIBLE_DEVICES="
+                               f"{cuda_visible_devices!r} hides it; {hint}")
+        return visible_uuids.index(migs[physical])
     if gpus is not None and gpus.physical is not None:
         if physical not in gpus.physical:
             raise ClusterError(f"Spark assigned GPU {address}, but this host has GPUs "
@@ -132,19 +154,41 @@ def choose_device(
 
 
 def shared_gpus(devices: list[tuple[int, str, str | None]]) -> str | None:
-    """Given every task's (rank, host, GPU UUID), a message naming two tasks on one host that
-    were given the same GPU; None when no GPU is shared."""
-    owner: dict[tuple[str, str], int] = {}
+    """Given every task's (rank, host, GPU UUID), a message naming two tasks that were given
+    the same GPU; None when no GPU is shared. Keyed by the UUID alone: UUIDs are unique
+    across hosts, and two containers on one node may report different host names for one
+    GPU."""
+    owner: dict[str, tuple[int, str]] = {}
     for rank, host, uuid in devices:
         if uuid is None:
             continue
-        other = owner.setdefault((host, uuid), rank)
+        other, other_host = owner.setdefault(uuid, (rank, host))
         if other != rank:
-            return (f"tasks {other} and {rank} on host {host} were both given GPU {uuid}: one "
+            where = f"on host {host}" if host == other_host else \
+                f"on hosts {other_host} and {host}"
+            return (f"tasks {other} and {rank} {where} were both given GPU {uuid}: one "
                     "GPU would train two replicas while another idles. Spark's GPU addresses "
-                    "and the executor's CUDA_VISIBLE_DEVICES disagree; make the discovery "
-                    "script report the GPUs (ids or UUIDs) this executor's CUDA shows")
+                    "and the executor's CUDA_VISIBLE_DEVICES disagree (or two executors share "
+                    "the GPU); make the discovery script report the GPUs (ids or UUIDs) this "
+                    "executor's CUDA shows, and give each executor GPUs of its own")
     return None
+
+
+def mixed_devices(devices: list[tuple[int, str, str, str | None]]) -> str | None:
+    """Given every task's (rank, host, device, why it trains on the CPU), a message naming
+    the tasks on the CPU when others train on GPUs; None when all train on one kind. A
+    mixed fit would form a gloo group on some tasks and an NCCL one on others (the
+    collective transport hangs until its timeout, on every restart) and trains at the pace
+    of its slowest replica: refused, as a host's broken CUDA repeats on a restart."""
+    on_cpu = [(r, h, why) for r, h, device, why in devices if device == "cpu"]
+    if not on_cpu or len(on_cpu) == len(devices):
+        return None
+    named = ", ".join(f"{r} on {h}" for r, h, _ in sorted(on_cpu))
+    why = next((why for _, _, why in sorted(on_cpu) if why), "no GPU")
+    return (f"tasks {named} would train on the CPU while the others train on GPUs ({why}): "
+            "every replica of a fit trains on one kind of device. Make CUDA usable on those "
+            "executors (an NVIDIA driver, a CUDA build of torch), or train on the CPU with "
+            "device='cpu'")
 
 
 def is_local_master(master: str) -> bool:
@@ -202,19 +246,40 @@ def visible_gpus() -> VisibleGpus:
 
     uuids = [str(torch.cuda.get_device_properties(i).uuid)
              for i in range(torch.cuda.device_count())]
-    physical = None
+    physical, mig = None, None
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            physical = {i: _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                        for i in range(pynvml.nvmlDeviceGetCount())}
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                       for i in range(pynvml.nvmlDeviceGetCount())]
+            physical = {i: _text(pynvml.nvmlDeviceGetUUID(h)) for i, h in enumerate(handles)}
+            mig = [uuid for h in handles for uuid in _mig_uuids(pynvml, h)]
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no NVML: the CUDA_VISIBLE_DEVICES rule applies
-        physical = None
-    return VisibleGpus(uuids, physical)
+        physical, mig = None, None
+    return VisibleGpus(uuids, physical, mig)
+
+
+def _mig_uuids(pynvml, handle) -> list[str]:
+    """The UUIDs of a GPU's MIG devices, by MIG device index (none where MIG is off or not
+    supported)."""
+    try:
+        if pynvml.nvmlDeviceGetMigMode(handle)[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return []
+        slots = pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+    except pynvml.NVMLError:  # a GPU without MIG
+        return []
+    found = []
+    for index in range(slots):
+        try:
+            found.append(_text(pynvml.nvmlDeviceGetUUID(
+                pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index))))
+        except pynvml.NVMLError:  # an empty slot
+            continue
+    return found
 
 
 def _text(value) -> str:
@@ -235,6 +300,37 @@ def device_shortfall(*, param_bytes: int, optimizer_slots: int, batch_bytes: int
             f"(gradients, optimizer state, the averaging buffer, minibatches), but "
             f"{free_bytes / mib:.0f} MiB are free: use a smaller model or batch_size, a GPU "
             "with more memory, or free this one (another process may hold it)")
+
+
+LOAD_HINT = "spill the partition with data_cache='disk' or a smaller cache_budget_mb"
+REPLICA_HINT = "use a smaller model, or a GPU with more free memory"
+
+
+@contextlib.contextmanager
+def final_on_device_errors(what: str, device: str, gpu: str | None = None, *,
+                           hint: str = REPLICA_HINT):
+    """A CUDA error before training (no such device; out of memory while loading the
+    partition, moving the model or building the averaging buffer) would repeat on every
+    restart: a ClusterError, which stops the fit at once. `what` the task could not do on
+    `device` (Spark's GPU `gpu`); `hint` what to do about too little memory. On the CPU
+    nothing is converted: an error there that names CUDA is the user's code's."""
+    import torch
+
+    if not device.startswith("cuda"):
+        yield
+        return
+    where = f"{device} (GPU {gpu})" if gpu is not None else device
+    try:
+        yield
+    except SparkdlAvgError:
+        raise
+    except torch.cuda.OutOfMemoryError as exc:
+        raise ClusterError(f"the task could not {what} {where}: out of device memory ({exc}); "
+                           f"{hint}") from exc
+    except RuntimeError as exc:
+        if "cuda" not in str(exc).lower():
+            raise
+        raise ClusterError(f"the task could not {what} {where}: {exc}") from exc
 
 
 def set_deterministic(on: bool) -> None:

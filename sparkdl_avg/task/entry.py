@@ -46,7 +46,13 @@ def _run(spec: WorkerSpec, batches: Iterator):
     from sparkdl_avg.data.spill import SpillDir
     from sparkdl_avg.net import messages as msg
     from sparkdl_avg.task import memory
-    from sparkdl_avg.task.device import device_identity, set_deterministic, task_device
+    from sparkdl_avg.task.device import (
+        LOAD_HINT,
+        device_identity,
+        final_on_device_errors,
+        set_deterministic,
+        task_device,
+    )
     from sparkdl_avg.task.load_report import LoadReporter
     from sparkdl_avg.task.report import record_batch
 
@@ -59,7 +65,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
         else task_device(config.device)
     device = torch.device(choice.device)
     if device.type == "cuda":
-        with _final_on_device_errors(choice, "start on"):
+        with final_on_device_errors("start on", choice.device, choice.gpu_address):
             torch.cuda.set_device(device)
     torch.set_num_threads(max(1, ctx.cpus()))
     # without a reset the peak could be an earlier task's in this reused worker: none then
@@ -71,8 +77,9 @@ def _run(spec: WorkerSpec, batches: Iterator):
         spill = cleanup.enter_context(SpillDir.create(shape.bytes, rank=rank)) \
             if cache == "disk" else None
         progress = LoadReporter(spec.load_monitor, spec.load_secret, rank,
-                                shape.train_rows + shape.eval_rows)
-        with _final_on_device_errors(choice, "load its partition onto"):
+                                shape.train_rows + shape.eval_rows, choice.cpu_fallback)
+        with final_on_device_errors("load its partition onto", choice.device,
+                                    choice.gpu_address, hint=LOAD_HINT):
             data = load_partition(batches, shape, cache=cache, spill=spill, device=device,
                                   dtype=getattr(torch, spec.model_dtype), progress=progress)
         cleanup.callback(data.close)
@@ -113,32 +120,11 @@ def _run(spec: WorkerSpec, batches: Iterator):
             if train.assemble_s > 0 else None})
 
 
-@contextlib.contextmanager
-def _final_on_device_errors(choice, what: str):
-    """A CUDA error before training (no such device, out of memory while loading) would
-    repeat on every restart: a ClusterError, which stops the fit at once."""
-    import torch
-
-    from sparkdl_avg._errors import ClusterError
-
-    try:
-        yield
-    except torch.cuda.OutOfMemoryError as exc:
-        raise ClusterError(
-            f"the task could not {what} {choice.device} (GPU {choice.gpu_address}): out of "
-            f"device memory ({exc}); spill the partition with data_cache='disk' or a smaller "
-            "cache_budget_mb") from exc
-    except RuntimeError as exc:
-        if "cuda" not in str(exc).lower():
-            raise
-        raise ClusterError(f"the task could not {what} {choice.device} (GPU "
-                           f"{choice.gpu_address}): {exc}") from exc
-
-
 def _agree_on_devices(ctx, rank: int, wanted: str):
     """This task's device, once every task has said which GPU it got, or why it has none (a
-    barrier all-gather, before any data moves). Two tasks on one host with one GPU stop the
-    fit with a ClusterError naming both. A task whose device check fails still joins the
+    barrier all-gather, before any data moves). Two tasks given one GPU, or some tasks on
+    the CPU (CUDA unusable on their host) while others train on GPUs, stop the fit with a
+    ClusterError naming them. A task whose device check fails still joins the
     gather, and every task then fails with its error: a task left waiting in the gather when
     the stage is cancelled takes its whole executor down (Spark's `barrierAndServe` lets the
     TaskKilledException escape to the executor's uncaught-exception handler, exit code 50),
@@ -146,23 +132,26 @@ def _agree_on_devices(ctx, rank: int, wanted: str):
     import json
 
     from sparkdl_avg._errors import ClusterError
-    from sparkdl_avg.task.device import shared_gpus, task_device
+    from sparkdl_avg.task.device import mixed_devices, shared_gpus, task_device
 
     host = socket.gethostname()
     try:
         choice, own_error = task_device(wanted), None
-        mine = json.dumps([rank, host, choice.uuid, None])
+        fallback = choice.cpu_fallback[:2000] if choice.cpu_fallback else None
+        mine = json.dumps([rank, host, choice.uuid, None, choice.device, fallback])
     except Exception as exc:  # noqa: BLE001 - raised below, after the gather
         own_error = exc
-        mine = json.dumps([rank, host, None, f"{type(exc).__name__}: {exc}"[:2000]])
+        mine = json.dumps([rank, host, None, f"{type(exc).__name__}: {exc}"[:2000], None,
+                           None])
     said = [json.loads(m) for m in ctx.allGather(mine)]
     if own_error is not None:
         raise own_error
-    failed = [(r, h, error) for r, h, _, error in said if error is not None]
+    failed = [(r, h, error) for r, h, _, error, _, _ in said if error is not None]
     if failed:
         r, h, error = min(failed)
         raise ClusterError(f"partition {r} on {h} has no device to train on: {error}")
-    problem = shared_gpus([(r, h, uuid) for r, h, uuid, _ in said])
+    problem = shared_gpus([(r, h, uuid) for r, h, uuid, *_ in said]) \
+        or mixed_devices([(r, h, device, why) for r, h, _, _, device, why in said])
     if problem:
         raise ClusterError(problem)
     return choice

@@ -46,9 +46,12 @@ class Replica:
 
         from sparkdl_avg._model import make_loss, model_dtype
         from sparkdl_avg.averaging.flat_buffer import wire_dtype
+        from sparkdl_avg.task.device import final_on_device_errors
 
         torch.manual_seed(step_seed(config.seed, rank, -1))
-        self.model = cloudpickle.loads(spec.model_fn)().to(device)
+        model = cloudpickle.loads(spec.model_fn)()
+        with final_on_device_errors("move the model to", str(device)):
+            self.model = model.to(device)
         self.dtype = model_dtype(self.model)
         self.data, self.long_labels = data, spec.long_labels
         row_bytes = spec.shape(rank).row_bytes

@@ -21,6 +21,7 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
     from sparkdl_avg.averaging.optimizer_state import averaged_state_tensors
     from sparkdl_avg.averaging.overlap import OverlappedExchange
     from sparkdl_avg.task import worker_state
+    from sparkdl_avg.task.device import final_on_device_errors
     from sparkdl_avg.task.replica import Replica
 
     schedule = spec.schedule
@@ -28,9 +29,10 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
     # ready; a failure here is reported once connected, like any other.
     setup_error, replica, overlap = None, None, None
     try:
-        replica = Replica(spec, config, rank, data, device)
-        model = replica.model
-        flat = FlatBuffer(averaged_tensors(model), replica.wire_dtype)
+        with final_on_device_errors("build its replica on", str(device)):
+            replica = Replica(spec, config, rank, data, device)
+            model = replica.model
+            flat = FlatBuffer(averaged_tensors(model), replica.wire_dtype)
     except Exception as exc:
         setup_error = exc
     try:
@@ -63,7 +65,8 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
                 current = averaged_state_tensors(replica.optimizer, replica.dtype)
                 if [id(t) for t in current] != [id(t) for t in state]:
                     state = current
-                    flat = FlatBuffer(averaged_tensors(model) + state, replica.wire_dtype)
+                    with final_on_device_errors("build its averaging buffer on", str(device)):
+                        flat = FlatBuffer(averaged_tensors(model) + state, replica.wire_dtype)
             report = RoundReport(round=round_index, samples=samples,
                                  loss_sum=msg.finite_or_none(loss_sum), compute_s=compute_s,
                                  setup_s=setup_s, lr=replica.last_lr)

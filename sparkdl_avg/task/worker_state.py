@@ -93,5 +93,23 @@ def restore(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, lay
         scaler.load_state_dict(scaler_state)
     if optimizer is None:
         return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, values in state.items():
+        if 0 <= index < len(params):
+            _in_layout_of(params[index], values)
     current = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def _in_layout_of(param: torch.Tensor, values: dict) -> None:
+    """Each state tensor shaped like `param` in `param`'s memory format (a channels_last
+    conv's Adam moments channels_last too). Packing flattened them in logical order, and
+    `load_state_dict` keeps the strides it is given; the fused Adam step assumes a parameter,
+    its gradient and its moments share one layout: on the CPU it silently mixes up elements
+    of differently strided ones, on CUDA it refuses them."""
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor) and value.shape == param.shape \
+                and value.stride() != param.stride():
+            # empty_like keeps a dense tensor's strides; the copy runs in logical order
+            values[key] = torch.empty_like(param, dtype=value.dtype, device="cpu") \
+                .copy_(value)
