@@ -79,8 +79,7 @@ def assert_sync_recovery(result, steps_dir, *, at_call: int, steps_per_round: in
     restart = int(failure["restart_at"].removeprefix("round "))
     fault_round = (at_call - 1) // steps_per_round
     assert restart <= fault_round < num_rounds - 1, (restart, fault_round, num_rounds)
-    redone = at_call - restart * steps_per_round
-    assert redone > 0
+    redone = at_call - restart * steps_per_round  # > 0, as restart <= fault_round
     assert steps_run(steps_dir, partition) == total_steps + redone
     assert [h["round"] for h in result.history] == list(range(num_rounds))
 
@@ -152,16 +151,15 @@ def server_stats(client, run_id: str) -> dict:
 
 
 def kill_server_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0,
-                                   settle_s: float = 0.0, steps_dir: str = "",
-                                   push_every: int = 0) -> None:
-    """On a thread of its own: SIGKILL the `ps serve` that writes `checkpoint`, `settle_s`
-    after it has saved one beyond its first (INIT's). With `steps_dir` (the workers'
-    `FaultyMLP` step counts) and `push_every`, only once a worker has started a step past its
-    next push after that checkpoint: that push was applied and acknowledged, and is lost with
-    the server, so the workers must redo it (make checkpoints rare enough that the next one
-    cannot come first). The thread's `killed_at` is then the updates applied that its newest
-    checkpoint holds, `checkpoint_progress` each worker's steps in it, `killed_s` when
-    (`time.monotonic()`)."""
+                                   steps_dir: str = "", push_every: int = 0) -> None:
+    """On a thread of its own: SIGKILL the `ps serve` that writes `checkpoint` once it has
+    saved one beyond its first (INIT's). With `steps_dir` (the workers' `FaultyMLP` step
+    counts) and `push_every`, only once a worker has begun the step after its next push past
+    that checkpoint: that push was applied and acknowledged, and is lost with the server
+    (make checkpoints rare enough that the next one cannot come first). The thread then holds
+    `killed_s` (`time.monotonic()`), `killed_at` (the updates applied that checkpoint holds),
+    `checkpoint_progress` (each worker's steps in it) and, with `steps_dir`, `steps_at_kill`
+    (each of those workers' steps begun by then)."""
     import threading
 
     from sparkdl_avg.ps import state_file
@@ -174,17 +172,17 @@ def kill_server_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0,
             if first is None:
                 first = mtime
             elif mtime != first:
-                time.sleep(settle_s)
+                _, meta = state_file.load(str(checkpoint))
                 if steps_dir:
-                    _, meta = state_file.load(str(checkpoint))
                     _wait_for_a_push_past(meta["progress"], steps_dir, push_every, deadline)
                 pid = server_pid(str(checkpoint))
                 if pid is not None:
+                    steps = {w: steps_run(steps_dir, int(w)) for w in meta["progress"]} \
+                        if steps_dir else None
                     os.kill(pid, signal.SIGKILL)
                     thread = threading.current_thread()
                     thread.killed_s = time.monotonic()
-                    _, meta = state_file.load(str(checkpoint))
-                    thread.killed_at = meta["applied"]
+                    thread.killed_at, thread.steps_at_kill = meta["applied"], steps
                     thread.checkpoint_progress = meta["progress"]
                     return
         time.sleep(0.02)
