@@ -1,7 +1,8 @@
 """Public parameters checked by their effect, each by a test that fails if the parameter is
 ignored: weight_decay against a hand-computed SGD step, the waits (connect_timeout,
-finish_timeout, reconnect_timeout) by a fit that outlasts them failing within about them with
-an error naming them, tls_ca by whom the workers trust, and scoring's device."""
+finish_timeout, reconnect_timeout) by tasks that outlast them failing the fit with an error
+naming them (and, given a longer wait, finishing), tls_ca by whom the workers trust, and
+scoring's device. (AveragingEstimator's Params: test_ml.)"""
 
 from __future__ import annotations
 
