@@ -1,7 +1,10 @@
 """Models that fail on purpose, from the user's side: the fault tests' ammunition.
 
 A fault fires once: the first task to reach it leaves a marker file, so the restarted task
-trains normally. Shared by test_faults and the driver process that test_faults kills."""
+trains normally. With `steps_dir`, every training forward of a partition adds a byte to
+`steps_dir`/steps-<partition>: the steps it ran in all attempts, so that a test sees the steps
+a recovery ran twice (`assert_sync_recovery`). Shared by test_faults and the driver process
+that test_faults kills."""
 
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ N_FEATURES, N_CLASSES = 5, 3
 class FaultyMLP(torch.nn.Module):
     """An MLP with dropout whose forward, on one partition at its `at_call`-th training call,
     raises, kills its own process, or hangs: once per `marker` file, or every time without
-    one. `delay_s` slows every step down."""
+    one. `delay_s` slows every step down; `steps_dir` counts them (`steps_run`)."""
 
     def __init__(self, fault: str | None = None, marker: str = "", partition: int = 1,
-                 at_call: int = 9, delay_s: float = 0.0, n_features: int = N_FEATURES) -> None:
+                 at_call: int = 9, delay_s: float = 0.0, n_features: int = N_FEATURES,
+                 steps_dir: str = "") -> None:
         super().__init__()
         torch.manual_seed(7)
         self.net = torch.nn.Sequential(
@@ -31,6 +35,7 @@ class FaultyMLP(torch.nn.Module):
             torch.nn.Linear(24, N_CLASSES))
         self.fault, self.marker, self.partition = fault, marker, partition
         self.at_call, self.delay_s, self.calls = at_call, delay_s, 0
+        self.steps_dir = steps_dir
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pyspark import TaskContext
@@ -38,6 +43,9 @@ class FaultyMLP(torch.nn.Module):
         ctx = TaskContext.get()  # None on the driver
         if ctx is not None and self.training:
             self.calls += 1
+            if self.steps_dir:  # before the fault: a step cut short counts
+                with open(os.path.join(self.steps_dir, f"steps-{ctx.partitionId()}"), "ab") as f:
+                    f.write(b".")
             if self.delay_s:
                 time.sleep(self.delay_s)
             if self.fault and self.calls == self.at_call \
@@ -50,6 +58,30 @@ class FaultyMLP(torch.nn.Module):
                 if self.fault == "hang":
                     time.sleep(3600)
         return self.net(x)
+
+
+def steps_run(steps_dir, partition: int) -> int:
+    """The training steps (forward calls) `partition` ran in all attempts of a fit."""
+    path = Path(steps_dir, f"steps-{partition}")
+    return path.stat().st_size if path.exists() else 0
+
+
+def assert_sync_recovery(result, steps_dir, *, at_call: int, steps_per_round: int,
+                         total_steps: int, partition: int = 1) -> None:
+    """A sync fit recovered from one fault on `partition` at its `at_call`-th step, and not
+    vacuously: the fault fired in a round before the last, the fit took up again at a round
+    (its last checkpoint) at or before the fault's, and the partition ran the steps from there
+    to the fault twice: `at_call` steps (the last cut short), then every step from the
+    restart point to the end. Each round is logged once. Steps count forward calls
+    (micro-batches under grad_accumulation)."""
+    num_rounds = -(-total_steps // steps_per_round)
+    [failure] = result.failures
+    restart = int(failure["restart_at"].removeprefix("round "))
+    fault_round = (at_call - 1) // steps_per_round
+    assert restart <= fault_round < num_rounds - 1, (restart, fault_round, num_rounds)
+    redone = at_call - restart * steps_per_round  # > 0, as restart <= fault_round
+    assert steps_run(steps_dir, partition) == total_steps + redone
+    assert [h["round"] for h in result.history] == list(range(num_rounds))
 
 
 def _first(marker: str) -> bool:
@@ -119,10 +151,15 @@ def server_stats(client, run_id: str) -> dict:
 
 
 def kill_server_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0,
-                                   settle_s: float = 0.0) -> None:
-    """On a thread of its own: SIGKILL the `ps serve` that writes `checkpoint`, `settle_s`
-    (pushes its checkpoint then lacks) after it has saved one beyond its first (INIT's). The
-    thread's `killed_at` is then the updates applied that its newest checkpoint holds."""
+                                   steps_dir: str = "", push_every: int = 0) -> None:
+    """On a thread of its own: SIGKILL the `ps serve` that writes `checkpoint` once it has
+    saved one beyond its first (INIT's). With `steps_dir` (the workers' `FaultyMLP` step
+    counts) and `push_every`, only once a worker has begun the step after its next push past
+    that checkpoint: that push was applied and acknowledged, and is lost with the server
+    (make checkpoints rare enough that the next one cannot come first). The thread then holds
+    `killed_s` (`time.monotonic()`), `killed_at` (the updates applied that checkpoint holds),
+    `checkpoint_progress` (each worker's steps in it) and, with `steps_dir`, `steps_at_kill`
+    (each of those workers' steps begun by then)."""
     import threading
 
     from sparkdl_avg.ps import state_file
@@ -135,11 +172,29 @@ def kill_server_after_a_checkpoint(checkpoint: Path, timeout: float = 120.0,
             if first is None:
                 first = mtime
             elif mtime != first:
-                time.sleep(settle_s)
+                _, meta = state_file.load(str(checkpoint))
+                if steps_dir:
+                    _wait_for_a_push_past(meta["progress"], steps_dir, push_every, deadline)
                 pid = server_pid(str(checkpoint))
                 if pid is not None:
+                    steps = {w: steps_run(steps_dir, int(w)) for w in meta["progress"]} \
+                        if steps_dir else None
                     os.kill(pid, signal.SIGKILL)
-                    _, meta = state_file.load(str(checkpoint))
-                    threading.current_thread().killed_at = meta["applied"]
+                    thread = threading.current_thread()
+                    thread.killed_s = time.monotonic()
+                    thread.killed_at, thread.steps_at_kill = meta["applied"], steps
+                    thread.checkpoint_progress = meta["progress"]
                     return
         time.sleep(0.02)
+
+
+def _wait_for_a_push_past(progress: dict, steps_dir: str, push_every: int,
+                          deadline: float) -> None:
+    """Until some worker has begun the step after its next push beyond `progress` (its steps
+    a checkpoint holds): pushes are synchronous, so that push has been applied."""
+    while time.monotonic() < deadline:
+        if any(steps_run(steps_dir, int(w)) > steps + push_every
+               for w, steps in progress.items()):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"no worker pushed past {progress} in time")

@@ -11,7 +11,7 @@ import re
 from functools import partial
 
 import pytest
-from faulty import FaultyMLP, same_parameters
+from faulty import FaultyMLP, assert_sync_recovery, same_parameters
 
 from sparkdl_avg import TrainConfig, fit
 
@@ -124,10 +124,12 @@ def test_a_fault_mid_epoch_in_disk_mode_recovers_bit_identically(spark, big, on_
     next test)."""
     marker = tmp_path / "fired"
     model_fn = partial(FaultyMLP, n_features=FEATURES, fault="kill", marker=str(marker),
-                       at_call=100)
+                       at_call=100, steps_dir=str(tmp_path))
     result = _fit(big, "disk", model_fn=model_fn)
     assert marker.exists() and len(result.failures) == 1
     assert result.failures[0]["restart_at"] == "round 10"
+    assert_sync_recovery(result, tmp_path, at_call=100, steps_per_round=8,
+                         total_steps=-(-ROWS // 2 // 256))
     assert same_parameters(result.model, on_disk.model)
     roots = _spill_roots(spark)
     assert any(os.path.isdir(r) for r in roots)  # the tasks spilled there

@@ -12,7 +12,14 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from faulty import FaultyMLP, dataset, diverges, latest_run, same_parameters
+from faulty import (
+    FaultyMLP,
+    assert_sync_recovery,
+    dataset,
+    diverges,
+    latest_run,
+    same_parameters,
+)
 from test_fit_sync import (
     frame,
     make_data,
@@ -70,11 +77,13 @@ def test_collective_fit_restarts_after_a_killed_task_as_the_driver_transport_tra
     # partition 1 kills its own process in round 4, after the checkpoint of round 3: its
     # peer's all-reduce fails, the barrier job is restarted from the checkpoint, and the
     # process group of the new attempt forms in reused Python workers
-    model_fn = partial(FaultyMLP, fault="kill", marker=str(tmp_path / "fired"))
+    model_fn = partial(FaultyMLP, fault="kill", marker=str(tmp_path / "fired"),
+                       steps_dir=str(tmp_path))
     result = fit(data, model_fn, TrainConfig(**BASE, transport="collective"))
     assert (tmp_path / "fired").exists()
     assert len(result.failures) == 1
     assert result.failures[0]["restart_at"] == "round 3"
+    assert_sync_recovery(result, tmp_path, at_call=9, steps_per_round=2, total_steps=40)
     assert same_parameters(result.model, by_the_driver.model)
     assert [h["round"] for h in result.history] == list(range(len(by_the_driver.history)))
 

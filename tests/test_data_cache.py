@@ -127,16 +127,24 @@ def test_rows_that_differ_from_what_validation_counted_are_caught(cache, spill, 
         _load(cache, spill, edit=edit)
 
 
-def test_a_missing_or_unwritable_local_directory_is_named(tmp_path):
+def test_a_missing_or_unwritable_local_directory_is_named(tmp_path, monkeypatch):
+    # the check asks os.access; root (as CI runs) may write anywhere, so chmod would prove
+    # nothing there: the directory is unwritable to the check instead
     locked = tmp_path / "locked"
-    locked.mkdir(mode=0o500)
+    locked.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw:
+                        False if str(path) == str(locked) else access(path, mode, **kw))
     missing = str(tmp_path / "nowhere")
-    root = os.geteuid() == 0  # root writes anywhere
     with pytest.raises(DataCacheError) as err:
-        SpillDir.create(5 << 20, dirs=[missing] + ([] if root else [str(locked)]))
+        SpillDir.create(5 << 20, dirs=[missing, str(locked)])
     text = str(err.value)
     assert f"{missing}: does not exist" in text and "5.0 MiB needed" in text
-    assert root or f"{locked}: is not writable" in text
+    assert f"{locked}: is not writable" in text
+    assert not (locked / SPILL_FOLDER).exists()
+    monkeypatch.undo()
+    with SpillDir.create(5 << 20, dirs=[missing, str(locked)]) as spill:  # writable again
+        assert spill.path.startswith(str(locked))
 
 
 def test_a_full_local_directory_is_refused_before_writing(tmp_path, monkeypatch):

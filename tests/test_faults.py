@@ -13,7 +13,14 @@ import time
 from functools import partial
 
 import pytest
-from faulty import FaultyMLP, always_fails, dataset, latest_run, same_parameters
+from faulty import (
+    FaultyMLP,
+    always_fails,
+    assert_sync_recovery,
+    dataset,
+    latest_run,
+    same_parameters,
+)
 
 from sparkdl_avg import ClusterError, ConfigError, DataError, TrainConfig, TrainingError, fit
 
@@ -22,6 +29,7 @@ pytestmark = pytest.mark.spark
 BASE = dict(num_workers=2, epochs=2, batch_size=15, averaging_frequency=2, optimizer="adam",
             experiment_name="faults",
             lr=0.01, seed=5, checkpoint_every=3, log_model=False)
+STEPS = 2 * 20  # 300 rows per worker, 15 a batch, 2 epochs: 20 rounds of 2 steps
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +46,8 @@ def reference(data):
 @pytest.mark.parametrize("fault", ["raise", "kill", "hang"])
 def test_fit_recovers_from_a_task_fault_bit_identically(fault, data, reference, tmp_path,
                                                          mlflow_client):
-    model_fn = partial(FaultyMLP, fault=fault, marker=str(tmp_path / "fired"))
+    model_fn = partial(FaultyMLP, fault=fault, marker=str(tmp_path / "fired"),
+                       steps_dir=str(tmp_path))
     config = TrainConfig(**BASE, round_timeout=3.0 if fault == "hang" else 600.0)
     result = fit(data, model_fn, config)
     assert (tmp_path / "fired").exists()  # the fault did fire
@@ -50,10 +59,12 @@ def test_fit_recovers_from_a_task_fault_bit_identically(fault, data, reference, 
                 "kill": "Python worker exited unexpectedly",
                 "hang": "sent nothing for 3s (round_timeout)"}[fault]
     assert expected in failure["error"]
-    # the fault hit round 4; the last checkpoint was taken after round 3
+    # the fault hit round 4 (step 9 of 40); the last checkpoint was taken after round 3, so
+    # partition 1 ran steps 7 to 9 twice
     assert failure["restart_at"] == "round 3"
+    assert_sync_recovery(result, tmp_path, at_call=9, steps_per_round=2, total_steps=STEPS)
+    assert len(reference.history) == STEPS // 2
     assert same_parameters(result.model, reference.model)
-    assert [h["round"] for h in result.history] == list(range(len(reference.history)))
     run = mlflow_client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.metrics["restarts"] == 1

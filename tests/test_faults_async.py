@@ -18,6 +18,7 @@ from faulty import (
     kill_server_after_a_checkpoint,
     latest_run,
     server_stats,
+    steps_run,
 )
 
 from sparkdl_avg import TrainConfig, TrainingError, fit
@@ -40,9 +41,13 @@ def expected_pushes() -> int:
 
 def test_a_failed_worker_task_is_restarted_where_the_server_says(data, tmp_path,
                                                                  mlflow_client):
-    model_fn = partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired"), at_call=15)
+    # partition 1 fails in its 16th step of 40, its 7th push (steps 1..14) applied: the
+    # restarted task takes up at step 15, so steps 15 and 16 (the 8th push) run twice
+    model_fn = partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired"), at_call=16,
+                       steps_dir=str(tmp_path))
     result = fit(data, model_fn, TrainConfig(**BASE, staleness_bound=2), eval_df=data)
     assert (tmp_path / "fired").exists()
+    assert steps_run(tmp_path, 1) == STEPS + 2
     assert len(result.failures) == 1
     assert result.failures[0]["partition"] == 1
     assert "ValueError: injected failure in forward" in result.failures[0]["error"]
@@ -55,15 +60,24 @@ def test_a_failed_worker_task_is_restarted_where_the_server_says(data, tmp_path,
 
 def test_a_killed_parameter_server_is_restarted_from_its_checkpoint(data, tmp_path,
                                                                     mlflow_client):
+    """Killed after a push its checkpoint (every 10 updates) lacks: the workers redo it."""
     checkpoint = tmp_path / "parameter-server.npz"
     killer = threading.Thread(target=kill_server_after_a_checkpoint, args=(checkpoint,),
-                              daemon=True)
+                              kwargs={"steps_dir": str(tmp_path),
+                                      "push_every": BASE["push_every"]}, daemon=True)
     killer.start()
-    result = fit(data, partial(FaultyMLP, delay_s=0.03),
-                 TrainConfig(**BASE, ps_checkpoint_every=2, checkpoint_dir=str(tmp_path)),
+    result = fit(data, partial(FaultyMLP, delay_s=0.03, steps_dir=str(tmp_path)),
+                 TrainConfig(**BASE, ps_checkpoint_every=5, checkpoint_dir=str(tmp_path)),
                  eval_df=data)
     killer.join(timeout=5)
     assert getattr(killer, "killed_at", None) is not None, "the server was not killed mid-fit"
+    assert 0 < killer.killed_at < expected_pushes()
+    # every step begun since the checkpoint, an acknowledged push among them, was lost with
+    # the server and done again
+    lost = {w: killer.steps_at_kill[w] - steps for w, steps in
+            killer.checkpoint_progress.items()}
+    assert max(lost.values()) > BASE["push_every"]
+    assert all(steps_run(tmp_path, int(w)) - STEPS >= n for w, n in lost.items()), lost
     assert mlflow_client.get_metric_history(result.run_id, "ps_restarts")[-1].value == 1
     assert result.history[-1]["updates_applied"] == expected_pushes()
     assert server_stats(mlflow_client, result.run_id)["progress"] == {"0": STEPS, "1": STEPS}

@@ -7,7 +7,7 @@ import threading
 from functools import partial
 
 import pytest
-from faulty import FaultyMLP, dataset, kill_server_after_a_checkpoint, server_stats
+from faulty import FaultyMLP, dataset, kill_server_after_a_checkpoint, server_stats, steps_run
 from test_fit_sync import make_model_f64, max_param_diff, sync_and_lockstep
 
 from sparkdl_avg import TrainConfig, fit
@@ -66,23 +66,30 @@ PUSHES = 2 * STEPS // 2
 
 
 def test_a_killed_shard_is_restarted_without_a_lost_update(spark, tmp_path, mlflow_client):
-    """Shard 1 of 2 is SIGKILLed 0.2 s (some pushes) after its first checkpoint past INIT's.
-    It comes back from that checkpoint without the pushes after it; the workers rewind to
-    what every shard has and redo those pushes, which only shard 1 applies: each shard ends
-    with every worker's every push applied exactly once (shard 0 would have the redone ones
-    twice otherwise)."""
+    """Shard 1 of 2 is SIGKILLed after its first checkpoint past INIT's, once a worker's push
+    beyond it was acknowledged. It comes back from that checkpoint without the pushes after
+    it; the workers rewind to what every shard has and redo those pushes, which only shard 1
+    applies: each shard ends with every worker's every push applied exactly once (shard 0
+    would have the redone ones twice otherwise)."""
     checkpoint = tmp_path / "parameter-server-1-of-2.npz"
     killer = threading.Thread(target=kill_server_after_a_checkpoint, args=(checkpoint,),
-                              kwargs={"settle_s": 0.2}, daemon=True)
+                              kwargs={"steps_dir": str(tmp_path),
+                                      "push_every": BASE["push_every"]}, daemon=True)
     killer.start()
     data = dataset(spark)
-    result = fit(data, partial(FaultyMLP, delay_s=0.03), TrainConfig(
+    result = fit(data, partial(FaultyMLP, delay_s=0.03, steps_dir=str(tmp_path)), TrainConfig(
         **BASE, ps_shards=2, ps_checkpoint_every=5, checkpoint_dir=str(tmp_path)),
         eval_df=data)
     killer.join(timeout=5)
     assert getattr(killer, "killed_at", None) is not None, "the shard was not killed mid-fit"
     stats = server_stats(mlflow_client, result.run_id)
     assert 0 < killer.killed_at < PUSHES, killer.killed_at  # not in the last round
+    # every step begun since shard 1's checkpoint, an acknowledged push among them, was done
+    # again
+    lost = {w: killer.steps_at_kill[w] - steps for w, steps in
+            killer.checkpoint_progress.items()}
+    assert max(lost.values()) > BASE["push_every"]
+    assert all(steps_run(tmp_path, int(w)) - STEPS >= n for w, n in lost.items()), lost
     assert mlflow_client.get_metric_history(result.run_id, "ps_restarts")[-1].value == 1
     assert result.history[-1]["updates_applied"] == PUSHES
     assert [s["applied"] for s in stats["shards"]] == [PUSHES, PUSHES]

@@ -147,3 +147,44 @@ def test_runs_are_named_sourced_and_list_their_datasets(spark, columns, tmp_path
     assert '"num_rows": 160' in inputs["training"].profile
     assert '"num_rows": 40' in inputs["evaluation"].profile
     assert "features" in inputs["training"].schema
+
+
+def linear_regressor() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(5, 1)
+
+
+def test_every_estimator_param_reaches_the_fit(spark, mlflow_client):
+    """One fit, each Param checked by an effect that ignoring it would change: the config says
+    1 worker, batches of 4, averaging every step, cross_entropy, columns features/label; the
+    Params say otherwise, and the data has only the Params' columns."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(80, 5))
+    y = x @ np.array([1.0, -2.0, 0.5, 0.0, 1.5])
+    rows = pd.DataFrame({"feats": list(x), "target": y})
+    train = spark.createDataFrame(rows[:60])
+    held_out = spark.createDataFrame(rows[60:])
+    config = TrainConfig(num_workers=1, epochs=1, batch_size=4, averaging_frequency=1,
+                         optimizer="sgd", lr=0.05, shuffle=False, log_model=False,
+                         experiment_name="ml")
+    estimator = AveragingEstimator(
+        model_fn=linear_regressor, config=config, loss="mse", eval_df=held_out,
+        featuresCol="feats", labelCol="target", predictionCol="pred", numWorkers=2,
+        batchSize=6, averagingFrequency=2)
+    model = estimator.fit(train)
+    run = mlflow_client.get_run(model.run_id)
+    # 2 workers x 30 rows, 5 steps of 6 each, averaged every 2: 3 rounds (1 worker: 5 rounds;
+    # batches of 4: 4 rounds; averaging every step: 5 rounds)
+    assert len(mlflow_client.get_metric_history(model.run_id, "train_loss")) == 3
+    assert sorted(k for k in run.data.tags if k.endswith(".device")) == \
+        ["worker.0.device", "worker.1.device"]
+    assert run.data.params["loss"] == "mse" and not model.classify
+    # eval_df was evaluated, with the mean squared error, by the returned model
+    features = torch.from_numpy(np.stack(rows["feats"][60:]))
+    with torch.no_grad():
+        out = model.torch_model(features.float()).squeeze(1).double()
+    mse = torch.nn.functional.mse_loss(out, torch.from_numpy(y[60:])).item()
+    assert run.data.metrics["eval_loss"] == pytest.approx(mse, rel=1e-5)
+    scored = model.transform(held_out).toPandas()
+    assert "prediction" not in scored.columns
+    np.testing.assert_allclose(scored["pred"].to_numpy(), out.numpy(), rtol=1e-6)

@@ -57,6 +57,22 @@ def test_notebook_runs_cell_by_cell(path, spark):
         if kind == "python":
             exec(compile(source, f"{path.name}[cell {index}]", "exec"), namespace)
     assert kinds[0] == "md" and "pip" in kinds  # introduced, and installs like Databricks
+    if path.stem == "tune":
+        _check_the_pruning(namespace["study"])
+
+
+def _check_the_pruning(study) -> None:
+    """The tune notebook's claim: the trial whose lr is 100x too small (its third) is
+    pruned, and its fit ends FINISHED, stopped by on_round, with the rounds so far."""
+    import mlflow
+    import optuna
+
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert [t.number for t in pruned][:1] == [2], [t.state for t in study.trials]
+    run = mlflow.get_run(pruned[0].user_attrs["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["sparkdl_avg.stopped_by"] == "on_round"
+    assert max(pruned[0].intermediate_values) < 7  # stopped before its last round (of 8)
 
 
 def test_there_are_the_three_notebooks():

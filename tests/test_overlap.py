@@ -9,7 +9,7 @@ from functools import partial
 
 import pytest
 import torch
-from faulty import FaultyMLP, dataset, same_parameters
+from faulty import FaultyMLP, assert_sync_recovery, dataset, same_parameters
 from test_fit_sync import frame, make_data, make_model_f64, max_param_diff
 
 from sparkdl_avg import TrainConfig, fit
@@ -149,10 +149,11 @@ def test_overlapped_fit_recovers_from_a_fault_bit_identically(spark, fault, tmp_
                 optimizer="adam", lr=0.01, seed=5, checkpoint_every=3, log_model=False,
                 overlap_averaging=True)
     reference = fit(data, FaultyMLP, TrainConfig(**base))
-    result = fit(data, partial(FaultyMLP, fault=fault, marker=str(tmp_path / "fired")),
-                 TrainConfig(**base))
+    result = fit(data, partial(FaultyMLP, fault=fault, marker=str(tmp_path / "fired"),
+                               steps_dir=str(tmp_path)), TrainConfig(**base))
     assert (tmp_path / "fired").exists()
     assert [f["restart_at"] for f in result.failures] == ["round 3"]
+    assert_sync_recovery(result, tmp_path, at_call=9, steps_per_round=2, total_steps=40)
     assert same_parameters(result.model, reference.model)
     data.unpersist()
 

@@ -12,7 +12,7 @@ from functools import partial
 
 import pytest
 import torch
-from faulty import FaultyMLP, dataset
+from faulty import FaultyMLP, assert_sync_recovery, dataset
 
 from sparkdl_avg import TrainConfig, fit
 
@@ -50,7 +50,9 @@ def test_sync_fit_lands_on_the_recorded_parameters(data):
 
 
 def test_restarted_sync_fit_lands_on_the_recorded_parameters(data, tmp_path):
-    model_fn = partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired"))
+    model_fn = partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired"),
+                       steps_dir=str(tmp_path))
     result = fit(data, model_fn, TrainConfig(**CONFIG))
     assert (tmp_path / "fired").exists() and len(result.failures) == 1
+    assert_sync_recovery(result, tmp_path, at_call=9, steps_per_round=2, total_steps=40)
     assert parameters_sha256(result.model) == PINNED_SHA256, parameters_sha256(result.model)

@@ -13,7 +13,14 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from faulty import FaultyMLP, dataset, latest_run, same_parameters
+from faulty import (
+    FaultyMLP,
+    assert_sync_recovery,
+    dataset,
+    latest_run,
+    same_parameters,
+    steps_run,
+)
 
 from sparkdl_avg import ClusterError, DataError, TrainConfig, fit
 from sparkdl_avg.driver import session as session_kind
@@ -111,11 +118,13 @@ def test_bad_input_is_refused_before_training_with_a_failed_run(data, mlflow_cli
 
 
 def test_a_task_failure_is_restarted_to_the_same_parameters(synced, data, tmp_path):
-    result = fit(data, partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired")),
+    result = fit(data, partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired"),
+                               steps_dir=str(tmp_path)),
                  replace(SYNC, checkpoint_every=3), eval_df=data)
     [failure] = result.failures
     assert failure["partition"] == 1 and failure["host"]
     assert "ValueError: injected failure in forward" in failure["error"]
+    assert_sync_recovery(result, tmp_path, at_call=9, steps_per_round=2, total_steps=40)
     assert same_parameters(result.model, synced.model)
 
 
@@ -292,12 +301,15 @@ def test_an_async_fit_on_a_given_port_restarts_after_a_task_failure(data, tmp_pa
 
     with socket.create_server(("127.0.0.1", 0)) as free:
         port = free.getsockname()[1]
-    result = fit(data, partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired")),
+    # the fault is in step 12 of 40, a push (8 steps) applied: steps 9 to 12 run twice
+    result = fit(data, partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired"),
+                               at_call=12, steps_dir=str(tmp_path)),
                  TrainConfig(mode="async", num_workers=2, epochs=2, batch_size=15,
                              driver_address=f"127.0.0.1:{port}", log_model=False,
                              experiment_name="sessions"))
     [failure] = result.failures
     assert failure["partition"] == 1
+    assert steps_run(tmp_path, 1) == 40 + 4
 
 
 def test_cancelling_a_fits_jobs_stops_a_running_barrier_job(spark, tmp_path):

@@ -11,7 +11,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from faulty import FaultyMLP, dataset, halving_every_3_steps, latest_run, same_parameters
+from faulty import (
+    FaultyMLP,
+    assert_sync_recovery,
+    dataset,
+    halving_every_3_steps,
+    latest_run,
+    same_parameters,
+)
 
 from sparkdl_avg import ConfigError, EarlyStopping, TrainConfig, TrainingError, fit
 from sparkdl_avg._controls import lr_factor
@@ -87,9 +94,11 @@ def test_a_restart_with_every_control_on_is_bit_identical(data, tmp_path, schedu
                      warmup_steps=3 if schedule == "cosine" else 0)
     straight = fit(data, FaultyMLP, config)
     faulty = fit(data, partial(FaultyMLP, fault="raise", marker=str(tmp_path / "m"),
-                               at_call=40), config)
+                               at_call=40, steps_dir=str(tmp_path)), config)
     [failure] = faulty.failures
     assert failure["restart_at"] not in ("round 0",)  # from a checkpoint, mid-schedule
+    # 300 rows a worker: 30 micro-batches of 10 an epoch, 3 epochs; 6 a round (2 steps of 3)
+    assert_sync_recovery(faulty, tmp_path, at_call=40, steps_per_round=6, total_steps=90)
     assert same_parameters(faulty.model, straight.model)
     assert [h["lr"] for h in faulty.history] == [h["lr"] for h in straight.history]
 

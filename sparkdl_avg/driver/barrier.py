@@ -230,8 +230,8 @@ class BarrierJob:
 
     def wait(self, timeout: float) -> list:
         if not self._done.wait(timeout):
-            raise TrainingError(f"the training job did not finish {timeout:.0f}s after the last "
-                                "round")
+            raise TrainingError(f"the training job did not finish {timeout:g}s after the last "
+                                "round (finish_timeout)")
         self.check()
         return self.rows
 
