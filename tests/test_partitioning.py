@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from pyspark.sql import functions as F
 
 from sparkdl_avg.data.columns import INDEX
@@ -55,3 +56,45 @@ def test_the_fit_path_gives_spark_type_objects_not_type_strings(spark, monkeypat
     assert given and [to for to in given if isinstance(to, str)] == []
     assert isinstance(report.struct_type(), StructType)
     assert isinstance(report.struct_type(probe.FIELDS), StructType)
+
+
+class RowTracer(torch.nn.Module):
+    """A linear model of one-hot features (row g's is e_g), from zero, against labels 1: a
+    row's weight moves if and only if a step trained on that row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(TRACED_ROWS, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+TRACED_ROWS = 9
+"""Over 2 workers: partitions of 5 and 4 rows, 2 a batch: ceil(4 / 2) steps an epoch used to
+leave the 5-row partition's last position out of every epoch."""
+
+
+@pytest.mark.parametrize(("mode", "cache", "shuffle"),
+                         [("sync", "memory", False), ("async", "disk", True)])
+def test_a_fit_trains_on_every_row_every_epoch(spark, caplog, mode, cache, shuffle):
+    import logging
+
+    import numpy as np
+
+    from sparkdl_avg import TrainConfig, fit
+
+    eye = np.eye(TRACED_ROWS)
+    df = spark.createDataFrame([(eye[g].tolist(), 1.0) for g in range(TRACED_ROWS)],
+                               "features array<double>, label double").coalesce(1)
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=2, optimizer="sgd", lr=0.1,
+                         mode=mode, data_cache=cache, shuffle=shuffle, seed=5,
+                         log_model=False, experiment_name="every-row")
+    with caplog.at_level(logging.INFO, logger="sparkdl_avg"):
+        result = fit(df, RowTracer, config, loss="mse")
+    untrained = [g for g, w in enumerate(result.model.weight.tolist()) if w == 0.0]
+    assert untrained == []
+    assert "1 partition(s) one row short repeat one row an epoch" in caplog.text
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient().get_run(result.run_id).data.params["padded_rows"] == "1"

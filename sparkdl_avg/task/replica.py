@@ -8,7 +8,7 @@ import numpy as np
 
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg.data.batches import TrainBatches
-from sparkdl_avg.data.order import make_cut
+from sparkdl_avg.data.order import epoch_length, make_cut
 from sparkdl_avg.data.partition import Partition
 from sparkdl_avg.task.evaluate import evaluate_batches
 from sparkdl_avg.task.spec import WorkerSpec
@@ -59,7 +59,8 @@ class Replica:
             seed=config.seed, worker=rank, shuffle=config.shuffle,
             batch_size=config.batch_size,
             steps_per_epoch=spec.schedule.micro_batches_per_epoch,
-            total_steps=spec.schedule.total_micro_batches, device=device)
+            total_steps=spec.schedule.total_micro_batches, device=device,
+            epoch_rows=epoch_length(spec.train_rows))
         self.wire_dtype = wire_dtype(self.dtype)
         if device.type == "cuda":
             _check_device_memory(self.model, config, row_bytes, device)
