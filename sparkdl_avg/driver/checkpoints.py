@@ -27,7 +27,7 @@ import numpy as np
 from sparkdl_avg._background import BackgroundWriter
 from sparkdl_avg._controls import FINGERPRINT_DEFAULTS
 from sparkdl_avg._controls import fingerprint as controls_fingerprint
-from sparkdl_avg._errors import ClusterError, ConfigError
+from sparkdl_avg._errors import ClusterError, ConfigError, TrainingError
 from sparkdl_avg.data.order import padded_rows
 
 log = logging.getLogger("sparkdl_avg")
@@ -373,9 +373,21 @@ def _found(checkpoint: Checkpoint | None, store) -> Checkpoint:
 
 @contextlib.contextmanager
 def writing(store):
-    """A checkpoint `BackgroundWriter` to `store`, closed (pending checkpoint saved) on leaving."""
+    """A checkpoint `BackgroundWriter` to `store`, closed (pending checkpoint saved) on leaving;
+    a save that failed fails the fit then (`check_saved`), if nothing failed it before."""
     writer = BackgroundWriter(store.save, f"a checkpoint to {store.description}")
     try:
         yield writer
     finally:
         writer.close()
+    check_saved(writer)
+
+
+def check_saved(writer: BackgroundWriter) -> None:
+    """A TrainingError once a checkpoint could not be saved: the fit could neither restart
+    from it nor be resumed, so it stops rather than end FINISHED without one."""
+    if writer.error is not None:
+        raise TrainingError(f"could not save {writer.what}: {writer.error!r}; free space or "
+                            "fix the store (checkpoint_dir, or the MLflow run's artifacts), "
+                            "or set checkpoint_every=0 to train without checkpoints") \
+            from writer.error

@@ -4,6 +4,8 @@ what training hands back (`TrainOutcome`)."""
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -106,6 +108,8 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     pickled = {"model_fn": pickle_for_executors("model_fn", model_fn),
                "loss": pickle_for_executors("loss", loss),
                "config": pickle_for_executors("config", config)}
+    if config.checkpoint_dir is not None and (config.mode == "sync" or not config.ps_address):
+        check_writable(config.checkpoint_dir)  # the driver (or its sidecar) writes there
     check_cluster(spark, config)  # the first Spark job: after every check that needs none
     data = prepare(train_df, eval_df, features_col=features_col, label_col=label_col,
                    num_workers=config.num_workers, double_precision=dtype == torch.float64)
@@ -141,3 +145,14 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
                    long_labels=data.integral_labels or loss == "cross_entropy",
                    pickled=pickled, params=params, resume=resume, on_round=on_round)
 
+
+def check_writable(path: str) -> None:
+    """Refuse (ConfigError) a checkpoint_dir this driver cannot create or write to, before any
+    Spark job: otherwise only the first save would tell, with training under way."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"checkpoint_dir={path!r} is not a directory this driver can write "
+                          f"checkpoints to: {exc}") from exc
