@@ -179,6 +179,8 @@ def _report_workers(outcome: TrainOutcome, run: RunLogger) -> None:
                         w["partition"], w["version"], w["library"], __version__)
     run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
                   for w in outcome.workers})
+    run.set_tags({f"worker.{w['partition']}.warning": w["warning"] for w in outcome.workers
+                  if w["warning"]})
     run.set_tags({f"worker.{w['partition']}.data_cache": w["cache"] for w in outcome.workers})
     # what each task's data cost: memory, spill and throughput (MLflow compares runs by these)
     run.log_metrics({f"worker_{w['partition']}_{key}": w[key] for w in outcome.workers

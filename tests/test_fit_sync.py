@@ -283,3 +283,40 @@ def test_deterministic_mode_is_set_in_each_task_and_reset_after(spark):
     # the same (reused) Python workers: the last fit's mode must not leak
     fit(df, lambda: ChecksDeterminism(False), TrainConfig(**base))
     assert not torch.are_deterministic_algorithms_enabled()  # the driver's is untouched
+
+
+def model_where_fused_adam_fails() -> torch.nn.Module:
+    """In a Spark task, the next fused Adam built fails as it does where torch lacks the
+    kernel (once: it puts Adam back as it was, so the worker stays as it found it)."""
+    from pyspark import TaskContext
+
+    if TaskContext.get() is not None:
+        adam = torch.optim.Adam
+        original = adam.__init__
+
+        def once(self, params, *args, fused=None, **kwargs):
+            adam.__init__ = original
+            if fused:
+                raise RuntimeError("fused=True is not supported here")
+            original(self, params, *args, fused=fused, **kwargs)
+
+        adam.__init__ = once
+    return make_model_f32()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_fallback_from_fused_adam_reaches_the_driver(spark, caplog, mlflow_client, mode):
+    import logging
+
+    x, y = make_data(64)
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=8, optimizer="adam", mode=mode,
+                         log_model=False, experiment_name="fused-fallback")
+    with caplog.at_level(logging.WARNING, logger="sparkdl_avg"):
+        result = fit(frame(spark, x.astype(np.float32), y), model_where_fused_adam_fails,
+                     config)
+    for worker in result.workers:
+        assert "fused Adam is unavailable for torch.float32 parameters on cpu" in \
+            worker["warning"]
+        assert f"partition {worker['partition']}: fused Adam is unavailable" in caplog.text
+    tags = mlflow_client.get_run(result.run_id).data.tags
+    assert "the per-tensor Adam trains instead" in tags["worker.0.warning"]
