@@ -304,12 +304,11 @@ def model_where_fused_adam_fails() -> torch.nn.Module:
     return make_model_f32()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_fallback_from_fused_adam_reaches_the_driver(spark, caplog, mlflow_client, mode):
+def test_a_fallback_from_fused_adam_reaches_the_driver(spark, caplog, mlflow_client):
     import logging
 
     x, y = make_data(64)
-    config = TrainConfig(num_workers=2, epochs=1, batch_size=8, optimizer="adam", mode=mode,
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=8, optimizer="adam",
                          log_model=False, experiment_name="fused-fallback")
     with caplog.at_level(logging.WARNING, logger="sparkdl_avg"):
         result = fit(frame(spark, x.astype(np.float32), y), model_where_fused_adam_fails,
