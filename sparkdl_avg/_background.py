@@ -13,11 +13,14 @@ log = logging.getLogger("sparkdl_avg")
 
 class BackgroundWriter:
     """`submit(item)` hands an item to `save` on a thread of its own. Failures are logged
-    and counted in `errors`, never raised: training goes on and the next save may succeed."""
+    and counted in `errors`, the first kept in `error`, never raised here: the owner decides
+    (the parameter server goes on, as the next save may succeed; a fit fails on it:
+    `driver.checkpoints.check_saved`)."""
 
     def __init__(self, save: Callable[[object], None], what: str) -> None:
-        self._save, self._what = save, what
+        self._save, self.what = save, what
         self.errors = 0
+        self.error: Exception | None = None
         self._pending: object | None = None
         self._cond = threading.Condition()
         self._closed = False
@@ -47,6 +50,7 @@ class BackgroundWriter:
                 return
             try:
                 self._save(item)
-            except Exception:
+            except Exception as exc:
                 self.errors += 1
-                log.warning("could not save %s", self._what, exc_info=True)
+                self.error = self.error or exc
+                log.warning("could not save %s", self.what, exc_info=True)

@@ -30,7 +30,8 @@ class DataCacheError(ClusterError):
 
 
 class TrainingError(SparkdlAvgError, RuntimeError):
-    """Training failed on an executor, or a worker stopped answering."""
+    """Training failed on an executor, a worker stopped answering, or a checkpoint could not
+    be saved."""
 
 
 REASONS = ("magic", "version", "kind", "oversized", "malformed", "shape", "auth",

@@ -61,26 +61,32 @@ class FitResult:
         """A column function for `select`/`withColumn`/SQL that scores an array<float|double>
         features column on the executors (batched through Arrow, on the task's GPU when it
         has one): the class index for a classifier, else the value (array<double> for several
-        outputs). `batch_size`: rows per forward call; None: the fit's eval_batch_size."""
+        outputs). `batch_size`: rows per forward call; None: the fit's eval_batch_size. A
+        null, NaN or infinite feature fails the query with a DataError."""
+        return self._udf(device, batch_size, "the features column given to predict_udf")
+
+    def _udf(self, device: str, batch_size: int | None, features: str):
         return make_predict_udf(self.model, num_features=self.num_features,
                                 classify=self.classify, device=device,
-                                batch_size=batch_size or self.score_rows)
+                                batch_size=batch_size or self.score_rows, features=features)
 
     def transform(self, df, *, output_col: str = "prediction",
                   features_col: str | Sequence[str] | None = None, device: str = "auto",
                   batch_size: int | None = None):
         """`df` with the model's prediction added as `output_col`. Features are read as in
-        `fit` (an array or vector column, or a list of numeric columns)."""
+        `fit` (an array or vector column, or a list of numeric columns); a null, NaN or
+        infinite feature fails the query with a DataError naming the column."""
         if not isinstance(output_col, str) or not output_col:
             raise ConfigError(f"output_col must be a column name, got {output_col!r}")
         if output_col in getattr(df, "columns", []):
             raise DataError(f"df already has a column {output_col!r}; choose another "
                             "output_col")
         double = next(self.model.parameters()).dtype == torch.float64
-        features = features_column(df, self.features_col if features_col is None
-                                   else features_col, "df",
-                                   T.DoubleType() if double else T.FloatType())
-        return df.withColumn(output_col, self.predict_udf(device, batch_size)(features))
+        name = self.features_col if features_col is None else features_col
+        features = features_column(df, name, "df", T.DoubleType() if double else T.FloatType())
+        described = f"features column {name!r}" if isinstance(name, str) else \
+            f"features columns {list(name)!r}"
+        return df.withColumn(output_col, self._udf(device, batch_size, described)(features))
 
 
 def fit(
@@ -173,6 +179,8 @@ def _report_workers(outcome: TrainOutcome, run: RunLogger) -> None:
                         w["partition"], w["version"], w["library"], __version__)
     run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
                   for w in outcome.workers})
+    run.set_tags({f"worker.{w['partition']}.warning": w["warning"] for w in outcome.workers
+                  if w["warning"]})
     run.set_tags({f"worker.{w['partition']}.data_cache": w["cache"] for w in outcome.workers})
     # what each task's data cost: memory, spill and throughput (MLflow compares runs by these)
     run.log_metrics({f"worker_{w['partition']}_{key}": w[key] for w in outcome.workers

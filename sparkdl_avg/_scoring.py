@@ -12,14 +12,16 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 import torch
 
-from sparkdl_avg._errors import ConfigError
+from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._model import pickle_for_executors
 
 
 def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: bool,
-                     device: str = "auto", batch_size: int = 8192) -> Callable:
+                     device: str = "auto", batch_size: int = 8192,
+                     features: str = "the features column") -> Callable:
     """A column function: features (array<float|double>) -> the class index (classifier),
-    the value (one output) or array<double> (several outputs)."""
+    the value (one output) or array<double> (several outputs). A batch with a null, NaN or
+    infinite feature fails the task with a DataError naming `features` (the column)."""
     try:
         from pyspark.sql.functions import arrow_udf
     except ImportError:
@@ -40,7 +42,7 @@ def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: boo
         try:
             yield from _predict_batches(payload, batches, num_features=num_features,
                                         classify=classify, width=width, device=device,
-                                        batch_size=batch_size)
+                                        batch_size=batch_size, features=features)
         finally:
             _release_gpu()
 
@@ -48,7 +50,8 @@ def make_predict_udf(model: torch.nn.Module, *, num_features: int, classify: boo
 
 
 def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, classify: bool,
-                     width: int, device: str, batch_size: int) -> Iterator:
+                     width: int, device: str, batch_size: int,
+                     features: str = "the features column") -> Iterator:
     import cloudpickle
     import numpy as np
 
@@ -63,14 +66,15 @@ def _predict_batches(payload: bytes, batches: Iterator, *, num_features: int, cl
         for column in batches:
             values = column.flatten()
             if column.null_count or values.null_count:
-                raise ValueError(f"features hold nulls ({column.null_count} null rows, "
-                                 f"{values.null_count} null values): cannot score them")
+                raise DataError(f"{features} holds nulls ({column.null_count} null rows, "
+                                f"{values.null_count} null values): cannot score them")
             lengths = column.value_lengths().to_numpy(zero_copy_only=False)
             if len(lengths) and (lengths.min() != num_features or lengths.max() != num_features):
                 raise ValueError(f"features must have {num_features} values per row, got "
                                  f"{int(lengths.min())} to {int(lengths.max())}")
             x = torch.from_numpy(np.ascontiguousarray(values.to_numpy(zero_copy_only=False))
                                  .reshape(-1, num_features))
+            _check_finite(x, features)
             chunks = x.split(batch_size) if len(x) else [x]  # rows per forward: batch_size
             out = torch.cat([model(_on(chunk, target).to(dtype)) for chunk in chunks])
             if classify:
@@ -91,6 +95,16 @@ def _release_gpu() -> None:
         from sparkdl_avg.task.memory import release_task_memory
 
         release_task_memory()
+
+
+def _check_finite(x: torch.Tensor, features: str) -> None:
+    """NaN or an infinity would be scored as any other value (a classifier's argmax returns
+    a class for it): refused, as training's validation refuses them."""
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        rows = int((~finite.all(dim=1)).sum())
+        raise DataError(f"{features} holds NaN or infinite values in {rows} of {len(x)} rows "
+                        "of a batch: cannot score them; drop or impute those rows first")
 
 
 def _on(x: torch.Tensor, target: torch.device) -> torch.Tensor:

@@ -11,9 +11,9 @@ active where `fit` was called.
 
 A saved `AveragingModel` is a folder: Spark ML's `metadata/` (its Params, JSON) and
 `model/`: `model.pt` (the torch module, `torch.save`) and `model.json` (features, classifier
-or not, dtype, the sparkdl-avg version). Loading unpickles `model.pt` through `torch.load`
-(`weights_only=False`: the module's class must be importable), so load only models you trust;
-nothing else is unpickled.
+or not, rows scored at once, dtype, the sparkdl-avg version). Loading unpickles `model.pt`
+through `torch.load` (`weights_only=False`: the module's class must be importable), so load
+only models you trust; nothing else is unpickled.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from sparkdl_avg._errors import ConfigError
 _TUNED = {"lr": "lr", "epochs": "epochs", "batchSize": "batch_size",
           "averagingFrequency": "averaging_frequency", "numWorkers": "num_workers"}
 """Estimator Param -> the TrainConfig field it overrides."""
+SCORE_ROWS = 8192
+"""Rows scored at once by a model saved without its fit's eval_batch_size."""
 
 
 class _TunedParams(Params):
@@ -90,7 +92,8 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasPredictionCo
                      features_col=self.getFeaturesCol(), label_col=self.getLabelCol(),
                      loss=self.loss, eval_df=self.eval_df)
         model = AveragingModel(torch_model=result.model, num_features=result.num_features,
-                               classify=result.classify, run_id=result.run_id)
+                               classify=result.classify, run_id=result.run_id,
+                               score_rows=result.score_rows)
         model._set(featuresCol=self.getFeaturesCol(), predictionCol=self.getPredictionCol())
         return model
 
@@ -117,20 +120,22 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasPredictionCo
 class AveragingModel(Model, HasFeaturesCol, HasPredictionCol, MLWritable, MLReadable):
     """A trained model in a pipeline: adds `predictionCol` from `featuresCol`, scored on the
     executors: for a classifier the class index as a double (Spark ML's evaluators expect
-    that), else the model's output."""
+    that), else the model's output. `score_rows`: rows the model scores at once (the fit's
+    eval_batch_size)."""
 
     def __init__(self, torch_model=None, num_features: int = 0, classify: bool = False,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, score_rows: int = SCORE_ROWS) -> None:
         super().__init__()
         self.torch_model, self.num_features = torch_model, num_features
-        self.classify, self.run_id = classify, run_id
+        self.classify, self.run_id, self.score_rows = classify, run_id, score_rows
 
     def _transform(self, dataset):
         from sparkdl_avg._fit import FitResult
 
         result = FitResult(model=self.torch_model, run_id=self.run_id or "",
                            features_col=self.getFeaturesCol(),
-                           num_features=self.num_features, classify=self.classify)
+                           num_features=self.num_features, classify=self.classify,
+                           score_rows=self.score_rows)
         out = self.getPredictionCol()
         scored = result.transform(dataset, output_col=out)
         if self.classify:
@@ -167,6 +172,7 @@ class _ModelWriter(MLWriter):
         with open(os.path.join(folder, "model.json"), "w") as f:
             json.dump({"num_features": self.instance.num_features,
                        "classify": self.instance.classify, "dtype": dtype,
+                       "score_rows": self.instance.score_rows,
                        "run_id": self.instance.run_id, "sparkdl_avg": __version__}, f)
 
 
@@ -184,7 +190,9 @@ class _ModelReader(MLReader):
             info = json.load(f)
         module = torch.load(os.path.join(folder, "model.pt"), weights_only=False)
         model = AveragingModel(torch_model=module.eval(), num_features=info["num_features"],
-                               classify=info["classify"], run_id=info["run_id"])
+                               classify=info["classify"], run_id=info["run_id"],
+                               # saved before it was kept: what scoring then used
+                               score_rows=info.get("score_rows", SCORE_ROWS))
         model._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(model, metadata)
         return model

@@ -86,6 +86,16 @@ def test_resume_checks_name_each_difference():
     check_resumable(checkpoint(3), FINGERPRINT, total_steps=100, source="x")
 
 
+def test_a_checkpoint_from_before_padding_is_refused_only_where_padding_changes_the_order():
+    """Before padding, an epoch left a longer partition's extra row out: with uneven
+    partitions the order differs, with even ones it does not."""
+    old = Checkpoint(round=1, steps=2, params=np.zeros(3, np.float32), states=None,
+                     fingerprint=FINGERPRINT)
+    check_resumable(old, {**FINGERPRINT, "padded_rows": 0}, total_steps=10, source="x")
+    with pytest.raises(ConfigError, match="padded_rows: checkpoint 0, this fit 1"):
+        check_resumable(old, {**FINGERPRINT, "padded_rows": 1}, total_steps=10, source="x")
+
+
 def test_a_deterministic_restart_on_other_devices_is_refused_naming_them():
     point = checkpoint(3)
     point.fingerprint = {**FINGERPRINT, "devices": ["cuda/NVIDIA A100", "cuda/NVIDIA A100"]}
@@ -123,3 +133,68 @@ def test_checkpoints_come_every_k_rounds_or_by_training_time(monkeypatch, every,
         if sync._Attempt._checkpoints_after(attempt, r, last=r == 6):
             taken.append(r)
     assert taken == expected
+
+
+def _only_run(client, experiment: str):
+    [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return run
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_unwritable_checkpoint_dir_is_refused_before_any_spark_job(
+        spark, tmp_path, monkeypatch, mlflow_client, mode):
+    """A path under a regular file: no one can create it, root included (CI runs as root,
+    where a read-only mode would not stop a write)."""
+    from faulty import FaultyMLP, dataset
+
+    from sparkdl_avg import TrainConfig, fit
+    from sparkdl_avg.driver import plan
+
+    def no_job(*_, **__):
+        raise AssertionError("a Spark job ran before the checkpoint_dir check")
+
+    monkeypatch.setattr(plan, "check_cluster", no_job)  # the fit's first Spark job
+    (tmp_path / "a-file").write_text("")
+    folder = str(tmp_path / "a-file" / "checkpoints")
+    config = TrainConfig(num_workers=2, mode=mode, checkpoint_dir=folder, log_model=False,
+                         experiment_name=f"unwritable-{mode}")
+    with pytest.raises(ConfigError, match=rf"checkpoint_dir='{folder}' is not a directory "
+                                          "this driver can write"):
+        fit(dataset(spark, rows=40), FaultyMLP, config)
+    assert _only_run(mlflow_client, f"unwritable-{mode}").info.status == "FAILED"
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("failing", ["first", "last"])
+def test_a_checkpoint_that_cannot_be_saved_fails_the_fit(spark, tmp_path, monkeypatch,
+                                                         mlflow_client, failing):
+    """The save itself fails (a full disk): the fit fails, promptly when the first save
+    fails, and at the end when only the last one does, never FINISHED without its
+    checkpoint."""
+    from faulty import FaultyMLP, dataset
+
+    from sparkdl_avg import TrainConfig, TrainingError, fit
+
+    rounds, saved, seen = 20, [], []
+    save = DirStore.save
+
+    def full_disk(store, point):
+        if point.round == (1 if failing == "first" else rounds):
+            raise OSError(28, "No space left on device")
+        saved.append(point.round)
+        save(store, point)
+
+    monkeypatch.setattr(DirStore, "save", full_disk)
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=15, averaging_frequency=1,
+                         checkpoint_every=1, checkpoint_dir=str(tmp_path / "ckpt"),
+                         log_model=False, experiment_name=f"full-disk-{failing}")
+    with pytest.raises(TrainingError, match=r"could not save a checkpoint to .*ckpt: "
+                                            r".*No space left on device"):
+        fit(dataset(spark), FaultyMLP, config, on_round=lambda m: seen.append(m["round"]))
+    run = _only_run(mlflow_client, f"full-disk-{failing}")
+    assert run.info.status == "FAILED" and "No space left" in run.data.tags["error"]
+    if failing == "first":  # stopped within a few rounds of the failed save
+        assert len(seen) < rounds // 2, seen
+    else:
+        assert seen == list(range(rounds)) and rounds not in saved

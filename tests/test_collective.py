@@ -50,7 +50,7 @@ def by_the_driver(data):
 @pytest.mark.spark
 def test_collective_averaging_equals_large_batch_sgd_and_keeps_parameters_off_the_driver(
         spark):
-    # 411 rows: unequal shards and a partial last batch (the sample-weighted average);
+    # 411 rows: unequal shards (the short one padded) and a partial last batch;
     # momentum with its buffers averaged too (the optimizer state rides the all-reduce)
     x, y = make_data(411)
     cfg = TrainConfig(num_workers=2, epochs=4, batch_size=4, averaging_frequency=1,
@@ -58,7 +58,7 @@ def test_collective_averaging_equals_large_batch_sgd_and_keeps_parameters_off_th
                       average_optimizer_state=True, checkpoint_every=50, log_model=False,
                       transport="collective")
     result = fit(frame(spark, x, y), make_model_f64, cfg)
-    reference = reference_large_batch_sgd(x, y, 8, 4, 0.05, 0.9)
+    reference = reference_large_batch_sgd(x, y, 8, 4, 0.05, 0.9, workers=2)
     assert max_param_diff(result.model, reference) < 1e-10
     assert max_param_diff(result.model, make_model_f64()) > 1e-2  # it did train
     model_bytes = sum(p.numel() * 8 for p in make_model_f64().parameters())

@@ -83,21 +83,26 @@ def test_rows_land_in_local_order_whatever_order_they_arrive_in(cache, spill):
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_memory_and_disk_give_identical_batches_from_any_step(spill, shuffle):
+@pytest.mark.parametrize("epoch_rows", [67, 70])
+def test_memory_and_disk_give_identical_batches_from_any_step(spill, shuffle, epoch_rows):
+    """67 rows, 5 a step: without padding the last batch is partial; padded to an epoch of
+    70 positions (as a partition shorter than the others is), 3 rows repeat."""
     memory, disk = _load("memory"), _load("disk", spill)
     assert disk.spilled_bytes == _shape().bytes
     kw = {"cut": Cut(4, 3), "seed": 9, "worker": RANK, "shuffle": shuffle, "batch_size": 5,
-          "steps_per_epoch": 14, "total_steps": 42, "device": CPU}
+          "steps_per_epoch": 14, "total_steps": 42, "device": CPU, "epoch_rows": epoch_rows}
     a, b = TrainBatches(memory.train, **kw), TrainBatches(disk.train, **kw)
     a.start(0)
     b.start(0)
     full = [a.next() for _ in range(42)]
     for (xa, ya), (xb, yb) in zip(full, [b.next() for _ in range(42)], strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    # an epoch visits every row once (the last batch of 67 rows at 5 per step is partial)
-    assert sorted(torch.cat([x for x, _ in full[:14]])[:, 0].floor().tolist()) == sorted(
-        next(memory.train.chunks(1000))[0][:, 0].floor().tolist())
-    for restart in (3, 14, 30):  # a restart mid-window, at an epoch, in the last epoch
+    # each epoch visits every row, and fills its positions by repeating some
+    rows = sorted(next(memory.train.chunks(1000))[0][:, 0].floor().tolist())
+    for epoch in range(3):
+        seen = torch.cat([x for x, _ in full[14 * epoch:14 * (epoch + 1)]])[:, 0].floor()
+        assert len(seen) == epoch_rows and sorted(set(seen.tolist())) == rows
+    for restart in (3, 13, 14, 30):  # mid-window, at the padded batch, an epoch, the last
         b.start(restart)
         for x, y in full[restart:restart + 8]:
             xb, yb = b.next()

@@ -40,13 +40,24 @@ def frame(spark, x, y):
                                                "label": y}))
 
 
-def reference_large_batch_sgd(x, y, global_batch, epochs, lr, momentum) -> torch.nn.Module:
-    """Single-process SGD over the rows in DataFrame order, one global batch per step."""
+def padded_epoch(rows: int, workers: int) -> list[int]:
+    """The global order of an unshuffled epoch as `workers` workers pad it: worker w's
+    position p is row p * workers + w, and a partition one row short fills its last position
+    with its first row (as torch's DistributedSampler pads)."""
+    length = -(-rows // workers)
+    return [g if g < rows else g % workers for g in range(length * workers)]
+
+
+def reference_large_batch_sgd(x, y, global_batch, epochs, lr, momentum,
+                              workers: int = 1) -> torch.nn.Module:
+    """Single-process SGD over the rows in DataFrame order (padded for `workers`), one global
+    batch per step."""
     model = make_model_f64()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    order = padded_epoch(len(x), workers)
+    xt, yt = torch.from_numpy(x[order]), torch.from_numpy(y[order])
     for _ in range(epochs):
-        for start in range(0, len(x), global_batch):
+        for start in range(0, len(order), global_batch):
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xt[start:start + global_batch]),
                                                      yt[start:start + global_batch])
@@ -74,8 +85,8 @@ def sync_and_lockstep(spark, rows: int, epochs: int, **async_fields):
 
 @pytest.mark.parametrize(("momentum", "rows"), [(0.0, 411), (0.9, 400)])
 def test_averaging_every_step_equals_large_batch_sgd(spark, momentum, rows):
-    # Plain SGD on 411 rows: shards of 206 and 205 rows and a partial last batch, so the
-    # sample-weighted average is exercised. Momentum on equal shards (400 rows), where the
+    # Plain SGD on 411 rows: shards of 206 and 205 rows (the short one pads its epoch with its
+    # first row) and a partial last batch. Momentum on equal shards (400 rows), where the
     # equivalence holds without averaging the momentum buffers. >= 200 steps either way.
     x, y = make_data(rows)
     cfg = TrainConfig(num_workers=2, epochs=4, batch_size=4, averaging_frequency=1,
@@ -83,7 +94,7 @@ def test_averaging_every_step_equals_large_batch_sgd(spark, momentum, rows):
                       log_model=False)
     result = fit(frame(spark, x, y), make_model_f64, cfg)
     reference = reference_large_batch_sgd(x, y, global_batch=8, epochs=4, lr=0.05,
-                                          momentum=momentum)
+                                          momentum=momentum, workers=2)
     assert len(result.history) == 4 * -(-rows // 8)
     assert max_param_diff(result.model, reference) < 1e-10
     # and it really trained: the parameters moved far from their initial values
@@ -98,7 +109,7 @@ def test_averaging_optimizer_state_keeps_momentum_equivalence(spark):
                       optimizer="sgd", lr=0.05, momentum=0.9, shuffle=False,
                       average_optimizer_state=True, log_model=False)
     result = fit(frame(spark, x, y), make_model_f64, cfg)
-    reference = reference_large_batch_sgd(x, y, 8, 4, 0.05, 0.9)
+    reference = reference_large_batch_sgd(x, y, 8, 4, 0.05, 0.9, workers=2)
     assert max_param_diff(result.model, reference) < 1e-10
 
 
@@ -272,3 +283,39 @@ def test_deterministic_mode_is_set_in_each_task_and_reset_after(spark):
     # the same (reused) Python workers: the last fit's mode must not leak
     fit(df, lambda: ChecksDeterminism(False), TrainConfig(**base))
     assert not torch.are_deterministic_algorithms_enabled()  # the driver's is untouched
+
+
+def model_where_fused_adam_fails() -> torch.nn.Module:
+    """In a Spark task, the next fused Adam built fails as it does where torch lacks the
+    kernel (once: it puts Adam back as it was, so the worker stays as it found it)."""
+    from pyspark import TaskContext
+
+    if TaskContext.get() is not None:
+        adam = torch.optim.Adam
+        original = adam.__init__
+
+        def once(self, params, *args, fused=None, **kwargs):
+            adam.__init__ = original
+            if fused:
+                raise RuntimeError("fused=True is not supported here")
+            original(self, params, *args, fused=fused, **kwargs)
+
+        adam.__init__ = once
+    return make_model_f32()
+
+
+def test_a_fallback_from_fused_adam_reaches_the_driver(spark, caplog, mlflow_client):
+    import logging
+
+    x, y = make_data(64)
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=8, optimizer="adam",
+                         log_model=False, experiment_name="fused-fallback")
+    with caplog.at_level(logging.WARNING, logger="sparkdl_avg"):
+        result = fit(frame(spark, x.astype(np.float32), y), model_where_fused_adam_fails,
+                     config)
+    for worker in result.workers:
+        assert "fused Adam is unavailable for torch.float32 parameters on cpu" in \
+            worker["warning"]
+        assert f"partition {worker['partition']}: fused Adam is unavailable" in caplog.text
+    tags = mlflow_client.get_run(result.run_id).data.tags
+    assert "the per-tensor Adam trains instead" in tags["worker.0.warning"]

@@ -86,8 +86,45 @@ def test_transform_refuses_bad_input_before_running(spark, classifier):
         classifier.transform(df, features_col="feature", output_col="p")
     holes = spark.createDataFrame(pd.DataFrame({"a": [1.0, None], "b": [2.0, 3.0],
                                                 "c": [0.0, 1.0]}))
-    with pytest.raises(Exception, match="features hold nulls"):  # not a guessed class
+    with pytest.raises(Exception, match=r"DataError: features columns \['a', 'b', 'c'\] "
+                                        r"holds nulls"):  # not a guessed class
         classifier.transform(holes, features_col=["a", "b", "c"]).collect()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_infinite_features_are_refused_not_scored(bad):
+    """A classifier's argmax returns a class for NaN too: a batch holding NaN or an infinity
+    is refused with a DataError naming the column, as training's validation refuses it."""
+    import pyarrow as pa
+
+    from sparkdl_avg._model import pickle_for_executors
+    from sparkdl_avg._scoring import _predict_batches
+
+    def score(rows):
+        return list(_predict_batches(
+            pickle_for_executors("model", torch.nn.Linear(3, 2)), iter([pa.array(rows)]),
+            num_features=3, classify=True, width=2, device="cpu", batch_size=2,
+            features="features column 'x'"))
+
+    assert len(score([[0.0, 1.0, 2.0], [1.0, 0.5, 0.0]])[0]) == 2
+    with pytest.raises(DataError, match=r"features column 'x' holds NaN or infinite values "
+                                        r"in 1 of 3 rows"):
+        score([[0.0, 1.0, 2.0], [1.0, bad, 0.0], [2.0, 0.0, 1.0]])
+
+
+@pytest.mark.parametrize("how", ["transform", "predict_udf"])
+def test_transform_and_predict_udf_refuse_nan_and_infinite_features(spark, classifier, how):
+    """One row each of NaN, +inf and -inf: all three counted, in one Arrow batch."""
+    bad = [float("nan"), float("inf"), float("-inf")]
+    df = spark.createDataFrame([([0.0, 1.0, 2.0],)] + [([1.0, b, 0.0],) for b in bad],
+                               "x array<double>").coalesce(1)  # pandas would make NaN null
+    with pytest.raises(Exception, match=r"DataError: (features column 'x'|the features column "
+                                        r"given to predict_udf) holds NaN or infinite values "
+                                        r"in 3 of 4 rows"):
+        if how == "transform":
+            classifier.transform(df, features_col="x").collect()
+        else:
+            df.select(classifier.predict_udf()("x")).collect()
 
 
 def test_the_logged_model_scores_through_mlflow_spark_udf(spark, classifier):

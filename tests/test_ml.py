@@ -188,3 +188,22 @@ def test_every_estimator_param_reaches_the_fit(spark, mlflow_client):
     scored = model.transform(held_out).toPandas()
     assert "prediction" not in scored.columns
     np.testing.assert_allclose(scored["pred"].to_numpy(), out.numpy(), rtol=1e-6)
+
+
+def test_the_model_scores_eval_batch_size_rows_at_a_time_also_once_saved_and_loaded(
+        spark, tmp_path):
+    """RowsSeen predicts the size of the batch it was given: one Arrow batch of 30 rows goes
+    as 7 x 4 + 2 under eval_batch_size=7 (8192 rows at once would give 30s)."""
+    from test_inference import RowsSeen
+
+    rng = np.random.default_rng(1)
+    df = spark.createDataFrame(pd.DataFrame({"features": list(rng.normal(size=(30, 3))),
+                                             "label": 0.0})).coalesce(1)
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=4, eval_batch_size=7,
+                         log_model=False, experiment_name="ml")
+    fitted = AveragingEstimator(model_fn=RowsSeen, config=config, loss="mse").fit(df)
+    path = str(tmp_path / "model")
+    fitted.write().save(path)
+    for model in (fitted, AveragingModel.load(path)):
+        seen = sorted(r.prediction for r in model.transform(df).collect())
+        assert seen == [2.0] * 2 + [7.0] * 28

@@ -22,12 +22,15 @@ ROWS, BATCH, EVERY, EPOCHS, LR, MOMENTUM = 411, 4, 4, 2, 0.05, 0.9
 
 
 def reference_overlapped(x, y, *, hold: set[int], with_state: bool = False) -> torch.nn.Module:
-    """Two replicas on rows g % 2, in DataFrame order, `EVERY` SGD steps a round. The
+    """Two replicas on rows g % 2, in DataFrame order (padded), `EVERY` SGD steps a round. The
     exchange of round r returns after round r + 1 computed: x <- x - S_r + A_r, A_r the
     sample-weighted average of the pushed S_r. Rounds in `hold`, and the last, are waited
     for: x <- A_r. `with_state`: x holds the momentum buffers too, after the parameters."""
+    length = -(-len(x) // 2)  # a shard one row short pads its epoch with its first row
     shards = [(torch.from_numpy(x[w::2]), torch.from_numpy(y[w::2])) for w in range(2)]
-    steps_per_epoch = -(-min(len(s[0]) for s in shards) // BATCH)
+    shards = [(torch.cat([xs, xs[:length - len(xs)]]), torch.cat([ys, ys[:length - len(ys)]]))
+              for xs, ys in shards]
+    steps_per_epoch = -(-length // BATCH)
     total = steps_per_epoch * EPOCHS
     rounds = -(-total // EVERY)
     replicas = [make_model_f64() for _ in range(2)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from pyspark.sql import functions as F
 
 from sparkdl_avg.data.columns import INDEX
@@ -55,3 +56,80 @@ def test_the_fit_path_gives_spark_type_objects_not_type_strings(spark, monkeypat
     assert given and [to for to in given if isinstance(to, str)] == []
     assert isinstance(report.struct_type(), StructType)
     assert isinstance(report.struct_type(probe.FIELDS), StructType)
+
+
+class RowTracer(torch.nn.Module):
+    """A linear model of one-hot features (row g's is e_g), from zero, against labels 1: a
+    row's weight moves if and only if a step trained on that row. With a `marker`, its
+    forward raises once, in partition 1's third step: the padded one."""
+
+    def __init__(self, marker: str = "") -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(TRACED_ROWS, dtype=torch.float64))
+        self.marker, self.calls = marker, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        if self.marker and ctx is not None and ctx.partitionId() == 1 and self.training:
+            self.calls += 1
+            if self.calls == 3 and not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                raise ValueError("injected failure in the padded step")
+        return x @ self.weight
+
+
+TRACED_ROWS, LR = 9, 0.1
+"""Over 2 workers: partitions of 5 and 4 rows, 2 a batch: ceil(4 / 2) steps an epoch used to
+leave the 5-row partition's last position out of every epoch."""
+
+
+def padded_sgd() -> list[float]:
+    """The weights after one epoch of SGD, averaged every step, over the global order the
+    two workers' padded epochs make: rows 0..8, then row 1 again (worker 1's position 4 is
+    its first row), 4 rows a step (2 a worker), the last step 2."""
+    order = list(range(TRACED_ROWS)) + [1]
+    w = [0.0] * TRACED_ROWS
+    for start in range(0, len(order), 4):
+        batch = order[start:start + 4]
+        grad = [0.0] * TRACED_ROWS
+        for g in batch:
+            grad[g] += 2 * (w[g] - 1) / len(batch)
+        w = [wg - LR * dg for wg, dg in zip(w, grad, strict=True)]
+    return w
+
+
+@pytest.mark.parametrize(("mode", "cache", "shuffle"),
+                         [("sync", "memory", False), ("async", "disk", True)])
+def test_a_fit_trains_on_every_row_every_epoch(spark, caplog, tmp_path, mode, cache,
+                                               shuffle):
+    """Sync also fails in the padded step once, and restarts from the step before it."""
+    import logging
+    from functools import partial
+
+    import numpy as np
+
+    from sparkdl_avg import TrainConfig, fit
+
+    eye = np.eye(TRACED_ROWS)
+    df = spark.createDataFrame([(eye[g].tolist(), 1.0) for g in range(TRACED_ROWS)],
+                               "features array<double>, label double").coalesce(1)
+    rounds = {"averaging_frequency": 1, "checkpoint_every": 1} if mode == "sync" else {}
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=2, lr=LR, optimizer="sgd",
+                         mode=mode, data_cache=cache, shuffle=shuffle, seed=5, **rounds,
+                         log_model=False, experiment_name="every-row")
+    marker = str(tmp_path / "fired") if mode == "sync" else ""
+    with caplog.at_level(logging.INFO, logger="sparkdl_avg"):
+        result = fit(df, partial(RowTracer, marker), config, loss="mse")
+    weights = result.model.weight.tolist()
+    assert [g for g, w in enumerate(weights) if w == 0.0] == []
+    if mode == "sync":
+        assert [f["restart_at"] for f in result.failures] == ["round 2"], result.failures
+        assert np.allclose(weights, padded_sgd(), rtol=0, atol=1e-12)
+    assert "1 partition(s) one row short repeat one row an epoch" in caplog.text
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient().get_run(result.run_id).data.params["padded_rows"] == "1"

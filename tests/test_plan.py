@@ -14,7 +14,7 @@ def test_partitions_are_balanced_and_cover_every_row(rows, workers):
 
 
 def test_schedule_rounds_cover_all_steps_with_a_short_last_round():
-    s = make_schedule(smallest_partition=205, batch_size=4, epochs=3, averaging_frequency=8)
+    s = make_schedule(epoch_rows=205, batch_size=4, epochs=3, averaging_frequency=8)
     assert s.steps_per_epoch == 52
     assert s.total_steps == 156
     assert s.num_rounds == 20

@@ -41,3 +41,21 @@ def test_the_run_imports_pyspark_ml_before_it_writes_params(tmp_path):
                           env={**os.environ,
                                "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_params_and_tags_too_long_for_mlflow_are_cut_with_a_warning(caplog, mlflow_client):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="sparkdl_avg"), \
+            run.RunLogger(experiment_name="clipped", run_name="r", tags={}) as logger:
+        logger.log_params({"long": "p" * 6001, "short": 1})
+        logger.set_tags({"note": "t" * 5000})
+        logger.ready()
+    data = mlflow_client.get_run(logger.run_id).data
+    assert data.params["long"] == "p" * 6000 and data.params["short"] == "1"
+    assert data.tags["note"] == "t" * 4900
+    warned = [r.getMessage() for r in caplog.records if "characters long" in r.getMessage()]
+    assert warned == ["the MLflow param 'long' is 6001 characters long: logged cut to its "
+                      "first 6000",
+                      "the MLflow tag 'note' is 5000 characters long: logged cut to its first "
+                      "4900"]

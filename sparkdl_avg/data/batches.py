@@ -5,7 +5,8 @@ From memory, a batch is an index into the tensors already on the device. From di
 background thread reads each shuffle window (its chunks, one contiguous read each) into one
 reused buffer and assembles the next `PREFETCH` minibatches from it; on CUDA they are pinned
 and copied on a side stream one step ahead. Either way the batch at a step is a pure function
-of the step, so a restart at any step sees what the uninterrupted run saw.
+of the step, so a restart at any step sees what the uninterrupted run saw, padding included
+(an epoch of `epoch_rows` positions, more than a short partition's rows).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ _POLL_S = 1.0
 
 class TrainBatches:
     def __init__(self, columns, *, cut: Cut, seed: int, worker: int, shuffle: bool,
-                 batch_size: int, steps_per_epoch: int, total_steps: int, device) -> None:
+                 batch_size: int, steps_per_epoch: int, total_steps: int, device,
+                 epoch_rows: int | None = None) -> None:
         self.columns, self.cut, self.device = columns, cut, device
+        self.epoch_rows = columns.rows if epoch_rows is None else epoch_rows
         self._order_args = {"worker": worker, "seed": seed, "shuffle": shuffle, "cut": cut}
         self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
         self.total_steps = total_steps
@@ -90,7 +93,7 @@ class TrainBatches:
         """The minibatch at `step` as (epoch, its order, [(window, from, to)...])."""
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         order = self.order(epoch)
-        positions = batch_positions(in_epoch, self.batch_size, self.columns.rows)
+        positions = batch_positions(in_epoch, self.batch_size, self.epoch_rows)
         return epoch, order, order.windows_of(*positions)
 
     def _take(self, step: int):

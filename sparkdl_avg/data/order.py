@@ -6,6 +6,11 @@ partitions differ in size by at most one row, and worker w's j-th row is global 
 at step t together are exactly rows [t*B*n, (t+1)*B*n): large-batch SGD over the DataFrame in
 order, which is what the correctness tests compare against.
 
+Every worker's epoch has as many positions as the largest partition has rows (`epoch_length`),
+so every worker takes the same steps and no row is ever left out: a partition one row short
+fills its last position by repeating a row it has already visited that epoch, as torch's
+`DistributedSampler` pads (`EpochOrder.windows_of`).
+
 A shuffled epoch is cut so that it can be read from disk without holding the partition: the
 partition's rows are cut into chunks of contiguous rows (about `CHUNK_BYTES` each), the chunks
 are visited in a seeded random order, and each window of consecutive chunks in that order
@@ -28,6 +33,16 @@ def partition_sizes(total_rows: int, num_workers: int) -> list[int]:
     """Rows each worker gets under `g % num_workers` assignment."""
     base, extra = divmod(total_rows, num_workers)
     return [base + (1 if w < extra else 0) for w in range(num_workers)]
+
+
+def epoch_length(sizes: list[int]) -> int:
+    """Positions in every worker's epoch: the largest partition's rows."""
+    return max(sizes)
+
+
+def padded_rows(sizes: list[int]) -> int:
+    """Rows repeated per epoch, over all workers, to fill every epoch to `epoch_length`."""
+    return len(sizes) * epoch_length(sizes) - sum(sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,18 +109,31 @@ class EpochOrder:
 
     def windows_of(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """The windows epoch positions [start, stop) fall in: (window, from, to) with from/to
-        positions inside the window."""
+        positions inside the window. Positions past the partition's rows (the padding of an
+        epoch longer than the partition) repeat the last window's first positions: the
+        epoch's first rows when the partition is one window, and a window the disk cache has
+        just read either way, so padding costs no read."""
         out = []
         k = int(np.searchsorted(self.window_ends, start, side="right"))
-        while start < stop and k < self.num_windows:
+        while start < min(stop, self.num_rows) and k < self.num_windows:
             base, end = self.window_start(k), int(self.window_ends[k])
             upto = min(stop, end)
             out.append((k, start - base, upto - base))
             start, k = upto, k + 1
+        if stop > self.num_rows and self.num_windows:
+            last = self.num_windows - 1
+            size = int(self.window_ends[last]) - self.window_start(last)
+            position, end = max(start, self.num_rows) - self.num_rows, stop - self.num_rows
+            while position < end:  # more than one window's worth only in theory
+                a = position % size
+                b = min(size, a + end - position)
+                out.append((last, a, b))
+                position += b - a
         return out
 
 
-def batch_positions(step_in_epoch: int, batch_size: int, num_rows: int) -> tuple[int, int]:
-    """Epoch positions [start, stop) that form minibatch `step_in_epoch`."""
-    start = min(step_in_epoch * batch_size, num_rows)
-    return start, min(start + batch_size, num_rows)
+def batch_positions(step_in_epoch: int, batch_size: int, length: int) -> tuple[int, int]:
+    """Epoch positions [start, stop) that form minibatch `step_in_epoch` of an epoch of
+    `length` positions (`epoch_length`)."""
+    start = min(step_in_epoch * batch_size, length)
+    return start, min(start + batch_size, length)

@@ -27,7 +27,8 @@ import numpy as np
 from sparkdl_avg._background import BackgroundWriter
 from sparkdl_avg._controls import FINGERPRINT_DEFAULTS
 from sparkdl_avg._controls import fingerprint as controls_fingerprint
-from sparkdl_avg._errors import ClusterError, ConfigError
+from sparkdl_avg._errors import ClusterError, ConfigError, TrainingError
+from sparkdl_avg.data.order import padded_rows
 
 log = logging.getLogger("sparkdl_avg")
 FORMAT = 1
@@ -71,14 +72,16 @@ def fingerprint(config, *, train_rows: list[int], num_features: int, model_numel
             "optimizer": optimizer, "lr": config.lr,
             "momentum": config.momentum, "weight_decay": config.weight_decay,
             "average_optimizer_state": config.average_optimizer_state,
-            "train_rows": list(train_rows), "num_features": num_features,
+            "train_rows": list(train_rows), "padded_rows": padded_rows(train_rows),
+            "num_features": num_features,
             "model_numel": model_numel, "dtype": dtype, **controls_fingerprint(config, total_steps)}
 
 
 def check_resumable(checkpoint: Checkpoint, expected: dict, *, total_steps: int,
                     source: str) -> None:
     """Raise ConfigError, naming each difference, if this fit cannot continue `checkpoint`."""
-    recorded = {**FINGERPRINT_DEFAULTS, **checkpoint.fingerprint}  # older checkpoints
+    # older checkpoints; before padding, an epoch left a longer partition's extra row out
+    recorded = {**FINGERPRINT_DEFAULTS, "padded_rows": 0, **checkpoint.fingerprint}
     diffs = [f"{k}: checkpoint {recorded.get(k)!r}, this fit {v!r}"
              for k, v in expected.items() if recorded.get(k) != v]
     if diffs:
@@ -370,9 +373,21 @@ def _found(checkpoint: Checkpoint | None, store) -> Checkpoint:
 
 @contextlib.contextmanager
 def writing(store):
-    """A checkpoint `BackgroundWriter` to `store`, closed (pending checkpoint saved) on leaving."""
+    """A checkpoint `BackgroundWriter` to `store`, closed (pending checkpoint saved) on leaving;
+    a save that failed fails the fit then (`check_saved`), if nothing failed it before."""
     writer = BackgroundWriter(store.save, f"a checkpoint to {store.description}")
     try:
         yield writer
     finally:
         writer.close()
+    check_saved(writer)
+
+
+def check_saved(writer: BackgroundWriter) -> None:
+    """A TrainingError once a checkpoint could not be saved: the fit could neither restart
+    from it nor be resumed, so it stops rather than end FINISHED without one."""
+    if writer.error is not None:
+        raise TrainingError(f"could not save {writer.what}: {writer.error!r}; free space or "
+                            "fix the store (checkpoint_dir, or the MLflow run's artifacts), "
+                            "or set checkpoint_every=0 to train without checkpoints") \
+            from writer.error

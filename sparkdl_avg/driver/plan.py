@@ -3,6 +3,9 @@ what training hands back (`TrainOutcome`)."""
 
 from __future__ import annotations
 
+import logging
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +23,7 @@ from sparkdl_avg._model import (
     pickle_for_executors,
 )
 from sparkdl_avg.averaging.flat_buffer import averaged_tensors
+from sparkdl_avg.data.order import epoch_length, padded_rows
 from sparkdl_avg.data.prepare import PreparedData, prepare
 from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
@@ -27,6 +31,8 @@ from sparkdl_avg.ps.shards import bounds as shard_bounds
 from sparkdl_avg.task.optimizer_step import check_schedule
 from sparkdl_avg.task.schedule import Schedule, make_schedule
 from sparkdl_avg.task.spec import WorkerSpec
+
+log = logging.getLogger("sparkdl_avg")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,8 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     pickled = {"model_fn": pickle_for_executors("model_fn", model_fn),
                "loss": pickle_for_executors("loss", loss),
                "config": pickle_for_executors("config", config)}
+    if config.checkpoint_dir is not None and (config.mode == "sync" or not config.ps_address):
+        check_writable(config.checkpoint_dir)  # the driver (or its sidecar) writes there
     check_cluster(spark, config)  # the first Spark job: after every check that needs none
     data = prepare(train_df, eval_df, features_col=features_col, label_col=label_col,
                    num_workers=config.num_workers, double_precision=dtype == torch.float64)
@@ -118,10 +126,16 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
             f"train_df has {sum(data.train_sizes)} rows: {smallest} per worker, fewer than "
             f"batch_size={config.batch_size}; lower batch_size or num_workers"
         )
-    schedule = make_schedule(smallest, config.batch_size, config.epochs,
+    schedule = make_schedule(epoch_length(data.train_sizes), config.batch_size, config.epochs,
                              config.averaging_frequency, config.grad_accumulation)
     check_warmup(config, schedule.total_steps)
+    padding = padded_rows(data.train_sizes)
+    if padding:
+        log.info("%d training rows over %d workers: %d partition(s) one row short repeat one "
+                 "row an epoch, so that every epoch has every row", sum(data.train_sizes),
+                 config.num_workers, padding)
     params = {"num_features": data.num_features, "train_rows": sum(data.train_sizes),
+              "padded_rows": padding,
               "eval_rows": sum(data.eval_sizes), "steps_per_epoch": schedule.steps_per_epoch,
               "micro_batches_per_epoch": schedule.micro_batches_per_epoch,
               "num_rounds": schedule.num_rounds, "dtype": str(dtype),
@@ -130,3 +144,15 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
                    loss_fn=loss_fn, classify=classify,
                    long_labels=data.integral_labels or loss == "cross_entropy",
                    pickled=pickled, params=params, resume=resume, on_round=on_round)
+
+
+def check_writable(path: str) -> None:
+    """Refuse (ConfigError) a checkpoint_dir this driver cannot create or write to, before any
+    Spark job: otherwise only the first save would tell, with training under way."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"checkpoint_dir={path!r} is not a directory this driver can write "
+                          f"checkpoints to: {exc}") from exc

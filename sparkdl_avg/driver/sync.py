@@ -20,6 +20,7 @@ from sparkdl_avg.driver.checkpoints import (
     MlflowStore,
     check_devices,
     check_resumable,
+    check_saved,
     end_source_run,
     fingerprint,
     target_store,
@@ -75,8 +76,6 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
         workers = restarts.run(attempt.run, resume_at=lambda exc: f"round {attempt.point.round}",
                                step=lambda: attempt.point.round)
         train_s = time.perf_counter() - attempt.t_train
-    if attempt.writer.errors:
-        run.set_tags({"sparkdl_avg.checkpoint_errors": attempt.writer.errors})
     attempt.stopper.record(run, attempt.history)
     run.log_dict_quietly({"rounds": attempt.timeline}, "worker_timeline.json")
     run.log_figure(lambda: worker_timeline(attempt.timeline, config.num_workers),
@@ -194,6 +193,7 @@ class _Attempt:
     def _round(self, coord: Coordinator, r: int, stop: bool = False) -> None:
         """Round `r`; `stop`: the fit stopped at the round before, so this average ends the
         workers' training and the round is not part of the fit's history."""
+        check_saved(self.writer)  # a fit that cannot be resumed stops at once
         config, schedule = self.plan.config, self.plan.schedule
         last = r == schedule.num_rounds - 1
         numel = self.flat.array.size

@@ -35,7 +35,8 @@ class ServerLost(ConnectionError):
 
 
 def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition,
-                device) -> None:
+                device) -> list[str]:
+    """Train to the end; returns the replica's warnings for the task's report."""
     from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
     from sparkdl_avg.task.replica import Replica
 
@@ -62,7 +63,7 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
                         link.answer(replica)
                 if evaluates:
                     link.finish(replica)
-                return
+                return replica.warnings
             except ServerLost as exc:
                 link.reconnect(exc)
                 link.pull()

@@ -63,9 +63,10 @@ class Schedule:
                    self.micro_batches_per_epoch - group * self.accumulation)
 
 
-def make_schedule(smallest_partition: int, batch_size: int, epochs: int,
+def make_schedule(epoch_rows: int, batch_size: int, epochs: int,
                   averaging_frequency: int, accumulation: int = 1) -> Schedule:
-    """Every worker runs as many micro-batches per epoch as the smallest partition allows (a
-    final partial batch included), so all replicas reach each averaging point together."""
-    return Schedule(math.ceil(smallest_partition / batch_size), epochs, averaging_frequency,
+    """Every worker runs the micro-batches of an epoch of `epoch_rows` positions (the largest
+    partition's rows, `data.order.epoch_length`; a final partial batch included), so all
+    replicas reach each averaging point together and every row is in every epoch."""
+    return Schedule(math.ceil(epoch_rows / batch_size), epochs, averaging_frequency,
                     accumulation)

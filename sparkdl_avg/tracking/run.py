@@ -29,6 +29,21 @@ from sparkdl_avg._gc_pause import collector_paused
 log = logging.getLogger("sparkdl_avg")
 _FLUSH_EVERY_S = 1.0
 _MAX_BATCH = 1000
+_PARAM_CHARS, _TAG_CHARS = 6000, 4900
+"""The longest param and tag values logged (MLflow refuses a param value over 6,000)."""
+
+
+def _clipped(kind: str, values: dict[str, Any], limit: int) -> dict[str, str]:
+    """`values` as strings of at most `limit` characters, each one cut named in a warning."""
+    out = {}
+    for key, value in values.items():
+        text = str(value)
+        if len(text) > limit:
+            log.warning("the MLflow %s %r is %d characters long: logged cut to its first %d",
+                        kind, key, len(text), limit)
+            text = text[:limit]
+        out[key] = text
+    return out
 
 
 _PARENT = threading.local()
@@ -216,7 +231,7 @@ class RunLogger:
             self._client.set_terminated(self._run_id, status)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        params = {k: str(v)[:6000] for k, v in params.items()}
+        params = _clipped("param", params, _PARAM_CHARS)
 
         def write() -> None:
             from mlflow.entities import Param
@@ -231,7 +246,7 @@ class RunLogger:
         self._later(lambda: self._client.log_inputs(self._run_id, datasets=datasets))
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        tags = {key: str(value)[:4900] for key, value in tags.items()}
+        tags = _clipped("tag", tags, _TAG_CHARS)
 
         def write() -> None:
             for key, value in tags.items():
