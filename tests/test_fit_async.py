@@ -123,3 +123,14 @@ def test_the_workers_evaluate_on_their_own_rows_up_to_the_final_parameters(spark
     assert stats["pending"] is None and stats["results"][-1]["final"]
     assert stats["results"][-1]["count"] == 301 and stats["finished"] == [0, 1]
 
+
+
+def test_fetch_every_beyond_a_tight_staleness_bound_does_not_stall(spark):
+    """Issue 28: with a fetch every 2 pushes and staleness_bound=0, each worker's second
+    push waited for the other's next fetch, which came only after the other's second push:
+    both waited until round_timeout, and every restart stalled again. A worker now fetches
+    at least every bound + 1 pushes: here after each push, which is synchronous averaging."""
+    sync, lockstep = sync_and_lockstep(spark, rows=120, epochs=2, fetch_every=10,
+                                       round_timeout=10, max_failures=0)
+    assert max_param_diff(sync, lockstep) < 1e-10
+

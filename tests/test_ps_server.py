@@ -16,6 +16,7 @@ from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.rules import make_rule
 from sparkdl_avg.ps.server import ParameterServer
 from sparkdl_avg.ps.settings import ServerSettings
+from sparkdl_avg.ps.staleness import pushes_between_fetches
 
 SECRET = b"s" * 32
 
@@ -130,6 +131,38 @@ def test_bound_zero_is_lockstep_each_read_sees_exactly_one_round():
             t.join(20)
         # after round r both workers read exactly 2*(r+1) updates of 1: never more, never less
         assert seen["a"] == seen["b"] == [-2.0 * (r + 1) for r in range(5)]
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2])
+def test_workers_fetching_as_the_bound_allows_never_stall(bound):
+    """fetch_every 8 pushes with a bound under 7 stalled both workers in a push, each
+    waiting for the other's next fetch (issue 28). Fetching every
+    `pushes_between_fetches` pushes, 3 workers push 12 times each under the bound."""
+    every = pushes_between_fetches(1, 8, bound)
+    assert every == bound + 1
+    with ParameterServer(ServerSettings(timeout=5, staleness_bound=bound),
+                         secret=SECRET) as ps:
+        with client(ps, -1) as driver:  # all 3 count for the bound from the start
+            driver.init(np.zeros(4, np.float32), workers=3)
+        failures = []
+
+        def work(worker: int) -> None:
+            try:
+                with client(ps, worker) as c:
+                    c.pull()
+                    for push in range(1, 13):
+                        c.push(np.ones(4, np.float32))
+                        if push % every == 0:
+                            c.pull()
+            except Exception as exc:  # noqa: BLE001  (reported below, not lost in a thread)
+                failures.append(exc)
+
+        threads = [threading.Thread(target=work, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not failures and ps.applied == 36
 
 
 def test_a_disconnected_worker_no_longer_holds_the_others():
