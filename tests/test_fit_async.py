@@ -124,7 +124,6 @@ def test_the_workers_evaluate_on_their_own_rows_up_to_the_final_parameters(spark
     assert stats["results"][-1]["count"] == 301 and stats["finished"] == [0, 1]
 
 
-
 def test_fetch_every_beyond_a_tight_staleness_bound_does_not_stall(spark):
     """Issue 28: with a fetch every 2 pushes and staleness_bound=0, each worker's second
     push waited for the other's next fetch, which came only after the other's second push:
@@ -173,8 +172,8 @@ def test_dcasgd_counts_no_delay_for_a_workers_own_pushes(one_worker_fits):
 def test_dcasgd_and_dc_lambda_change_a_lockstep_fit(spark):
     """Two workers in lockstep: each round, the second push to arrive was computed before
     the first was applied, so DC-ASGD compensates it. Lambda 0 is Downpour (to rounding;
-    the default 0.04 differed by 7e-6 to 1e-5 here, so a dc_lambda ignored fails); lambda 1 is not
-    (an algorithm ignored fails)."""
+    the default 0.04 differed by 7e-6 to 1e-5 here, so a dc_lambda ignored fails); lambda
+    1 is not (an algorithm ignored fails)."""
     df = frame(spark, *make_data(80, seed=5))
     models = {}
     for name, fields in (("downpour", {}), ("lambda 0", {"algorithm": "dcasgd",

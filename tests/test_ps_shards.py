@@ -92,7 +92,7 @@ SCHEDULE = [(0, "pull"), (1, "pull"), (0, "push"), (1, "push"), (0, "push"), (1,
             (0, "pull"), (1, "push"), (0, "push"), (1, "push"), (0, "push")]
 
 
-def _one_fit(k: int, algorithm: str, w0, pushes) -> tuple:
+def _run_schedule(k: int, algorithm: str, w0, pushes) -> tuple:
     """SCHEDULE against k shards (lr 0.1, update_scale 1): the final parameters, the stats,
     and the events for `by_hand` (each push with the point its worker computed it from)."""
     shards = Shards(k, algorithm)
@@ -129,7 +129,7 @@ def test_shards_answer_like_one_server(algorithm):
 
     rng = np.random.default_rng(0)
     w0, pushes = rng.normal(size=10), rng.normal(size=(7, 10)) * 0.1
-    results = {k: _one_fit(k, algorithm, w0, pushes) for k in (1, 3)}
+    results = {k: _run_schedule(k, algorithm, w0, pushes) for k in (1, 3)}
     np.testing.assert_allclose(results[3][0], results[1][0], rtol=0, atol=1e-15)
     one, three = results[1][1], results[3][1]
     for key in ("applied", "samples", "loss_sum", "progress", "refused", "stopped"):
