@@ -249,7 +249,7 @@ class TrainConfig:
 
     fetch_every: int | None = None
     """Async: local steps between two fetches of the server's parameters (a multiple of
-    push_every; None: push_every)."""
+    push_every; None: push_every), at most (staleness_bound + 1) x push_every."""
 
     staleness_bound: int | None = None
     """Async: no worker runs more than this many pushes ahead of the slowest (0 = lockstep,

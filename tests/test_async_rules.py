@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sparkdl_avg.ps.rules import RULES, make_rule
-from sparkdl_avg.ps.staleness import may_apply, may_read
+from sparkdl_avg.ps.staleness import may_apply, may_read, pushes_between_fetches
 
 
 def test_downpour_subtracts_the_pushed_update():
@@ -96,3 +96,85 @@ def test_ssp_apply_rule_ignores_the_pusher_itself():
     assert may_apply(reads, 0, clock=2, bound=0)  # worker 1 has; worker 0's own read is moot
     assert may_apply(reads, 1, clock=2, bound=2)
     assert may_apply(reads, 1, clock=9, bound=None)
+
+
+def by_hand(algorithm: str, w0: np.ndarray, events: list, *, lr: float, scale: float,
+            lam: float) -> np.ndarray:
+    """The server's parameters after `events`, by DC-ASGD's formula written out: each push
+    ("push", update, point) carries the point its worker computed the update from (its own
+    parameters then), and the compensation is lambda*g*g*(w - point). Pulls need no
+    bookkeeping here: the point comes from the worker."""
+    w, meansquare = w0.copy(), np.zeros_like(w0)
+    for _, update, point in (e for e in events if e[0] == "push"):
+        g = scale * update / lr
+        if algorithm == "downpour":
+            w = w - lr * g
+            continue
+        if algorithm == "dcasgd":
+            lam_t = lam
+        else:  # adaptive: meansquare (momentum 0.95) updated first, then lambda0/sqrt(.+eps)
+            meansquare = 0.95 * meansquare + 0.05 * g * g
+            lam_t = lam / np.sqrt(meansquare + 1e-7)
+        w = w - lr * (g + lam_t * g * g * (w - point))
+    return w
+
+
+# Two workers that fetch less often than they push (worker 0 every 3 pushes, worker 1 every
+# 2), interleaved so that both pull before either pushes and each pushes again from its own
+# parameters: which point each update is computed from is what the rule must track.
+SCHEDULE = [(0, "pull"), (1, "pull"), (0, "push"), (1, "push"), (0, "push"), (1, "push"),
+            (1, "pull"), (0, "push"), (0, "pull"), (1, "push"), (0, "push"), (1, "push"),
+            (0, "push"), (1, "pull"), (1, "push"), (0, "push")]
+
+
+def simulate(rule, schedule=SCHEDULE, lr: float = 0.1) -> list:
+    """Workers doing plain SGD on quadratics of their own (gradient a*(w - c)) from their own
+    parameters, pulling and pushing to `rule` in the order of `schedule`. Returns the
+    events, each push with the point its update was computed from."""
+    a = {0: np.array([1.0, 3.0, 0.5]), 1: np.array([2.0, 0.7, 4.0])}
+    c = {0: np.array([1.0, -1.0, 2.0]), 1: np.array([-2.0, 0.5, 1.0])}
+    own, events = {}, []
+    for worker, what in schedule:
+        if what == "pull":
+            own[worker] = rule.pull(worker).copy()
+            events.append(("pull", None, None))
+            continue
+        update = lr * a[worker] * (own[worker] - c[worker])  # one local SGD step
+        events.append(("push", update, own[worker].copy()))
+        own[worker] = own[worker] - update  # the worker goes on from its own parameters
+        rule.apply(worker, update.copy())
+    return events
+
+
+@pytest.mark.parametrize(("algorithm", "lam"), [("dcasgd", 0.5), ("dcasgd-adaptive", 2.0)])
+def test_dcasgd_compensates_from_where_each_worker_computed_its_update(algorithm, lam):
+    """With fetch_every > push_every a worker's second update is computed at its backup
+    moved by its own first update (whole: update_scale 0.5 scales only the server's step),
+    not at the parameters it pulled; its own pushes are no delay to compensate."""
+    w0 = np.array([0.5, -1.0, 2.0])
+    rule = make_rule(algorithm, w0.copy(), lr=0.1, update_scale=0.5, dc_lambda=lam)
+    events = simulate(rule)
+    expected = by_hand(algorithm, w0, events, lr=0.1, scale=0.5, lam=lam)
+    np.testing.assert_allclose(rule.params, expected, rtol=1e-13, atol=1e-15)
+    plain = by_hand("downpour", w0, events, lr=0.1, scale=0.5, lam=lam)
+    assert np.abs(expected - plain).max() > 1e-3  # the compensation is there, and counts
+
+
+def test_dcasgd_with_one_worker_is_downpour_whatever_it_fetches():
+    """One worker has no delay: it computes every update at the server's own parameters,
+    whether it fetched them or not (before, its own pushes counted as staleness)."""
+    w0 = np.array([0.5, -1.0, 2.0])
+    schedule = [(0, "pull")] + [(0, "push")] * 5 + [(0, "pull")] + [(0, "push")] * 3
+    dc = make_rule("dcasgd", w0.copy(), lr=0.1, update_scale=1.0, dc_lambda=1.0)
+    events = simulate(dc, schedule)
+    np.testing.assert_allclose(dc.params, by_hand("downpour", w0, events, lr=0.1, scale=1.0,
+                                                  lam=0.0), rtol=1e-14)
+    np.testing.assert_allclose(dc.backups[0], dc.params, rtol=1e-14)
+
+
+def test_a_staleness_bound_caps_the_pushes_between_fetches():
+    assert pushes_between_fetches(4, None, None) == 1  # fetch_every None: every push
+    assert pushes_between_fetches(4, 32, None) == 8
+    assert pushes_between_fetches(4, 32, 2) == 3  # bound 2: at least every 3 pushes
+    assert pushes_between_fetches(4, 32, 0) == 1  # lockstep: after every push
+    assert pushes_between_fetches(1, 4, 7) == 4  # a loose bound changes nothing

@@ -123,3 +123,65 @@ def test_the_workers_evaluate_on_their_own_rows_up_to_the_final_parameters(spark
     assert stats["pending"] is None and stats["results"][-1]["final"]
     assert stats["results"][-1]["count"] == 301 and stats["finished"] == [0, 1]
 
+
+def test_fetch_every_beyond_a_tight_staleness_bound_does_not_stall(spark):
+    """Issue 28: with a fetch every 2 pushes and staleness_bound=0, each worker's second
+    push waited for the other's next fetch, which came only after the other's second push:
+    both waited until round_timeout, and every restart stalled again. A worker now fetches
+    at least every bound + 1 pushes: here after each push, which is synchronous averaging."""
+    sync, lockstep = sync_and_lockstep(spark, rows=120, epochs=2, fetch_every=10,
+                                       round_timeout=10, max_failures=0)
+    assert max_param_diff(sync, lockstep) < 1e-10
+
+
+@pytest.fixture(scope="module")
+def one_worker_fits(spark, mlflow_store):
+    """One worker, a push every step and a fetch every 4 (float64 SGD, no shuffle), under
+    Downpour and under DC-ASGD with a large lambda: (model, server stats) of each."""
+    from mlflow.tracking import MlflowClient
+
+    mlflow_client = MlflowClient(mlflow_store)
+    df = frame(spark, *make_data(48, seed=4))  # 12 steps an epoch
+    out = {}
+    for algorithm, extra in (("downpour", {}), ("dcasgd", {"dc_lambda": 1.0})):
+        result = fit(df, make_model_f64, TrainConfig(
+            mode="async", algorithm=algorithm, num_workers=1, epochs=2, batch_size=4,
+            push_every=1, fetch_every=4, optimizer="sgd", lr=0.1, shuffle=False, seed=1,
+            log_model=False, **extra))
+        out[algorithm] = result.model, server_stats(mlflow_client, result.run_id)
+    return out
+
+
+def test_fetch_every_sets_the_pushes_between_fetches(one_worker_fits):
+    """Between two fetches the one worker's k-th push finds k-1 of its own applied since
+    its fetch: 24 pushes, a fetch every 4, staleness 0, 1, 2, 3 six times each (were
+    fetch_every ignored, every push would be fresh)."""
+    for _, stats in one_worker_fits.values():
+        assert stats["staleness"]["0"]["histogram"] == {"0": 6, "1": 6, "2": 6, "3": 6}
+
+
+def test_dcasgd_counts_no_delay_for_a_workers_own_pushes(one_worker_fits):
+    """One worker computes every update at the server's parameters, fetched or not, so
+    DC-ASGD's compensation is zero and the fit is Downpour's (before, the pushes since its
+    fetch counted as delay, and lambda 1 moved the result)."""
+    (downpour, _), (dcasgd, _) = one_worker_fits["downpour"], one_worker_fits["dcasgd"]
+    assert max_param_diff(downpour, dcasgd) < 1e-12
+    assert max_param_diff(downpour, make_model_f64()) > 1e-2
+
+
+def test_dcasgd_and_dc_lambda_change_a_lockstep_fit(spark):
+    """Two workers in lockstep: each round, the second push to arrive was computed before
+    the first was applied, so DC-ASGD compensates it. Lambda 0 is Downpour (to rounding;
+    the default 0.04 differed by 7e-6 to 1e-5 here, so a dc_lambda ignored fails); lambda
+    1 is not (an algorithm ignored fails)."""
+    df = frame(spark, *make_data(80, seed=5))
+    models = {}
+    for name, fields in (("downpour", {}), ("lambda 0", {"algorithm": "dcasgd",
+                                                         "dc_lambda": 0.0}),
+                         ("lambda 1", {"algorithm": "dcasgd", "dc_lambda": 1.0})):
+        models[name] = fit(df, make_model_f64, TrainConfig(
+            mode="async", num_workers=2, epochs=2, batch_size=4, push_every=1,
+            staleness_bound=0, optimizer="sgd", lr=0.2, shuffle=False, seed=1,
+            log_model=False, **fields)).model
+    assert max_param_diff(models["downpour"], models["lambda 0"]) < 1e-10
+    assert max_param_diff(models["downpour"], models["lambda 1"]) > 1e-5

@@ -16,6 +16,7 @@ from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.rules import make_rule
 from sparkdl_avg.ps.server import ParameterServer
 from sparkdl_avg.ps.settings import ServerSettings
+from sparkdl_avg.ps.staleness import pushes_between_fetches
 
 SECRET = b"s" * 32
 
@@ -132,6 +133,38 @@ def test_bound_zero_is_lockstep_each_read_sees_exactly_one_round():
         assert seen["a"] == seen["b"] == [-2.0 * (r + 1) for r in range(5)]
 
 
+@pytest.mark.parametrize("bound", [0, 1, 2])
+def test_workers_fetching_as_the_bound_allows_never_stall(bound):
+    """fetch_every 8 pushes with a bound under 7 stalled both workers in a push, each
+    waiting for the other's next fetch (issue 28). Fetching every
+    `pushes_between_fetches` pushes, 3 workers push 12 times each under the bound."""
+    every = pushes_between_fetches(1, 8, bound)
+    assert every == bound + 1
+    with ParameterServer(ServerSettings(timeout=5, staleness_bound=bound),
+                         secret=SECRET) as ps:
+        with client(ps, -1) as driver:  # all 3 count for the bound from the start
+            driver.init(np.zeros(4, np.float32), workers=3)
+        failures = []
+
+        def work(worker: int) -> None:
+            try:
+                with client(ps, worker) as c:
+                    c.pull()
+                    for push in range(1, 13):
+                        c.push(np.ones(4, np.float32))
+                        if push % every == 0:
+                            c.pull()
+            except Exception as exc:  # noqa: BLE001  (reported below, not lost in a thread)
+                failures.append(exc)
+
+        threads = [threading.Thread(target=work, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not failures and ps.applied == 36
+
+
 def test_a_disconnected_worker_no_longer_holds_the_others():
     with server(staleness_bound=0) as ps, client(ps, 0) as a:
         b = client(ps, 1)
@@ -148,12 +181,26 @@ def test_a_disconnected_worker_no_longer_holds_the_others():
 
 
 def test_dcasgd_server_uses_each_workers_backup():
+    """Each push is compensated against its own worker's backup: the parameters it pulled,
+    moved by its own pushes since (lr 0.1, lambda 0.04, update_scale 1)."""
+    u1, u2, u3 = (np.array(u, np.float32) for u in (
+        [0.1, -0.2, 0.3, 0.0], [0.2, 0.1, -0.3, 0.4], [-0.3, 0.2, 0.1, 0.5]))
     with server(algorithm="dcasgd") as ps, client(ps, 0) as a, client(ps, 1) as b:
-        a.pull()
+        a.pull()  # a's backup: 0
         with pytest.raises(ProtocolError, match="pushed before it pulled"):  # b never pulled
             b.push(np.ones(4, np.float32))
-        a.push(np.full(4, 0.1, np.float32))
-        assert ps.applied == 1
+        a.push(u1.copy())  # w1 = -u1; a's backup -u1 (a goes on from its own parameters)
+        b.pull()  # b's backup: w1
+        a.push(u2.copy())  # computed at -u1 = w1: no delay, w2 = w1 - u2
+        np.testing.assert_allclose(ps.rule.backups[0], -u1 - u2, rtol=1e-6)
+        np.testing.assert_allclose(ps.rule.backups[1], -u1, rtol=1e-6)
+        b.push(u3.copy())  # computed at w1, applied at w2: compensated by w2 - w1 = -u2
+        np.testing.assert_allclose(ps.rule.backups[1], -u1 - u3, rtol=1e-6)
+        g3 = u3.astype(np.float64) / 0.1
+        expected = -u1 - u2 - 0.1 * (g3 + 0.04 * g3 * g3 * -u2.astype(np.float64))
+        np.testing.assert_allclose(ps.rule.params, expected, rtol=1e-6)
+        assert np.abs(expected - (-u1 - u2 - u3)).max() > 1e-3  # the compensation counts
+        assert ps.applied == 3
 
 
 def test_oversized_or_garbage_frames_do_not_stop_the_server():

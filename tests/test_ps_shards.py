@@ -86,36 +86,62 @@ class Shards:
             s.close()
 
 
-@pytest.mark.parametrize("algorithm", ["downpour", "dcasgd-adaptive"])
+# Both workers pull before either pushes, and each pushes again before it pulls again, so
+# every DC-ASGD push after the first is compensated (the other's pushes lie in between).
+SCHEDULE = [(0, "pull"), (1, "pull"), (0, "push"), (1, "push"), (0, "push"), (1, "pull"),
+            (0, "pull"), (1, "push"), (0, "push"), (1, "push"), (0, "push")]
+
+
+def _run_schedule(k: int, algorithm: str, w0, pushes) -> tuple:
+    """SCHEDULE against k shards (lr 0.1, update_scale 1): the final parameters, the stats,
+    and the events for `by_hand` (each push with the point its worker computed it from)."""
+    shards = Shards(k, algorithm)
+    try:
+        with shards.client(DRIVER, 10) as driver, shards.client(0, 10) as a, \
+                shards.client(1, 10) as b:
+            assert isinstance(driver, ShardedClient if k > 1 else PSClient)
+            settings = driver.init(w0.copy(), workers=2)
+            assert settings.get("shards", 1) == k
+            own, events, updates = {}, [], iter(pushes)
+            for i, (worker, what) in enumerate(SCHEDULE):
+                c = (a, b)[worker]
+                if what == "pull":
+                    c.pull()
+                    own[worker] = c.params.copy()
+                    continue
+                update = next(updates)
+                events.append(("push", update, own[worker].copy()))
+                own[worker] = own[worker] - update  # the worker goes on from its own
+                ack = c.push(update.copy(), samples=5, loss_sum=1.0, steps=i + 1, lr=0.1)
+                assert ack.applied == len(events)
+            driver.pull()
+            return driver.params.copy(), driver.stats(), events
+    finally:
+        shards.close()
+
+
+@pytest.mark.parametrize("algorithm", ["downpour", "dcasgd", "dcasgd-adaptive"])
 def test_shards_answer_like_one_server(algorithm):
     """The same pushes and pulls against 1 and 3 shards give the same parameters (the rules
-    are elementwise), the same counters and one report."""
+    are elementwise), the same counters and one report; DC-ASGD's are those computed by
+    hand, and differ from Downpour's."""
+    from test_async_rules import by_hand
+
     rng = np.random.default_rng(0)
-    w0, pushes = rng.normal(size=10), rng.normal(size=(6, 10)) * 0.01
-    results = {}
-    for k in (1, 3):
-        shards = Shards(k, algorithm)
-        try:
-            with shards.client(DRIVER, 10) as driver, shards.client(0, 10) as a, \
-                    shards.client(1, 10) as b:
-                assert isinstance(driver, ShardedClient if k > 1 else PSClient)
-                settings = driver.init(w0.copy(), workers=2)
-                assert settings.get("shards", 1) == k
-                for i, update in enumerate(pushes):
-                    worker = (a, b)[i % 2]
-                    worker.pull()
-                    ack = worker.push(update.copy(), samples=5, loss_sum=1.0, steps=i + 1,
-                                      lr=0.1)
-                    assert ack.applied == i + 1
-                driver.pull()
-                results[k] = (driver.params.copy(), driver.stats())
-        finally:
-            shards.close()
+    w0, pushes = rng.normal(size=10), rng.normal(size=(7, 10)) * 0.1
+    results = {k: _run_schedule(k, algorithm, w0, pushes) for k in (1, 3)}
     np.testing.assert_allclose(results[3][0], results[1][0], rtol=0, atol=1e-15)
     one, three = results[1][1], results[3][1]
     for key in ("applied", "samples", "loss_sum", "progress", "refused", "stopped"):
         assert three[key] == one[key], key
-    assert [s["applied"] for s in three["shards"]] == [6, 6, 6]
+    assert [s["applied"] for s in three["shards"]] == [7, 7, 7]
+    lam = {"downpour": 0.0, "dcasgd": 0.04, "dcasgd-adaptive": 2.0}[algorithm]
+    events = results[1][2]
+    expected = by_hand(algorithm, w0, events, lr=0.1, scale=1.0, lam=lam)
+    np.testing.assert_allclose(results[3][0], expected, rtol=1e-12, atol=1e-14)
+    downpour = by_hand("downpour", w0, events, lr=0.1, scale=1.0, lam=0.0)
+    if algorithm != "downpour":
+        assert np.abs(results[3][0] - downpour).max() > 1e-5
 
 
 def test_a_shard_restarted_from_an_older_checkpoint_loses_and_doubles_nothing(tmp_path):

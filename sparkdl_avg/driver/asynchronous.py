@@ -37,6 +37,7 @@ from sparkdl_avg.ps.sharded_client import ShardedClient
 from sparkdl_avg.ps.sharded_client import connect as connect_ps
 from sparkdl_avg.ps.shards import parse_addresses, shard_name
 from sparkdl_avg.ps.sidecar import Sidecar
+from sparkdl_avg.ps.staleness import pushes_between_fetches
 from sparkdl_avg.tracking.run import RunLogger
 
 log = logging.getLogger("sparkdl_avg")
@@ -55,8 +56,22 @@ def server_settings(config) -> ServerSettings:
         checkpoint_every=config.ps_checkpoint_every * num_workers)
 
 
+def _say_how_often_workers_fetch(config) -> None:
+    """fetch_every beyond what the staleness bound allows is shortened (in each task): say so
+    once, here, where the user reads it."""
+    pushes = pushes_between_fetches(config.push_every, config.fetch_every,
+                                    config.staleness_bound)
+    if config.fetch_every and pushes * config.push_every < config.fetch_every:
+        log.warning("fetch_every=%d with staleness_bound=%d: each worker fetches every %d "
+                    "steps instead (%d pushes): a push waits until every other worker has "
+                    "read within %d pushes, so fetching more rarely would stall the fit",
+                    config.fetch_every, config.staleness_bound, pushes * config.push_every,
+                    pushes, config.staleness_bound)
+
+
 def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
     config = plan.config
+    _say_how_often_workers_fetch(config)
     flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
     waits = config.waits()
     tls_ca_pem = None

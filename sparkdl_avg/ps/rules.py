@@ -6,8 +6,13 @@ by `update_scale` (1/num_workers in a fit's own server). The rules:
 
 - downpour (DistBelief): w <- w - update.
 - dcasgd (Zheng et al., ICML 2017): with g = update / lr the worker's gradient,
-  w <- w - lr * (g + lambda * g*g*(w - w_backup[m])), where w_backup[m] is the copy of w that
-  worker m last pulled. One backup *per worker*: MXNet's single shared copy is a known error.
+  w <- w - lr * (g + lambda * g*g*(w - w_backup[m])), where w_backup[m] is the point worker
+  m computed its update from. One backup *per worker*: MXNet's single shared copy is a known
+  error. A pull sets it to the parameters pulled; each push then moves it by the worker's own
+  update, unscaled (w_backup[m] -= update), since a worker that pushes again before it pulls
+  (fetch_every > push_every) goes on from its own parameters, which moved by the whole update
+  while the server applied only update_scale of it. Without that, the worker's own earlier
+  pushes would count as staleness.
 - dcasgd-adaptive: lambda_t = lambda0 / sqrt(meansquare + eps) elementwise, with
   meansquare <- m * meansquare + (1 - m) * g*g updated before it is used.
 
@@ -52,13 +57,12 @@ class UpdateRule:
 
     def apply(self, worker: int, update: np.ndarray, lr: float | None = None) -> None:
         """Apply a worker's update, computed at learning rate `lr` (None: the server's).
-        `update` is scratch: it may be scaled in place. Raises ValueError for an update the
-        rule cannot take."""
-        if self.update_scale != 1.0:
-            update *= self.update_scale
+        `update` is scratch: a rule may scale it in place. Raises ValueError for an update
+        the rule cannot take."""
         self._step(worker, update, self.lr if lr is None else lr)
 
     def _step(self, worker: int, update: np.ndarray, lr: float) -> None:
+        """`update` as the worker sent it (not yet scaled by `update_scale`)."""
         raise NotImplementedError
 
     def state(self) -> dict[str, np.ndarray]:
@@ -74,6 +78,8 @@ class Downpour(UpdateRule):
     name = "downpour"
 
     def _step(self, worker: int, update: np.ndarray, lr: float) -> None:
+        if self.update_scale != 1.0:
+            update *= self.update_scale
         self.params -= update
 
 
@@ -94,7 +100,7 @@ class DcAsgd(UpdateRule):
         return {"dc_lambda": self.dc_lambda}
 
     def pull(self, worker: int) -> np.ndarray:
-        backup = self.backups.get(worker)  # remembered as what this worker computes from
+        backup = self.backups.get(worker)  # where this worker's next update is computed
         if backup is None or backup.shape != self.params.shape:
             self.backups[worker] = self.params.copy()
         else:
@@ -105,10 +111,11 @@ class DcAsgd(UpdateRule):
         backup = self.backups.get(worker)
         if backup is None:  # never pulled: it trained from the initial parameters it was sent
             raise ValueError(f"worker {worker} pushed before it pulled")
-        if lr == 0:  # a schedule at zero: the update is zero, and g is undefined
-            return
-        g = update / lr
-        self.params -= lr * (g + self._lambda(g) * g * g * (self.params - backup))
+        if lr != 0:  # at zero (a schedule's) the update is zero, and g is undefined
+            g = update * self.update_scale
+            g /= lr
+            self.params -= lr * (g + self._lambda(g) * g * g * (self.params - backup))
+        backup -= update  # the worker moved by all of it: its next update starts there
 
     def _lambda(self, g: np.ndarray) -> float | np.ndarray:
         return self.dc_lambda

@@ -14,3 +14,15 @@ def may_apply(read_clocks: dict[int, int], worker: int, clock: int, bound: int |
     - bound, so no read sees updates from beyond its round (bound 0: exactly synchronous)."""
     return bound is None or all(read >= clock - bound for w, read in read_clocks.items()
                                 if w != worker)
+
+
+def pushes_between_fetches(push_every: int, fetch_every: int | None,
+                           bound: int | None) -> int:
+    """How many pushes a worker makes between two fetches: fetch_every's, but at most
+    bound + 1. A push at clock c waits until every other worker has read at c - bound or
+    later; a worker that fetched only every F > bound + 1 pushes would hold its last read
+    for F clocks, and the workers would wait on each other's next fetch, each stuck in a push
+    (until the server's timeout). Fetching every bound + 1 pushes or sooner, the slowest
+    worker can always push and fetch, so no worker waits for good."""
+    every = (fetch_every or push_every) // push_every
+    return every if bound is None else min(every, bound + 1)

@@ -1,5 +1,7 @@
 """Async mode in a task (Downpour): push the accumulated update every `push_every` steps,
-fetch the server's parameters every `fetch_every` steps (a multiple of push_every).
+fetch the server's parameters every `fetch_every` steps (a multiple of push_every), and with
+a staleness bound s at least every s + 1 pushes (`staleness.pushes_between_fetches`: fetching
+more rarely, the workers would wait on each other for good).
 
 The server records how many of this worker's steps it has applied; a worker (re)starting or
 reconnecting after the server restarted takes up the data from there, so no step is lost or
@@ -22,6 +24,7 @@ from sparkdl_avg._errors import peer_gone
 from sparkdl_avg.data.partition import Partition
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.sharded_client import ShardedClient, connect
+from sparkdl_avg.ps.staleness import pushes_between_fetches
 from sparkdl_avg.task.spec import WorkerSpec
 
 FINISHED_WAIT_S = 2.0
@@ -48,16 +51,15 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
     try:
         link.pull()
         replica.start(step=link.ps.progress)
-        fetch_every = (config.fetch_every or config.push_every) // config.push_every
-        pushes = 0
+        fetch_every = pushes_between_fetches(config.push_every, config.fetch_every,
+                                             config.staleness_bound)
         while True:
             try:
                 while replica.step < total and not link.stopped:
                     loss_sum, samples, lr = replica.run_steps(
                         min(config.push_every, total - replica.step))
                     request = link.push(loss_sum, samples, replica.step, lr)
-                    pushes += 1
-                    if pushes % fetch_every == 0 or replica.step >= total:
+                    if link.pushes_since_pull >= fetch_every or replica.step >= total:
                         link.pull()
                     if request is not None:
                         link.answer(replica)
@@ -85,6 +87,7 @@ class ServerLink:
         self.waits = config.waits()
         self.anchor = flat.array.copy()  # the parameters the next update is measured from
         self._own: np.ndarray | None = None  # the model's parameters while it evaluates others
+        self.pushes_since_pull = 0
         self.stopped = False
         """The server said stop (early stopping): push no more, as if at the last step."""
         self.ps = None
@@ -111,6 +114,7 @@ class ServerLink:
         np.copyto(self.flat.array, self.ps.params)
         self.flat.scatter()
         np.copyto(self.anchor, self.flat.array)
+        self.pushes_since_pull = 0
 
     def push(self, loss_sum: float, samples: int, steps: int, lr: float) -> int | None:
         """The update since the anchor (computed at mean learning rate `lr`), which moves to
@@ -120,6 +124,7 @@ class ServerLink:
         ack = self._call(self.ps.push, self.anchor - current, samples=samples,
                          loss_sum=loss_sum, steps=steps, lr=lr)
         np.copyto(self.anchor, current)
+        self.pushes_since_pull += 1
         self.stopped = ack.stop
         return ack.evaluate
 
