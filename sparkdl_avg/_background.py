@@ -13,9 +13,10 @@ log = logging.getLogger("sparkdl_avg")
 
 class BackgroundWriter:
     """`submit(item)` hands an item to `save` on a thread of its own. Failures are logged
-    and counted in `errors`, the first kept in `error`, never raised here: the owner decides
-    (the parameter server goes on, as the next save may succeed; a fit fails on it:
-    `driver.checkpoints.check_saved`)."""
+    and counted in `errors`, the first kept in `error` (and said in `failure`), never raised
+    here: the owner decides (the parameter server goes on serving, as the next save may
+    succeed, and reports it to the driver; a fit fails on it: `driver.checkpoints.check_saved`,
+    `driver.asynchronous.check_server_saved`)."""
 
     def __init__(self, save: Callable[[object], None], what: str) -> None:
         self._save, self.what = save, what
@@ -27,6 +28,11 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._loop, name="sparkdl-avg-writer",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def failure(self) -> str | None:
+        """The first failed save, said for the user: "could not save <what>: <error>"."""
+        return None if self.error is None else f"could not save {self.what}: {self.error!r}"
 
     def submit(self, item: object) -> None:
         with self._cond:

@@ -198,3 +198,32 @@ def test_a_checkpoint_that_cannot_be_saved_fails_the_fit(spark, tmp_path, monkey
         assert len(seen) < rounds // 2, seen
     else:
         assert seen == list(range(rounds)) and rounds not in saved
+
+
+@pytest.mark.spark
+def test_a_server_checkpoint_that_cannot_be_saved_fails_the_async_fit(spark, tmp_path,
+                                                                      mlflow_client):
+    """Shard 1 of 2 cannot write its checkpoint (a directory where its temporary file goes:
+    unwritable for root too; checkpoint_dir itself passes the check before the fit): the
+    server keeps serving, the driver hears of it in the server's report and fails the fit,
+    naming the file, at the first interval's report rather than after training, instead of
+    ending FINISHED with a server that could not be restarted."""
+    from faulty import FaultyMLP, dataset
+
+    from sparkdl_avg import TrainConfig, TrainingError, fit
+
+    folder = tmp_path / "ckpt"
+    (folder / "parameter-server-1-of-2.npz.tmp.npz").mkdir(parents=True)
+    pushes, applied = 2 * 40 * 4, []  # 2 workers, 40 epochs of 4 steps, a push each
+    config = TrainConfig(mode="async", num_workers=2, ps_shards=2, epochs=40, batch_size=10,
+                         push_every=1, checkpoint_dir=str(folder), eval_interval_s=0.2,
+                         log_model=False, experiment_name="server-cannot-save")
+    with pytest.raises(TrainingError, match=r"could not save the server checkpoint "
+                       r".*ckpt/parameter-server-1-of-2\.npz: IsADirectoryError.*free space "
+                       r"or fix where it writes"):
+        fit(dataset(spark, rows=80), FaultyMLP, config,
+            on_round=lambda m: applied.append(m["updates_applied"]))
+    assert max(applied, default=0) < pushes // 2, applied  # stopped early, not at the end
+    run = _only_run(mlflow_client, "server-cannot-save")
+    assert run.info.status == "FAILED" and "parameter-server-1-of-2.npz" in run.data.tags["error"]
+    assert (folder / "parameter-server-0-of-2.npz").exists()  # shard 0 saved as usual

@@ -299,3 +299,30 @@ def test_the_drivers_stop_is_said_to_every_later_push_and_only_the_driver_may_st
         assert stats["stopped"] and stats["lr"] == 0.05
         assert worker.push(np.ones(4, np.float32)).stop  # computed before it heard: dropped
         assert driver.stats()["applied"] == 1
+
+
+def test_a_failed_checkpoint_save_is_reported_and_the_server_keeps_serving(tmp_path):
+    """The driver learns of the save that failed (in every STATS answer, naming the file)
+    while the server goes on; a new fit's INIT whose save succeeds reports none."""
+    from test_server_hardening import wait_for
+
+    path = tmp_path / "ps.npz"
+    blocker = tmp_path / "ps.npz.tmp.npz"  # a directory where the temporary file goes
+    blocker.mkdir()
+    settings = ServerSettings(lr=0.1, timeout=10, checkpoint_every=1)
+    with ParameterServer(settings, secret=SECRET, checkpoint_path=str(path)) as ps, \
+            PSClient(ps.address, secret=SECRET, worker=-1, numel=2, dtype=np.float32,
+                     timeout=10) as driver, client(ps, 0, n=2) as worker:
+        driver.init(np.ones(2, np.float32), workers=1)
+        wait_for(lambda: driver.stats()["checkpoint_error"] is not None)
+        assert driver.stats()["checkpoint_error"].startswith(
+            f"could not save the server checkpoint {path}: IsADirectoryError")
+        worker.pull()
+        assert worker.push(np.ones(2, np.float32)).applied == 1  # still serving
+        assert "IsADirectoryError" in driver.evaluate()["checkpoint_error"]
+        wait_for(lambda: ps._checkpoint.errors == 2)  # INIT's save and the push's
+        blocker.rmdir()
+        driver.init(np.ones(2, np.float32), workers=1)
+        wait_for(path.exists)
+        assert driver.stats()["checkpoint_error"] is None
+

@@ -151,6 +151,19 @@ def _init(server: _ServerConnection, flat: FlatBuffer, config, run: RunLogger) -
     run.set_tags({f"sparkdl_avg.ps.{key}": value for key, value in settings.items()})
 
 
+def check_server_saved(report: dict) -> None:
+    """A TrainingError once the server could not save its checkpoint: a server that crashed
+    could then not be restarted where it was, so the fit stops rather than end FINISHED
+    without one. Checked with each interval's report and after the job; a save failing after
+    the final report fails nothing, as no restart can follow it (async fits do not resume)."""
+    failed = report.get("checkpoint_error")
+    if failed:
+        raise TrainingError(f"{failed}: a parameter server that crashed could not be "
+                            "restarted from it; free space or fix where it writes (the fit's "
+                            "checkpoint_dir, or the --checkpoint-file of the server at "
+                            "ps_address), then fit again")
+
+
 def _check_complete(progress: dict, num_workers: int, total: int) -> None:
     """After the job: a server restarted from a checkpoint older than some finished workers'
     last pushes lacks their last steps. Run the job again; those workers redo only those."""
@@ -223,6 +236,7 @@ class _Intervals:
     def log(self, ps: PSClient) -> None:
         ask = self.evaluates and self.asked is None
         report = ps.evaluate() if ask else ps.stats()
+        check_server_saved(report)
         row = self._row(report)
         pending = report["evaluations"]["pending"]
         # early stopping keeps the snapshot itself (the server moves on); a request replaced
@@ -244,6 +258,7 @@ class _Intervals:
         ps.pull()
         np.copyto(self.flat.array, ps.params)
         report = ps.stats()
+        check_server_saved(report)
         row = self._row(report)
         self._collect(report["evaluations"], ps)
         # the server asks nothing after its final request: that result stays its newest

@@ -387,7 +387,7 @@ def check_saved(writer: BackgroundWriter) -> None:
     """A TrainingError once a checkpoint could not be saved: the fit could neither restart
     from it nor be resumed, so it stops rather than end FINISHED without one."""
     if writer.error is not None:
-        raise TrainingError(f"could not save {writer.what}: {writer.error!r}; free space or "
+        raise TrainingError(f"{writer.failure}; free space or "
                             "fix the store (checkpoint_dir, or the MLflow run's artifacts), "
                             "or set checkpoint_every=0 to train without checkpoints") \
             from writer.error

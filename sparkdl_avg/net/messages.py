@@ -19,6 +19,7 @@ from sparkdl_avg.net.fields import check_tensor, finite_or_none, into_checked, t
 from sparkdl_avg.net.frames import Connection, Kind
 from sparkdl_avg.net.message_base import MAX_FINISHED_WAIT_S, MAX_WORKERS, M, Message  # noqa: F401
 from sparkdl_avg.net.ps_messages import (  # noqa: F401
+    MAX_ERROR_CHARS,
     Ack,
     Evaluate,
     Finished,

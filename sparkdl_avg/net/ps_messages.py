@@ -10,6 +10,9 @@ from sparkdl_avg.net import fields
 from sparkdl_avg.net.frames import Kind
 from sparkdl_avg.net.message_base import MAX_FINISHED_WAIT_S, MAX_WORKERS, Message
 
+MAX_ERROR_CHARS = 2000
+"""The longest error a message carries (the server cuts a longer one)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ServerHello(Message):
@@ -125,6 +128,16 @@ class Stats(Message):
 
     KIND = Kind.STATS
     report: dict | None = None
+    checkpoint_error: str | None = None
+    """In an answer: the first of the server's checkpoint saves that failed since the fit's
+    INIT ("could not save the server checkpoint <file>: <error>"); None while all succeed.
+    The server goes on serving; the driver fails the fit (a crash could not be recovered)."""
+
+    def check(self) -> None:
+        if self.checkpoint_error is not None and \
+                not 0 < len(self.checkpoint_error) <= MAX_ERROR_CHARS:
+            raise self.invalid(f"checkpoint_error of {len(self.checkpoint_error)} characters "
+                               f"(1 to {MAX_ERROR_CHARS})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,15 +90,21 @@ class PSClient:
     def stop(self) -> dict:
         """Driver only: end training early (early stopping); returns the server's stats."""
         msg.send(self._conn, msg.Stop())
-        return msg.expect(self._conn, msg.Stats)[0].report or {}
+        return self._report()
 
     def stats(self) -> dict:
         msg.send(self._conn, msg.Stats())
-        return msg.expect(self._conn, msg.Stats)[0].report or {}
+        return self._report()
 
     def evaluate(self) -> dict:
         """Driver only: ask the workers to evaluate the current parameters. Returns the
         server's stats at that moment; evaluations.pending names the request (none once the
         final request is made)."""
         msg.send(self._conn, msg.Evaluate())
-        return msg.expect(self._conn, msg.Stats)[0].report or {}
+        return self._report()
+
+    def _report(self) -> dict:
+        """The server's STATS answer: its counters, and under "checkpoint_error" its first
+        checkpoint save that failed (None while all succeed)."""
+        answer = msg.expect(self._conn, msg.Stats)[0]
+        return {**(answer.report or {}), "checkpoint_error": answer.checkpoint_error}

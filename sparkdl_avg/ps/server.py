@@ -16,14 +16,12 @@ evaluate it on their own rows and send their sums (EVAL), which the server adds 
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import ssl
 import time
 
 import numpy as np
 
-from sparkdl_avg._background import BackgroundWriter
 from sparkdl_avg._errors import PeerClosed, ProtocolError, Unacceptable
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
@@ -32,7 +30,7 @@ from sparkdl_avg.ps import state_file
 from sparkdl_avg.ps.evaluations import Evaluations
 from sparkdl_avg.ps.rules import UpdateRule, make_rule
 from sparkdl_avg.ps.settings import ServerSettings
-from sparkdl_avg.ps.staleness import may_apply, may_read
+from sparkdl_avg.ps.staleness import may_apply, may_read, summary
 
 log = logging.getLogger("sparkdl_avg")
 SECRET_ENV = "SPARKDL_AVG_PS_SECRET"
@@ -78,9 +76,7 @@ class ParameterServer(Server):
         report their mean."""
         self.stopped = False
         """Early stopping: the driver's STOP; every ACK to an UPDATE then says stop."""
-        self._checkpoint = BackgroundWriter(functools.partial(state_file.save, checkpoint_path),
-                                            f"the server checkpoint {checkpoint_path}") \
-            if checkpoint_path else None
+        self._checkpoint = state_file.writer(checkpoint_path) if checkpoint_path else None
 
     def close(self) -> None:
         super().close()
@@ -120,11 +116,7 @@ class ParameterServer(Server):
 
     def stats(self) -> dict:
         with self._lock:
-            staleness = {str(w): {"count": len(v), "mean": float(np.mean(v)) if v else 0.0,
-                                  "max": max(v, default=0),
-                                  "histogram": {str(k): n for k, n in
-                                                sorted(collections.Counter(v).items())}}
-                         for w, v in self.staleness.items()}
+            staleness = {str(w): summary(v) for w, v in self.staleness.items()}
             return {"applied": self.applied, "refused": dict(self.refused),
                     "clocks": {str(w): c for w, c in self._clocks.items()},
                     "progress": {str(w): s for w, s in self.progress.items()},
@@ -132,6 +124,13 @@ class ParameterServer(Server):
                     "staleness": staleness, "evaluations": self.evaluations.report(),
                     "lr": float(np.mean(list(self.lrs.values()))) if self.lrs else None,
                     "stopped": self.stopped}
+
+    def _report(self) -> msg.Stats:
+        """STATS: the counters, and the first checkpoint save that failed. The server goes on
+        serving (the next save may succeed); the driver decides: it fails the fit."""
+        failed = self._checkpoint.failure if self._checkpoint is not None else None
+        return msg.Stats(report=self.stats(), checkpoint_error=failed and
+                         failed[:msg.MAX_ERROR_CHARS])
 
     def serve(self, conn: Connection, hello: dict) -> bool:
         try:
@@ -217,11 +216,11 @@ class ParameterServer(Server):
                 with self._lock:
                     self.stopped = True
                     self._save_checkpoint()
-                msg.send(conn, msg.Stats(report=self.stats()))
+                msg.send(conn, self._report())
             elif isinstance(message, msg.Init) and worker == DRIVER:
                 self._init(conn, message, payload)
             elif isinstance(message, msg.Stats) and message.report is None:
-                msg.send(conn, msg.Stats(report=self.stats()))
+                msg.send(conn, self._report())
             else:
                 self.refuse("unexpected", f"unexpected {message.KIND.name}", worker, conn)
 
@@ -350,8 +349,8 @@ class ParameterServer(Server):
         with self._lock:
             self.evaluations.ask(self.rule.params, self.applied)
             self._lock.notify_all()  # finished workers wait for requests
-            report = self.stats()
-        msg.send(conn, msg.Stats(report=report))
+            report = self._report()
+        msg.send(conn, report)
 
     def _wait_for(self, condition) -> bool:
         """With the lock held: wait (bounded) until `condition()` or no bound is set."""
@@ -385,6 +384,8 @@ class ParameterServer(Server):
             self._pulled_version.clear()
             self.staleness.clear()
             self.evaluations.reset(init.workers)
+            if self._checkpoint is not None:  # a new fit: not failed by an earlier fit's save
+                self._checkpoint.error = None
             self._save_checkpoint()
         msg.send(conn, msg.Settings(settings={**self.settings.to_dict(),
                                               **self.rule.settings()}))

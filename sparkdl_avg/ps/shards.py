@@ -14,7 +14,8 @@ One report from K (`merge_reports`): what counts updates is what *every* shard h
 (`applied`, each worker's `progress` and clock: the minimum; `samples` and `loss_sum`: those
 of the shard with the fewest applied); refusals are summed (each shard refuses on its own);
 a worker's staleness is its most stale shard's, with `max` over all shards; `stopped` if any
-shard stopped; the evaluation requests and results are shard 0's (every worker answers every
+shard stopped; a failed checkpoint save if any shard's failed (the first shard's, naming its
+file); the evaluation requests and results are shard 0's (every worker answers every
 shard with the same sums), a request pending only where every shard holds one.
 """
 
@@ -89,6 +90,8 @@ def merge_reports(reports: list[dict]) -> dict:
             "samples": fewest["samples"], "loss_sum": fewest["loss_sum"],
             "staleness": staleness, "evaluations": _evaluations(reports),
             "lr": reports[0]["lr"], "stopped": any(r["stopped"] for r in reports),
+            "checkpoint_error": next((r["checkpoint_error"] for r in reports
+                                      if r.get("checkpoint_error")), None),
             "shards": [{"applied": r["applied"], "progress": r["progress"],
                         "refused": r["refused"]} for r in reports]}
 

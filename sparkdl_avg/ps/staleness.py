@@ -3,6 +3,10 @@ clocks (their pushes so far). Bound 0 is bulk synchronous; None is no bound."""
 
 from __future__ import annotations
 
+import collections
+
+import numpy as np
+
 
 def may_read(clocks: dict[int, int], worker: int, bound: int | None) -> bool:
     """A worker at clock c reads once every worker has reached c - bound."""
@@ -26,3 +30,10 @@ def pushes_between_fetches(push_every: int, fetch_every: int | None,
     worker can always push and fetch, so no worker waits for good."""
     every = (fetch_every or push_every) // push_every
     return every if bound is None else min(every, bound + 1)
+
+
+def summary(staleness: list[int]) -> dict:
+    """One worker's staleness (updates applied between its pull and its push), for stats."""
+    return {"count": len(staleness), "mean": float(np.mean(staleness)) if staleness else 0.0,
+            "max": max(staleness, default=0),
+            "histogram": {str(k): n for k, n in sorted(collections.Counter(staleness).items())}}

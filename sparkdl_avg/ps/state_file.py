@@ -4,10 +4,13 @@ half of one, and read without unpickling."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import numpy as np
+
+from sparkdl_avg._background import BackgroundWriter
 
 
 def save(path: str, item: tuple[dict, dict]) -> None:
@@ -15,6 +18,11 @@ def save(path: str, item: tuple[dict, dict]) -> None:
     tmp = f"{path}.tmp.npz"
     np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
     os.replace(tmp, path)
+
+
+def writer(path: str) -> BackgroundWriter:
+    """Saves (arrays, meta) to `path` on a thread of its own, the newest pending first."""
+    return BackgroundWriter(functools.partial(save, path), f"the server checkpoint {path}")
 
 
 def load(path: str) -> tuple[dict, dict]:
