@@ -1,6 +1,6 @@
 """Shared by the benchmarks: a local[N] session, result printing, and the one place where a
 bench's raw result is kept: `report` writes bench/results/<bench>-<UTC time>.json holding the
-command line, the UTC date, the git commit (and whether tracked files differed from it), the
+command line, the UTC date, the git commit (and the tracked files that differed from it), the
 machine, and the bench's own figures under "result"."""
 
 from __future__ import annotations
@@ -95,14 +95,15 @@ def machine() -> dict:
 
 def provenance(started: datetime.datetime | None = None) -> dict:
     """The command, date, commit and machine of a result."""
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    changed = _git("status", "--porcelain", "--untracked-files=no").splitlines()
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
         "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
         "started_utc": (started or now).isoformat(timespec="seconds"),
         "finished_utc": now.isoformat(timespec="seconds"),
         "git_commit": _git("rev-parse", "HEAD") or None,
-        "git_dirty": bool(dirty),
+        # tracked files that differed from that commit (none: the commit is the code run)
+        "git_dirty": [line[3:] for line in changed],
         "machine": machine(),
     }
 
