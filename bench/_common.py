@@ -95,7 +95,7 @@ def machine() -> dict:
 
 def provenance(started: datetime.datetime | None = None) -> dict:
     """The command, date, commit and machine of a result."""
-    changed = _git("status", "--porcelain", "--untracked-files=no").splitlines()
+    changed = _git("diff", "--name-only", "HEAD").splitlines()
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
         "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
@@ -103,7 +103,7 @@ def provenance(started: datetime.datetime | None = None) -> dict:
         "finished_utc": now.isoformat(timespec="seconds"),
         "git_commit": _git("rev-parse", "HEAD") or None,
         # tracked files that differed from that commit (none: the commit is the code run)
-        "git_dirty": [line[3:] for line in changed],
+        "git_dirty": changed,
         "machine": machine(),
     }
 
