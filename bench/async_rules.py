@@ -15,12 +15,9 @@ as refused, not averaged in. Accuracy, not time, is the measurement: run it nice
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
-import platform
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -29,22 +26,6 @@ from _common import local_session, report  # noqa: E402
 from sparkdl_avg.ps.rules import ALGORITHMS  # noqa: E402
 
 WORKERS = 4
-
-
-def provenance() -> dict:
-    """What produced the figures: the command, when, on which commit and machine."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                           capture_output=True, text=True).stdout.strip()
-    with open("/proc/meminfo") as f:
-        mem_gb = int(f.readline().split()[1]) / 2**20
-    return {"command": " ".join(["python", *sys.argv]),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit + (" (with uncommitted changes)" if dirty else ""),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {mem_gb:.0f} GB, "
-                       f"Python {platform.python_version()}, {platform.platform()}"}
 
 
 def one_fit(train, test, algorithm: str, lr: float, seed: int, epochs: int) -> dict:
@@ -88,11 +69,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--lrs", default="1.0,2.0")
-    parser.add_argument("--name", default="async_rules", help="bench/results/NAME.json")
+    parser.add_argument("--name", default="async_rules", help="bench/results/NAME-<UTC>.json")
     parser.add_argument("--note", help="what the code run differs in from the commit")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    header = {**provenance(), "note": args.note}
     from sparkdl_avg import SPARK_CONF
     from sparkdl_avg.examples import mnist1d
 
@@ -109,7 +89,7 @@ def main() -> None:
                 logging.warning("%s", run)
                 runs.append(run)
     spark.stop()
-    report(args.name, {**header, "workers": WORKERS, "samples": 5_000, "hidden": [256],
+    report(args.name, {"note": args.note, "workers": WORKERS, "samples": 5_000, "hidden": [256],
                            "batch_size": 50, "push_every": 1, "fetch_every": 32,
                            "optimizer": "sgd", "epochs": args.epochs,
                            "summary": summary(runs), "runs": runs})

@@ -5,7 +5,8 @@ process's later fits are warm. The samples share one sqlite MLflow store, create
 first (as a machine's store outlives its jobs); `--fresh-store` gives each its own, whose
 tables the first fit then creates (2-3 s here). Sessions alternate between one with
 `sparkdl_avg.SPARK_CONF` (as the job's: Python workers forked from `task.warm_daemon`, torch
-already imported) and a plain one, and each kind is reported. `--late-warm-up` adds a third
+already imported) and a plain one, in an order that rotates from sample to sample, and each
+kind is reported. `--late-warm-up` adds a third
 kind: SPARK_CONF with the end-of-fit warm-up (matplotlib, MLflow's model saving) started
 where it was before, as training starts, instead of before the first Spark job.
 
@@ -132,8 +133,9 @@ def main() -> None:
         mlflow.MlflowClient(store).search_experiments()  # creates the store's tables
     sessions: dict[str, list] = {kind: [] for kind in KINDS
                                  if args.late_warm_up or kind != "spark_conf_late_warm_up"}
-    for _ in range(args.samples):
-        for kind in sessions:
+    kinds = list(sessions)
+    for i in range(args.samples):  # the kinds' order rotates: none always goes first
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
             env = {**os.environ, "MLFLOW_TRACKING_URI": store if not args.fresh_store else
                    f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"}
             sessions[kind].append(in_fresh_process(__file__, "--one-session", kind,

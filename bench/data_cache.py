@@ -4,7 +4,8 @@ workers on local[N].
 
 For each repetition, three jobs over the same prepared partitions:
 - `fit` with default settings (data_cache="auto", cache_budget_mb=512: the partition spills
-  to disk): each task's peak resident memory (VmHWM), load and training throughput;
+  to disk): each task's resident memory at its start and its peak (VmHWM, reset at the
+  task's start), load and training throughput;
 - `fit` with data_cache="memory": the same for the memory cache (the trajectory is the same);
 - the baseline loader: a barrier task that receives the same Arrow batches from Spark and
   writes them, as they come, to an Arrow IPC file in the same local directory with pyarrow
@@ -97,6 +98,7 @@ def main() -> None:
                 samples = sum(w["train_rows"] for w in result.workers)
                 runs[cache].append({
                     "cache": sorted({w["cache"] for w in result.workers}),
+                    "start_rss_mb": [round(w["start_rss_mb"]) for w in result.workers],
                     "peak_rss_mb": [round(w["peak_rss_mb"]) for w in result.workers],
                     "spilled_mb": [round(w["spilled_mb"]) for w in result.workers],
                     "load_mb_s": [round(w["load_mb_s"], 1) for w in result.workers],
@@ -120,6 +122,12 @@ def main() -> None:
         "rows": args.rows, "features": FEATURES, "cores": args.cores, "repeats": args.repeats,
         "peak_rss_mb_per_task_disk_max": max(max(r["peak_rss_mb"]) for r in runs["disk"]),
         "peak_rss_mb_per_task_memory_max": max(max(r["peak_rss_mb"]) for r in runs["memory"]),
+        "peak_rss_mb_per_task_disk_range": [min(min(r["peak_rss_mb"]) for r in runs["disk"]),
+                                            max(max(r["peak_rss_mb"]) for r in runs["disk"])],
+        "start_rss_mb_per_task_range": [min(min(r["start_rss_mb"]) for k in ("disk", "memory")
+                                            for r in runs[k]),
+                                        max(max(r["start_rss_mb"]) for k in ("disk", "memory")
+                                            for r in runs[k])],
         "train_samples_per_s": {k: per_run(k, "train_samples_per_s") for k in
                                 ("disk", "memory")},
         "train_disk_over_memory_cold": runs["disk"][0]["train_samples_per_s"]
