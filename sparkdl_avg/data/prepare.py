@@ -174,7 +174,8 @@ def bad_features(element: T.DataType) -> Column:
 
     Spark generates code for `array_contains` (NaN equals NaN there), not for a lambda
     through `exists`, which it interprets element by element: the validation over 2M rows
-    of 40 features takes 0.87 s this way against 1.30 s (`bench/validation_scan.py`).
+    of 40 features took 0.87 s this way against 1.86 s, warm medians
+    (`bench/results/validation_scan-20261125T210301Z.json`).
     `array_contains` is null for a null array, or for one holding a null and none of the
     values: both count as bad."""
     nan, inf = F.lit(float("nan")).cast(element), F.lit(float("inf")).cast(element)
