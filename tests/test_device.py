@@ -353,6 +353,31 @@ def test_out_of_memory_building_the_replica_on_its_gpu_is_final(monkeypatch, whe
     assert final and "out of device memory" in message
 
 
+def test_out_of_memory_building_the_async_averaging_buffer_is_final(monkeypatch):
+    """The async loop builds its own flat buffer (the second device copy of the model that
+    it pushes from): out of memory there is as final as in the sync loop."""
+    from types import SimpleNamespace
+
+    from sparkdl_avg import TrainConfig
+    from sparkdl_avg.averaging import flat_buffer
+    from sparkdl_avg.task import replica
+    from sparkdl_avg.task.async_loop import train_async
+
+    class Built:
+        def __init__(self, *args):
+            self.model, self.wire_dtype = torch.nn.Linear(2, 1), torch.float32
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB")
+
+    monkeypatch.setattr(replica, "Replica", Built)
+    monkeypatch.setattr(flat_buffer, "FlatBuffer", out_of_memory)
+    with pytest.raises(ClusterError, match="could not build its averaging buffer on cuda:0: "
+                                           "out of device memory"):
+        train_async(SimpleNamespace(schedule=SimpleNamespace(total_steps=1)),
+                    TrainConfig(mode="async"), 0, None, torch.device("cuda:0"))
+
+
 def test_a_task_leaves_no_reference_cycle_or_cuda_cache_behind(monkeypatch):
     """Spark reuses the worker: what a task cached would outlive it."""
     import gc

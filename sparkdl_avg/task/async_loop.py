@@ -41,11 +41,13 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
                 device) -> list[str]:
     """Train to the end; returns the replica's warnings for the task's report."""
     from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
+    from sparkdl_avg.task.device import final_on_device_errors
     from sparkdl_avg.task.replica import Replica
 
     total = spec.schedule.total_steps
     replica = Replica(spec, config, rank, data, device)
-    flat = FlatBuffer(averaged_tensors(replica.model), replica.wire_dtype)
+    with final_on_device_errors("build its averaging buffer on", str(device)):
+        flat = FlatBuffer(averaged_tensors(replica.model), replica.wire_dtype)
     link = ServerLink(spec, config, rank, flat)
     evaluates = sum(spec.eval_rows) > 0  # every worker answers, with rows or without
     try:
