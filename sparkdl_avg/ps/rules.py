@@ -1,11 +1,13 @@
 """Update rules of the asynchronous parameter server, in a registry (no sockets, no Spark).
 
 A worker pushes `update` = the sum of its local optimizer steps since its last push
-(w_at_last_push - w_now, so the server applies w <- w - update). Every push is first scaled
-by `update_scale` (1/num_workers in a fit's own server). The rules:
+(w_at_last_push - w_now, so the server applies w <- w - update). Each rule scales what it
+applies by `update_scale` (1/num_workers in a fit's own server) itself: it receives the
+update as the worker sent it, since DC-ASGD also needs the unscaled update (the step the
+worker itself took). The rules:
 
-- downpour (DistBelief): w <- w - update.
-- dcasgd (Zheng et al., ICML 2017): with g = update / lr the worker's gradient,
+- downpour (DistBelief): w <- w - update_scale * update.
+- dcasgd (Zheng et al., ICML 2017): with g = update_scale * update / lr the worker's gradient,
   w <- w - lr * (g + lambda * g*g*(w - w_backup[m])), where w_backup[m] is the point worker
   m computed its update from. One backup *per worker*: MXNet's single shared copy is a known
   error. A pull sets it to the parameters pulled; each push then moves it by the worker's own
@@ -17,7 +19,8 @@ by `update_scale` (1/num_workers in a fit's own server). The rules:
   meansquare <- m * meansquare + (1 - m) * g*g updated before it is used.
 
 A new rule is one class here, decorated with `@register`: its name, its defaults and its
-`_step`. Everything else (TrainConfig's check, the command line's choices) reads `RULES`.
+`_step`, which must apply `update_scale` itself. Everything else (TrainConfig's check, the
+command line's choices) reads `RULES`.
 """
 
 from __future__ import annotations
