@@ -62,7 +62,8 @@ class FitResult:
         features column on the executors (batched through Arrow, on the task's GPU when it
         has one): the class index for a classifier, else the value (array<double> for several
         outputs). `batch_size`: rows per forward call; None: the fit's eval_batch_size. A
-        null, NaN or infinite feature fails the query with a DataError."""
+        null, NaN or infinite feature fails the query: the executors raise a DataError, which
+        reaches the driver inside Spark's PythonException."""
         return self._udf(device, batch_size, "the features column given to predict_udf")
 
     def _udf(self, device: str, batch_size: int | None, features: str):
@@ -75,7 +76,8 @@ class FitResult:
                   batch_size: int | None = None):
         """`df` with the model's prediction added as `output_col`. Features are read as in
         `fit` (an array or vector column, or a list of numeric columns); a null, NaN or
-        infinite feature fails the query with a DataError naming the column."""
+        infinite feature fails the query with a DataError naming the column, raised on the
+        executors (the driver gets Spark's PythonException carrying it)."""
         if not isinstance(output_col, str) or not output_col:
             raise ConfigError(f"output_col must be a column name, got {output_col!r}")
         if output_col in getattr(df, "columns", []):
