@@ -14,6 +14,9 @@ from sparkdl_avg.net.frames import Kind
 M = TypeVar("M", bound="Message")
 MAX_WORKERS = 4096
 MAX_FINISHED_WAIT_S = 60.0
+MAX_ERROR_CHARS = 2000
+"""The longest error text a message carries (a server's checkpoint error, a task's CPU
+fallback); the sender cuts a longer one, the receiver refuses it."""
 
 
 @dataclass(frozen=True, slots=True)

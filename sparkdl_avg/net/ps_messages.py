@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 from sparkdl_avg.net import fields
 from sparkdl_avg.net.frames import Kind
-from sparkdl_avg.net.message_base import MAX_FINISHED_WAIT_S, MAX_WORKERS, Message
-
-MAX_ERROR_CHARS = 2000
-"""The longest error a message carries (the server cuts a longer one)."""
+from sparkdl_avg.net.message_base import (
+    MAX_ERROR_CHARS,
+    MAX_FINISHED_WAIT_S,
+    MAX_WORKERS,
+    Message,
+)
 
 
 @dataclass(frozen=True, slots=True)

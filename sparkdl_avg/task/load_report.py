@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from sparkdl_avg.net.message_base import Message
+from sparkdl_avg.net.message_base import MAX_ERROR_CHARS, Message
 
 REPORT_EVERY_S = 2.0
 _TIMEOUT_S = 5.0
@@ -31,7 +31,7 @@ class LoadReport(Message):
     def check(self) -> None:
         if not 0 <= self.rows <= self.of or self.rank < 0:
             raise self.invalid(f"rank {self.rank}, {self.rows} rows of {self.of}")
-        if self.cpu_fallback is not None and len(self.cpu_fallback) > 2000:
+        if self.cpu_fallback is not None and len(self.cpu_fallback) > MAX_ERROR_CHARS:
             raise self.invalid(f"a cpu_fallback of {len(self.cpu_fallback)} characters")
 
 
@@ -39,7 +39,7 @@ class LoadReporter:
     def __init__(self, address: tuple[str, int] | None, secret: bytes, rank: int,
                  of: int, cpu_fallback: str | None = None) -> None:
         self.address, self.secret, self.rank, self.of = address, secret, rank, of
-        self.cpu_fallback = cpu_fallback[:2000] if cpu_fallback else None
+        self.cpu_fallback = cpu_fallback[:MAX_ERROR_CHARS] if cpu_fallback else None
         self._last, self._failures = 0.0, 0
 
     def __call__(self, rows: int, done: bool = False) -> None:
