@@ -372,8 +372,8 @@ def test_out_of_memory_building_the_async_averaging_buffer_is_final(monkeypatch)
 
     monkeypatch.setattr(replica, "Replica", Built)
     monkeypatch.setattr(flat_buffer, "FlatBuffer", out_of_memory)
-    with pytest.raises(ClusterError, match="could not build its averaging buffer on cuda:0: "
-                                           "out of device memory"):
+    with pytest.raises(ClusterError, match="could not build its replica on cuda:0: out of "
+                                           "device memory"):
         train_async(SimpleNamespace(schedule=SimpleNamespace(total_steps=1)),
                     TrainConfig(mode="async"), 0, None, torch.device("cuda:0"))
 

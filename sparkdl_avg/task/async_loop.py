@@ -45,8 +45,8 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
     from sparkdl_avg.task.replica import Replica
 
     total = spec.schedule.total_steps
-    replica = Replica(spec, config, rank, data, device)
-    with final_on_device_errors("build its averaging buffer on", str(device)):
+    with final_on_device_errors("build its replica on", str(device)):  # as the sync loop
+        replica = Replica(spec, config, rank, data, device)
         flat = FlatBuffer(averaged_tensors(replica.model), replica.wire_dtype)
     link = ServerLink(spec, config, rank, flat)
     evaluates = sum(spec.eval_rows) > 0  # every worker answers, with rows or without
