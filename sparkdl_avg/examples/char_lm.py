@@ -58,7 +58,8 @@ def windows(texts, seq_len: int, *, keep_tails: bool = False, max_bytes: int | N
     `texts` (columns path, text). Consecutive windows overlap by one byte, so every byte but
     a text's first is a label once. `keep_tails`: also each text's last, shorter window (at
     least one label): ragged rows. `max_bytes`: the first windows in (path, offset) order
-    that hold about that many bytes, for small runs."""
+    whose labels reach that many bytes, for small runs."""
+    from pyspark.sql import Window
     from pyspark.sql import functions as sf
 
     t = seq_len
@@ -70,8 +71,12 @@ def windows(texts, seq_len: int, *, keep_tails: bool = False, max_bytes: int | N
                    .alias("hex")))
     if not keep_tails:
         cut = cut.where(sf.length("hex") == 2 * (t + 1))
-    if max_bytes is not None:
-        cut = cut.orderBy("path", "k").limit(max(1, max_bytes // t))
+    if max_bytes is not None:  # a running total in one partition: for small runs only
+        before = sf.sum(sf.length("hex") / 2 - 1).over(Window.orderBy("path", "k")
+                                                         .rowsBetween(Window.unboundedPreceding,
+                                                                      -1))
+        cut = cut.withColumn("before", before).where(
+            sf.coalesce("before", sf.lit(0)) < max_bytes).drop("before")
     # each byte: two hex digits -> conv base 16 -> 10 -> int; Spark evaluates it, no UDF
     ids = sf.expr("transform(sequence(0, length(hex) DIV 2 - 1), "
                   "i -> CAST(conv(substring(hex, 2 * i + 1, 2), 16, 10) AS INT))")
