@@ -63,7 +63,8 @@ def main(argv: list[str]) -> int:
     try:
         texts = char_lm.read_files(spark, args.text_dir or char_lm.stdlib_text_dirs(),
                                    args.glob or (None if args.text_dir else "*.py"))
-        train_df, eval_df = char_lm.windows(texts, args.seq_len, max_bytes=args.max_bytes)
+        train_df, eval_df = (df.cache() for df in  # read by several jobs: cut once
+                             char_lm.windows(texts, args.seq_len, max_bytes=args.max_bytes))
         unigram = char_lm.unigram_bits_per_byte(train_df)
         model_fn = char_lm.transformer(args.d_model, args.heads, args.layers, args.seq_len,
                                        args.seed)

@@ -57,9 +57,9 @@ def windows(texts, seq_len: int, *, keep_tails: bool = False, max_bytes: int | N
     """(train_df, eval_df) of `input_ids` and `labels` (array<int>, seq_len each) cut from
     `texts` (columns path, text). Consecutive windows overlap by one byte, so every byte but
     a text's first is a label once. `keep_tails`: also each text's last, shorter window (at
-    least one label): ragged rows. `max_bytes`: the first windows in (path, offset) order
-    whose labels reach that many bytes, for small runs."""
-    from pyspark.sql import Window
+    least one label): ragged rows. `max_bytes`: about that many bytes of windows, drawn by
+    a hash of (path, window) from all the texts (one small job sums their sizes), for small
+    runs."""
     from pyspark.sql import functions as sf
 
     t = seq_len
@@ -71,12 +71,10 @@ def windows(texts, seq_len: int, *, keep_tails: bool = False, max_bytes: int | N
                    .alias("hex")))
     if not keep_tails:
         cut = cut.where(sf.length("hex") == 2 * (t + 1))
-    if max_bytes is not None:  # a running total in one partition: for small runs only
-        before = sf.sum(sf.length("hex") / 2 - 1).over(Window.orderBy("path", "k")
-                                                         .rowsBetween(Window.unboundedPreceding,
-                                                                      -1))
-        cut = cut.withColumn("before", before).where(
-            sf.coalesce("before", sf.lit(0)) < max_bytes).drop("before")
+    if max_bytes is not None:  # a sample of the windows, spread over all the texts
+        total = texts.select(sf.sum(sf.octet_length(data))).first()[0] or 1
+        keep = sf.pmod(sf.xxhash64("path", "k", sf.lit("sample")), sf.lit(1 << 20))
+        cut = cut.where(keep < min(1.0, max_bytes / total) * (1 << 20))
     # each byte: two hex digits -> conv base 16 -> 10 -> int; Spark evaluates it, no UDF
     ids = sf.expr("transform(sequence(0, length(hex) DIV 2 - 1), "
                   "i -> CAST(conv(substring(hex, 2 * i + 1, 2), 16, 10) AS INT))")
