@@ -143,11 +143,11 @@ def fit_run(data, tokens: int, seq_len: int, batch: int, epochs: int) -> dict:
     result = fit(data[0], char_lm.transformer(D_MODEL, HEADS, LAYERS, seq_len, SEED), config,
                  inputs={"input_ids": "input_ids"}, label_col="labels", eval_df=data[1])
     wall = time.perf_counter() - t0
-    last = result.history[-1]
+    padding = [w["pad_fraction"] or 0.0 for w in result.workers]  # None: nothing ragged
     return {"tokens_per_s": tokens * epochs / result.timings["train_s"],
             "wall_tokens_per_s": tokens * epochs / wall, "train_s": result.timings["train_s"],
-            "wall_s": wall, "pad_fraction": last.get("pad_fraction"),
-            "bits_per_byte": last["eval_loss"] / math.log(2)}
+            "wall_s": wall, "pad_fraction": sum(padding) / len(padding),
+            "bits_per_byte": result.history[-1]["eval_loss"] / math.log(2)}
 
 
 def our_side(seq_len: int, max_bytes: int, batch: int, epochs: int, repeats: int) -> dict:

@@ -80,7 +80,8 @@ def _check_the_pruning(study) -> None:
 def _check_the_recommender(ns: dict) -> None:
     """The recommender notebook's claims: MLflow's pyfunc, fed a pandas DataFrame, rates as
     `transform` does; the weighted fit finds the known structure (held-out RMSE far below
-    predicting the mean, about 1.6); the run records the binding and the weights."""
+    predicting the mean, about 1.6) and beats the same fit without the weights; the run
+    records the weight column."""
     import mlflow
     import numpy as np
 
@@ -88,6 +89,7 @@ def _check_the_recommender(ns: dict) -> None:
     np.testing.assert_allclose(ns["from_mlflow"], ns["from_spark"], rtol=0, atol=1e-5)
     rmse = ns["result"].history[-1]["eval_loss"] ** 0.5
     assert rmse < 0.5 < ns["baseline"], (rmse, ns["baseline"])
+    assert rmse < 0.7 * ns["unweighted"].history[-1]["eval_loss"] ** 0.5
     params = mlflow.get_run(ns["result"].run_id).data.params
     assert params["weight_col"] == "weight"
 
