@@ -22,7 +22,11 @@ steps. Each of our sessions is a fresh process with a fresh local[2] session wit
 first fit of each kind is cold (its first fit also starts Spark's Python workers), the rest
 warm. Plain torch: `--repeats` runs of each kind in one fresh process. Medians.
 
+Last, `job_defaults`: one fit as `python jobs/train_char_lm.py` runs it (all the text, 3
+epochs), in a fresh session: its held-out bits per byte, the unigram baseline, tokens/s.
+
     python bench/char_lm.py [--sessions 2] [--repeats 3] [--max-bytes 200000] [--epochs 1]
+        [--job-epochs 3]
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from _common import in_fresh_process, local_session, median, report  # noqa: E40
 D_MODEL, HEADS, LAYERS, LR, SEED = 128, 4, 2, 3e-3, 0
 
 
-def make_data(spark, seq_len: int, max_bytes: int, ragged: bool):
+def make_data(spark, seq_len: int, max_bytes: int | None, ragged: bool):
     from sparkdl_avg.examples import char_lm
 
     dirs = char_lm.stdlib_text_dirs()
@@ -168,6 +172,23 @@ def our_side(seq_len: int, max_bytes: int, batch: int, epochs: int, repeats: int
         spark.stop()
 
 
+def job_defaults(seq_len: int, batch: int, epochs: int) -> dict:
+    """One fit as `python jobs/train_char_lm.py` runs it (all the text, its epochs, its
+    model), in a fresh session: the job's figures for the README."""
+    from sparkdl_avg import SPARK_CONF
+    from sparkdl_avg.examples import char_lm
+
+    spark = local_session(2, **SPARK_CONF)
+    try:
+        data = make_data(spark, seq_len, None, ragged=False)
+        tokens = int(data[0].selectExpr("sum(size(labels))").first()[0])
+        run = fit_run(data, tokens, seq_len, batch, epochs)
+        return {**run, "epochs": epochs, "tokens_per_epoch": tokens,
+                "unigram_bits_per_byte": char_lm.unigram_bits_per_byte(data[0])}
+    finally:
+        spark.stop()
+
+
 def medians(runs: list) -> dict:
     keys = [k for k in runs[0] if all(r[k] is not None for r in runs)]
     return {k: median([r[k] for r in runs]) for k in keys} | {"runs": len(runs)}
@@ -205,7 +226,9 @@ def main() -> None:
     parser.add_argument("--torch-batch", type=int, nargs="*", help="plain torch's other "
                         "batch sizes (default: the global batch, 2 x --batch-size)")
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--side", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--job-epochs", type=int, default=3,
+                        help="one more fit as the job runs it, all the text (0: none)")
+    parser.add_argument("--side", choices=["ours", "torch", "job"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [args.batch_size, *(args.torch_batch if args.torch_batch is not None
@@ -213,6 +236,9 @@ def main() -> None:
     if args.side == "ours":
         print(json.dumps(our_side(args.seq_len, args.max_bytes, args.batch_size, args.epochs,
                                   args.repeats)))
+        return
+    if args.side == "job":
+        print(json.dumps(job_defaults(args.seq_len, args.batch_size, args.job_epochs)))
         return
     if args.side == "torch":
         print(json.dumps(torch_side(args.folder, args.seq_len, batches, args.epochs,
@@ -240,12 +266,15 @@ def main() -> None:
                 sessions.append(out)
             else:
                 torch_runs = out
+    job = in_fresh_process(__file__, "--side", "job", "--job-epochs", str(args.job_epochs),
+                           *common, env=env) if args.job_epochs else None
     report("char_lm", {
         "seq_len": args.seq_len, "max_bytes": args.max_bytes, "batch_size": args.batch_size,
         "epochs": args.epochs, "sessions": args.sessions, "repeats": args.repeats,
         "model": {"d_model": D_MODEL, "heads": HEADS, "layers": LAYERS, "lr": LR},
         "tokens_per_epoch": tokens,
         "summary": summary(sessions, torch_runs),
+        "job_defaults": job,
         "runs": {"ours": sessions, "plain_torch": torch_runs},
     })
 
