@@ -16,11 +16,12 @@ data job and shuffle, the MLflow run; the model is not logged).
 Plain torch takes minibatches of `--batch-size` windows (each of our workers' minibatch) from
 one shuffled copy of all the windows in numpy, Adam with the same lr, no averaging, no Spark,
 no MLflow; `--torch-batch` adds its run at another batch size (the global batch, 2x, by
-default). Ours: 2 tasks, each with its half of the rows and one thread, averaging every 8
+default). Plain torch's first run in its process (fixed windows) is its cold run, the
+others warm. Ours: 2 tasks, each with its half of the rows and one thread, averaging every 8
 steps. Each of our sessions is a fresh process with a fresh local[2] session with
 `SPARK_CONF`, running fixed and ragged fits alternately, `--repeats` of each: a session's
-first fit of each kind is cold (its first fit also starts Spark's Python workers), the rest
-warm. Plain torch: `--repeats` runs of each kind in one fresh process. Medians.
+first fit (fixed windows) is cold (it also starts Spark's Python workers), the rest warm.
+Plain torch: `--repeats` runs of each kind in one fresh process. Medians.
 
 Last, `job_defaults`: one fit as `python jobs/train_char_lm.py` runs it (all the text, 3
 epochs), in a fresh session: its held-out bits per byte, the unigram baseline, tokens/s.
@@ -131,9 +132,13 @@ def torch_side(folder: str, seq_len: int, batches: list, epochs: int, repeats: i
     import torch
 
     torch.set_num_threads(2)  # the two cores our two tasks use
-    return {f"{kind}_batch_{b}": [torch_run(folder, kind, seq_len, b, epochs)
-                                  for _ in range(repeats)]
-            for b in batches for kind in ("fixed", "ragged")}
+    runs = {"cold": [torch_run(folder, "fixed", seq_len, batches[0], epochs)]}  # first in
+    for _ in range(repeats):  # the process: torch's first calls; the rest are warm
+        for b in batches:
+            for kind in ("fixed", "ragged"):
+                runs.setdefault(f"{kind}_batch_{b}", []).append(
+                    torch_run(folder, kind, seq_len, b, epochs))
+    return runs
 
 
 def fit_run(data, tokens: int, seq_len: int, batch: int, epochs: int) -> dict:
@@ -164,7 +169,7 @@ def our_side(seq_len: int, max_bytes: int, batch: int, epochs: int, repeats: int
         tokens = {kind: int(d[0].selectExpr("sum(size(labels))").first()[0])
                   for kind, d in data.items()}
         runs: dict[str, list] = {"fixed": [], "ragged": []}
-        for i in range(repeats):
+        for i in range(repeats):  # the first fit (cold) is a fixed one, then they alternate
             for kind in ("fixed", "ragged") if i % 2 == 0 else ("ragged", "fixed"):
                 runs[kind].append(fit_run(data[kind], tokens[kind], seq_len, batch, epochs))
         return runs
@@ -194,25 +199,30 @@ def medians(runs: list) -> dict:
     return {k: median([r[k] for r in runs]) for k in keys} | {"runs": len(runs)}
 
 
-def summary(sessions: list, torch_runs: dict) -> dict:
-    """Ours: medians of the cold fits (each session's first of a kind) and the warm ones;
-    plain torch: medians of its runs; the ratios of ours to plain torch, fixed and ragged."""
-    out: dict = {"ours": {}, "plain_torch": {k: medians(v) for k, v in torch_runs.items()}}
+def summary(sessions: list, torch_runs: dict, batch: int) -> dict:
+    """Ours: medians of the cold fits (each session's first, fixed windows) and, per kind,
+    of the warm ones (the rest);
+    plain torch: its process's first run (cold, fixed windows) and the medians of the rest
+    (warm); the ratios of ours to plain torch at the same batch, and of ragged to fixed."""
+    torch_warm = {k: medians(v) for k, v in torch_runs.items() if k != "cold"}
+    out: dict = {"ours": {}, "plain_torch": {"cold_fixed": torch_runs["cold"][0], **torch_warm}}
+    out["ours"]["cold_fixed"] = medians([s["fixed"][0] for s in sessions])  # first fits
     for kind in ("fixed", "ragged"):
-        cold = [s[kind][0] for s in sessions]
-        warm = [r for s in sessions for r in s[kind][1:]]
-        out["ours"][kind] = {"cold": medians(cold), "warm": medians(warm) if warm else None}
-    first_batch = next(iter(torch_runs)).rsplit("_", 1)[1]
+        warm = [r for s in sessions for r in s[kind][kind == "fixed":]]
+        out["ours"][kind] = medians(warm) if warm else None
+
+    def tps(d):
+        return d["tokens_per_s"] if d else math.nan
+
+    ours, torch_side = out["ours"], out["plain_torch"]
     out["ratio_ours_to_plain_torch"] = {
-        f"{kind}_{when}": (out["ours"][kind][when] or {}).get("tokens_per_s", math.nan)
-        / out["plain_torch"][f"{kind}_batch_{first_batch}"]["tokens_per_s"]
-        for kind in ("fixed", "ragged") for when in ("cold", "warm")}
+        "fixed_cold": tps(ours["cold_fixed"]) / tps(torch_side["cold_fixed"]),
+        **{f"{kind}_warm": tps(ours[kind]) / tps(torch_side[f"{kind}_batch_{batch}"])
+           for kind in ("fixed", "ragged")}}
     out["ratio_ragged_to_fixed"] = {
-        side: runs["ragged"]["tokens_per_s"] / runs["fixed"]["tokens_per_s"]
-        for side, runs in (("ours_warm", {k: out["ours"][k]["warm"] or out["ours"][k]["cold"]
-                                          for k in ("fixed", "ragged")}),
-                           ("plain_torch", {k: out["plain_torch"][f"{k}_batch_{first_batch}"]
-                                            for k in ("fixed", "ragged")}))}
+        "ours_warm": tps(ours["ragged"]) / tps(ours["fixed"]),
+        "plain_torch": tps(torch_side[f"ragged_batch_{batch}"])
+        / tps(torch_side[f"fixed_batch_{batch}"])}
     return out
 
 
@@ -273,7 +283,7 @@ def main() -> None:
         "epochs": args.epochs, "sessions": args.sessions, "repeats": args.repeats,
         "model": {"d_model": D_MODEL, "heads": HEADS, "layers": LAYERS, "lr": LR},
         "tokens_per_epoch": tokens,
-        "summary": summary(sessions, torch_runs),
+        "summary": summary(sessions, torch_runs, args.batch_size),
         "job_defaults": job,
         "runs": {"ours": sessions, "plain_torch": torch_runs},
     })
