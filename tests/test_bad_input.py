@@ -105,7 +105,7 @@ def test_the_bad_feature_check_agrees_with_numpy(spark, element):
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    from sparkdl_avg.data.prepare import bad_features
+    from sparkdl_avg.data.validate import bad_features
 
     nan, inf = float("nan"), float("inf")
     rows = [[1.0, 2.0], [nan, 1.0], [1.0, inf], [-inf, 0.0], [None, 1.0], None, [],

@@ -73,8 +73,9 @@ class OptimizerSteps:
                 self.scheduler.step()
 
     def run(self, step: int, next_batch, forward_loss) -> tuple[object, int, float]:
-        """Optimizer step `step`: its micro-batches from `next_batch()`, each one's loss from
-        `forward_loss(x, y)`. Returns (summed loss x rows as a device tensor, rows, lr)."""
+        """Optimizer step `step`: its micro-batches (`schema.Batch`) from `next_batch()`, each
+        one's loss from `forward_loss(batch)`. Returns (summed loss x rows as a device tensor,
+        rows, lr)."""
         import torch
 
         optimizer = self.optimizer
@@ -88,17 +89,17 @@ class OptimizerSteps:
         micro = self.schedule.micro_batches(step)
         loss_sum, rows = None, 0
         for _ in range(micro):
-            x, y = next_batch()
+            batch = next_batch()
             with self._autocast():
-                loss = forward_loss(x, y)
+                loss = forward_loss(batch)
             # one micro-batch: its mean loss's gradient (as always); several: each weighted
             # by its rows over batch_size (kept near 1 for fp16's range), the sum divided by
             # the step's rows over batch_size below: averaged by sample count
-            scaled = loss if micro == 1 else loss * (x.shape[0] / self.config.batch_size)
+            scaled = loss if micro == 1 else loss * (batch.rows / self.config.batch_size)
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            part = loss.detach().double() * x.shape[0]
+            part = loss.detach().double() * batch.rows
             loss_sum = part if loss_sum is None else loss_sum + part
-            rows += x.shape[0]
+            rows += batch.rows
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         if micro > 1:
