@@ -175,16 +175,35 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
     try:
         with torch.no_grad():
             out = schema.call(model, batch.inputs)
+    except IndexError as exc:
+        if "out of range" not in str(exc):
+            raise _forward_failed(schema, batch, exc) from exc
+        raise index_error(schema, batch.inputs, exc) from exc
     except Exception as exc:
-        shapes = ", ".join(f"{f.name}: {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
-                           for f, x in zip(schema.inputs, batch.inputs, strict=True))
-        per_row = f"; {schema.inputs[0].shape[0]} features per row" \
-            if len(schema.inputs) == 1 and len(schema.inputs[0].shape) == 1 else ""
-        raise ModelError(f"the model's forward failed on a probe batch of the data's shapes "
-                         f"({shapes}{per_row}): {exc!r}") from exc
+        raise _forward_failed(schema, batch, exc) from exc
     finally:
         model.train(was_training)
     check_outputs(objective, out, batch.labels, [f.described for f in schema.labels])
+
+
+def _forward_failed(schema, batch, exc: BaseException) -> ModelError:
+    shapes = ", ".join(f"{f.name}: {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+                       for f, x in zip(schema.inputs, batch.inputs, strict=True))
+    per_row = f"; {schema.inputs[0].shape[0]} features per row" \
+        if len(schema.inputs) == 1 and len(schema.inputs[0].shape) == 1 else ""
+    return ModelError(f"the model's forward failed on a probe batch of the data's "
+                      f"shapes ({shapes}{per_row}): {exc!r}")
+
+
+def index_error(schema, inputs, exc: BaseException) -> ModelError:
+    """A ModelError for an index out of range in the model (an nn.Embedding given an id
+    beyond its table), naming each integer input and the largest id it held."""
+    seen = [f"{f.described} up to {int(x.max())}" for f, x in zip(schema.inputs, inputs,
+                                                                     strict=True)
+            if f.kind == "int" and x.numel()]
+    return ModelError(f"the model indexed out of range ({exc}): the batch held ids "
+                      f"{'; '.join(seen) or 'in no integer input'}. Size each nn.Embedding "
+                      "for the largest id its column holds (num_embeddings = largest + 1)")
 
 
 def _check_keywords(model: torch.nn.Module, schema) -> None:

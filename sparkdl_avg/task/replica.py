@@ -159,21 +159,10 @@ class Replica:
         except IndexError as exc:
             if "out of range" not in str(exc):
                 raise
-            raise index_error(self.schema, batch, exc) from exc
+            from sparkdl_avg._model import index_error
+
+            raise index_error(self.schema, batch.inputs, exc) from exc
 
     def evaluate(self) -> dict:
         return evaluate_batches(self.model, self.data.eval.chunks(self._eval_rows),
                                 self.objective, self.schema.call)
-
-
-def index_error(schema, batch, exc: BaseException):
-    """A ModelError for an index out of range in the model (an nn.Embedding given an id
-    beyond its table), naming each integer input and the largest id it held in the batch."""
-    from sparkdl_avg._errors import ModelError
-
-    seen = [f"{f.described} up to {int(x.max())}" for f, x in zip(schema.inputs, batch.inputs,
-                                                                     strict=True)
-            if f.kind == "int" and x.numel()]
-    return ModelError(f"the model indexed out of range ({exc}): the batch held ids "
-                      f"{'; '.join(seen) or 'in no integer input'}. Size each nn.Embedding "
-                      "for the largest id its column holds (num_embeddings = largest + 1)")
