@@ -8,14 +8,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from pyspark.sql import types as T
 
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._model import LossFn
 from sparkdl_avg._scoring import make_predict_udf
 from sparkdl_avg._version import __version__
-from sparkdl_avg.data.prepare import features_column
 from sparkdl_avg.driver.asynchronous import train_async
 from sparkdl_avg.driver.checkpoints import open_source
 from sparkdl_avg.driver.plan import FitPlan, Resume, TrainOutcome, make_plan
@@ -85,7 +83,14 @@ class FitResult:
                             "output_col")
         double = next(self.model.parameters()).dtype == torch.float64
         name = self.features_col if features_col is None else features_col
-        features = features_column(df, name, "df", T.DoubleType() if double else T.FloatType())
+        from sparkdl_avg.data.describe import input_columns
+        from sparkdl_avg.data.schema import DataSchema, FieldSpec
+
+        x = FieldSpec("input", "features", name if isinstance(name, str) else tuple(name),
+                      "_x0", "float64" if double else "float32", (self.num_features,))
+        schema = DataSchema((x,), "single", (), False,
+                            float_dtype="float64" if double else "float32")
+        features = input_columns(df, schema)[0]
         described = f"features column {name!r}" if isinstance(name, str) else \
             f"features columns {list(name)!r}"
         return df.withColumn(output_col, self._udf(device, batch_size, described)(features))

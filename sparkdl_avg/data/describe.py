@@ -203,3 +203,13 @@ def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str
         name = "float64" if isinstance(float_type, T.DoubleType) else "float32"
         return vector_to_array(col, dtype=name).alias(source.wire)
     return col.cast(carried_type(source, float_type)).alias(source.wire)
+
+
+def input_columns(df: DataFrame, schema, frame_name: str = "df") -> list[Column]:
+    """The schema's inputs read from `df` (a DataFrame to score) as the fit carried them, each
+    named by its wire. DataError for a column that is missing or of another kind than the
+    fit's."""
+    float_type = T.DoubleType() if schema.float_dtype == "float64" else T.FloatType()
+    return [carry(df, Source(f.role, f.name, f.column, f.wire, f.kind,
+                             f.dtype if f.kind == "int" else None, len(f.shape), f.source),
+                  float_type, frame_name) for f in schema.inputs]
