@@ -56,7 +56,8 @@ class Replica:
         import cloudpickle
         import torch
 
-        from sparkdl_avg._model import make_loss, model_dtype
+        from sparkdl_avg._losses import make_objective
+        from sparkdl_avg._model import model_dtype
         from sparkdl_avg.averaging.flat_buffer import wire_dtype
         from sparkdl_avg.task.device import final_on_device_errors
 
@@ -79,7 +80,8 @@ class Replica:
         self.wire_dtype = wire_dtype(self.dtype)
         if device.type == "cuda":
             _check_device_memory(self.model, config, row_bytes, device)
-        self.loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
+        self.objective = make_objective(cloudpickle.loads(spec.loss))
+        self.loss_fn = self.objective.unweighted
         self.optimizer = self.steps = None
         self.config, self.schedule, self.classify = config, spec.schedule, spec.classify
         self.rank, self.device = rank, device
@@ -140,5 +142,10 @@ class Replica:
         return x, y.to(self.device) if self.long_labels else y.to(self.device, self.dtype)
 
     def evaluate(self) -> dict:
-        chunks = (self._typed(x, y) for x, y in self.data.eval.chunks(self._eval_rows))
-        return evaluate_batches(self.model, chunks, self.loss_fn, self.classify)
+        from types import SimpleNamespace
+
+        chunks = (SimpleNamespace(inputs=(x,), labels=(y,), weights=None, rows=x.shape[0])
+                  for x, y in (self._typed(*chunk)
+                               for chunk in self.data.eval.chunks(self._eval_rows)))
+        return evaluate_batches(self.model, chunks, self.objective,
+                                lambda model, inputs: model(*inputs))
