@@ -11,7 +11,7 @@ import torch
 
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import ConfigError, DataError
-from sparkdl_avg._model import LossFn
+from sparkdl_avg._losses import LossFn
 from sparkdl_avg._scoring import make_predict_udf
 from sparkdl_avg._version import __version__
 from sparkdl_avg.driver.asynchronous import train_async

@@ -20,8 +20,6 @@ from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import ConfigError, ModelError
 from sparkdl_avg.averaging.flat_buffer import averaged_tensors
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 def build_model(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     if not callable(model_fn):
@@ -137,27 +135,6 @@ def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
                                 fused=True)
     except (RuntimeError, TypeError, ValueError):
         return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
-
-
-def make_loss(loss: str | LossFn) -> tuple[LossFn, bool]:
-    """The loss function and whether it is a classification loss (accuracy is reported)."""
-    if callable(loss):
-        return loss, False
-    if loss == "cross_entropy":
-        return _cross_entropy, True
-    if loss == "mse":
-        return _mse, False
-    raise ConfigError(f"loss={loss!r} is not supported; use 'cross_entropy', 'mse' or a callable")
-
-
-def _cross_entropy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(outputs, labels)
-
-
-def _mse(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    if outputs.dim() == labels.dim() + 1 and outputs.shape[-1] == 1:
-        outputs = outputs.squeeze(-1)
-    return torch.nn.functional.mse_loss(outputs, labels)
 
 
 def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: torch.dtype,

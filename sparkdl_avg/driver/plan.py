@@ -14,7 +14,7 @@ import torch
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._controls import check_early_stopping, check_warmup
 from sparkdl_avg._errors import ConfigError, DataError
-from sparkdl_avg._losses import Objective, loss_names, make_objective
+from sparkdl_avg._losses import Objective, make_objective
 from sparkdl_avg._model import (
     build_model,
     check_model_takes_data,
@@ -117,7 +117,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     data = prepare(train_df, eval_df, features_col=features_col, inputs=inputs,
                    label_col=label_col, weight_col=weight_col, num_workers=config.num_workers,
                    double_precision=dtype == torch.float64,
-                   class_labels=[name == "cross_entropy" for name in loss_names(objective)])
+                   class_labels=[loss == "cross_entropy" for loss in objective.losses])
     check_model_takes_data(model, data.schema, objective, dtype=dtype, ranges=data.ranges,
                            longest=data.longest)
     smallest = min(data.train_sizes)
