@@ -40,9 +40,7 @@ class Shape:
     @property
     def mean_row_bytes(self) -> float:
         """A row's bytes as carried, a ragged field's by its mean."""
-        return self.schema.fixed_row_bytes() + sum(
-            self.ragged_values[f.wire] * np.dtype(f.dtype).itemsize
-            for f in self.schema.fields if f.ragged)
+        return float(self.schema.row_bytes(self.ragged_values))
 
     @property
     def row_bytes(self) -> int:
