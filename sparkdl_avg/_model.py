@@ -57,7 +57,7 @@ def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
     """The modules a callable comes from: its own, its class's and their base classes', for
     a function those of the classes and functions it names from its module, for a
     `functools.partial` those of the function and of its arguments, for a dataclass those
-    of its callables (a few levels deep)."""
+    of its callables, alone or in a tuple or list (a few levels deep)."""
     found = set()
     classes = [value] if isinstance(value, type) else []
     classes.append(type(value))
@@ -75,10 +75,12 @@ def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
     if isinstance(value, functools.partial) and depth < 3:
         for part in (value.func, *value.args, *value.keywords.values()):
             found |= _modules_of(part, depth + 1)
-    if dataclasses.is_dataclass(value) and depth < 3:  # a TrainConfig's optimizer factory
-        for f in dataclasses.fields(value):
-            if callable(getattr(value, f.name)):
-                found |= _modules_of(getattr(value, f.name), depth + 1)
+    if dataclasses.is_dataclass(value) and depth < 3:  # a TrainConfig's optimizer factory,
+        for f in dataclasses.fields(value):               # an objective's loss callables
+            held = getattr(value, f.name)
+            for part in held if isinstance(held, (tuple, list)) else (held,):
+                if callable(part):
+                    found |= _modules_of(part, depth + 1)
     return found
 
 
