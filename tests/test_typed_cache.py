@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from sparkdl_avg._errors import DataCacheError
-from sparkdl_avg.data import disk_cache
 from sparkdl_avg.data.batches import TrainBatches
 from sparkdl_avg.data.columns import EVAL, TRAIN
 from sparkdl_avg.data.order import Cut, EpochOrder, batch_positions, make_cut

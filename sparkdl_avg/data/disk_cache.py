@@ -54,7 +54,8 @@ class Window:
         self.arrays = [np.empty((rows, *shape), dtype) for _, dtype, shape in columns.files]
         self.values = {i: np.empty((0, *f.inner), f.dtype)
                        for i, f in enumerate(columns.schema.fields) if f.ragged}
-        self.starts: dict[int, np.ndarray] = {}
+        self.starts = {i: np.zeros(rows, np.int64) for i in self.values}
+        """Where each row's values start in `values` (a ragged field's)."""
 
     def part(self, visit: np.ndarray) -> list:
         """The rows at `visit` (positions in the window), copied: per field an array, or a
