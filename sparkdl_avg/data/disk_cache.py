@@ -125,7 +125,9 @@ class DiskColumns:
         for start in range(0, self.rows, size):
             n = self.read_into([(start, min(start + size, self.rows))], window)
             batch = assemble(self.schema, [window.part(np.arange(n))])
-            yield typed(batch.to(self.device), self.schema, self.float_dtype)
+            if self.device is not None:
+                batch = batch.to(self.device)
+            yield typed(batch, self.schema, self.float_dtype)
 
     def close(self) -> None:
         for fd in (*self._fds, *self._values.values()):
