@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from sparkdl_avg._errors import DataCacheError
-from sparkdl_avg.data import disk_cache
 from sparkdl_avg.data.batches import TrainBatches
 from sparkdl_avg.data.columns import EVAL, TRAIN
 from sparkdl_avg.data.order import Cut, EpochOrder, batch_positions, make_cut
@@ -89,8 +88,9 @@ def spill(tmp_path):
         yield folder
 
 
-def _expected(globals_: np.ndarray) -> list:
-    """The rows' tensors computed row by row: ragged ones padded to the longest by hand."""
+def _expected(globals_: np.ndarray, float_dtype=torch.float32) -> list:
+    """The rows' tensors computed row by row: ragged ones padded to the longest by hand,
+    floats in the model's dtype."""
     out = []
     for i, f in enumerate(SCHEMA.fields):
         values = [_row(int(g))[i] for g in globals_]
@@ -101,14 +101,16 @@ def _expected(globals_: np.ndarray) -> list:
                 grid[r, :len(v)] = v
             out.append(torch.from_numpy(grid))
         else:
-            out.append(torch.from_numpy(np.array(values).astype(
-                {"int": np.int64, "bool": np.bool_, "float": np.float32}[f.kind])))
+            want = torch.from_numpy(np.array(values).astype(
+                {"int": np.int64, "bool": np.bool_, "float": np.float32}[f.kind]))
+            out.append(want.to(float_dtype) if f.kind == "float" else want)
     return out
 
 
-def _same(batch, globals_: np.ndarray) -> None:
-    got = [*batch.inputs, *batch.labels, batch.weights]
-    for have, want, f in zip(got, _expected(globals_), SCHEMA.fields, strict=True):
+def _same(batch, globals_: np.ndarray, float_dtype=torch.float32) -> None:
+    got = [t.cpu() for t in (*batch.inputs, *batch.labels, batch.weights)]
+    for have, want, f in zip(got, _expected(globals_, float_dtype), SCHEMA.fields,
+                             strict=True):
         assert have.dtype == want.dtype and torch.equal(have, want), f.wire
     lengths = np.array([len(_row(int(g))[0]) for g in globals_])
     longest = lengths.max(initial=0)
@@ -126,31 +128,45 @@ def _step_rows(step: int, *, batch: int, epoch_rows: int, steps: int, shuffle: b
         *batch_positions(in_epoch, batch, epoch_rows))])
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_both_caches_give_the_rows_batches_computed_by_hand(spill, shuffle):
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize(("shuffle", "dtype", "device"), [
+    (True, None, "cpu"), (False, None, "cpu"), (True, torch.bfloat16, "cpu"),
+    pytest.param(True, torch.bfloat16, "cuda", marks=NEEDS_CUDA)])
+def test_both_caches_give_the_rows_batches_computed_by_hand(spill, shuffle, dtype, device):
     """76 rows (the short partition), 6 a step, an epoch padded to the longest partition's 77
     positions, windows of 8 rows: the
     batches of 3 epochs from memory and from disk (and again from a restart mid-epoch) are
-    the rows' own values, padded per batch with 0 (inputs) and -100 (int labels)."""
-    caches = {"memory": load_partition(_batches(), _shape(), cache="memory", device=CPU),
+    the rows' own values, padded per batch with 0 (inputs) and -100 (int labels), in the
+    model's dtypes (a bfloat16 model: floats in bfloat16, integers int64), on the device
+    (CUDA: from disk through pinned copies on the side stream)."""
+    device = torch.device(device)
+    caches = {"memory": load_partition(_batches(), _shape(), cache="memory", device=device,
+                                       dtype=dtype),
               "disk": load_partition(_batches(), _shape(), cache="disk", spill=spill,
-                                     device=CPU)}
+                                     device=device, dtype=dtype)}
+    floats = dtype or torch.float32
     cut, steps = Cut(4, 2), 13
     kw = {"cut": cut, "seed": 5, "worker": RANK, "shuffle": shuffle, "batch_size": 6,
-          "steps_per_epoch": steps, "total_steps": 3 * steps, "device": CPU, "epoch_rows": 77}
+          "steps_per_epoch": steps, "total_steps": 3 * steps, "device": device,
+          "epoch_rows": 77}
     for data in caches.values():
         assert data.rows == (76, 13)
         batches = TrainBatches(data.train, **kw)
         for start in (0, 17):  # a restart mid-epoch sees what the first run saw
             batches.start(start)
             for step in range(start, 3 * steps):
-                _same(batches.next(), _step_rows(step, batch=6, epoch_rows=77, steps=steps,
-                                                 shuffle=shuffle, cut=cut) * WORKERS + RANK)
+                batch = batches.next()
+                assert batch.inputs[0].device == device
+                _same(batch, _step_rows(step, batch=6, epoch_rows=77, steps=steps,
+                                                 shuffle=shuffle, cut=cut) * WORKERS + RANK,
+                      floats)
         batches.close()
         chunks = list(data.eval.chunks(5))
         assert [c.rows for c in chunks] == [5, 5, 3]
         for k, chunk in enumerate(chunks):
-            _same(chunk, _local(EVAL)[5 * k:5 * k + 5])
+            _same(chunk, _local(EVAL)[5 * k:5 * k + 5], floats)
         data.close()
 
 

@@ -90,9 +90,9 @@ class _DeviceRagged:
         import torch
 
         offsets = torch.arange(longest, device=self.values.device)
-        keep = offsets < self.lengths[index][:, None]
-        at = torch.where(keep, self.starts[index][:, None] + offsets, 0)
-        out = self.values[at]
+        keep = offsets < self.lengths.index_select(0, index)[:, None]
+        at = torch.where(keep, self.starts.index_select(0, index)[:, None] + offsets, 0)
+        out = self.values.index_select(0, at.view(-1)).view(*at.shape, *self.values.shape[1:])
         return out.masked_fill(~keep.view(*keep.shape, *(1,) * (out.dim() - 2)), pad_value)
 
 
@@ -124,8 +124,8 @@ class MemoryColumns:
                 if field.role == "input":
                     pads, all_ = pad_counts(lengths, most)
                     padded, positions = padded + pads, positions + all_
-            else:
-                tensor = column[index]
+            else:  # not column[index]: on the CPU, advanced indexing is 100 times slower
+                tensor = column.index_select(0, index)
             tensors.append(tensor.to(field.torch_dtype(self.float_dtype)))
         return batch_of(self.schema, tensors, padded, positions)
 

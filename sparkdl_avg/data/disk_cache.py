@@ -54,7 +54,8 @@ class Window:
         self.arrays = [np.empty((rows, *shape), dtype) for _, dtype, shape in columns.files]
         self.values = {i: np.empty((0, *f.inner), f.dtype)
                        for i, f in enumerate(columns.schema.fields) if f.ragged}
-        self.starts: dict[int, np.ndarray] = {}
+        self.starts = {i: np.zeros(rows, np.int64) for i in self.values}
+        """Where each row's values start in `values` (a ragged field's)."""
 
     def part(self, visit: np.ndarray) -> list:
         """The rows at `visit` (positions in the window), copied: per field an array, or a
@@ -124,7 +125,9 @@ class DiskColumns:
         for start in range(0, self.rows, size):
             n = self.read_into([(start, min(start + size, self.rows))], window)
             batch = assemble(self.schema, [window.part(np.arange(n))])
-            yield typed(batch.to(self.device), self.schema, self.float_dtype)
+            if self.device is not None:
+                batch = batch.to(self.device)
+            yield typed(batch, self.schema, self.float_dtype)
 
     def close(self) -> None:
         for fd in (*self._fds, *self._values.values()):
