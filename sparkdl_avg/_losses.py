@@ -220,9 +220,16 @@ class Objective:
 def make_objective(loss, *, loss_weights=None, num_outputs: int = 1,
                    weighted: bool = False) -> Objective:
     """The objective of `fit(loss=, loss_weights=)` for a model of `num_outputs` outputs (one
-    per label column); `weighted`: the fit has a weight column. Refuses (ConfigError, naming
-    the argument) a name not in LOSSES, a single name for several outputs, a list of the wrong
-    length, and loss_weights that are not one finite number >= 0 per output."""
+    per label column); `weighted`: the fit has a weight column.
+
+    `loss`: a name in LOSSES, a callable, or a list of them with one per output. A callable
+    is called as `loss(output, label)`, or `loss(output, label, weights)` (the rows' weights,
+    `[B]`) when `weighted`, and returns a scalar tensor; a single callable for several outputs
+    gets the tuple of outputs and the tuple of labels (and the weights), and weighs them
+    itself. `loss_weights`: one finite number >= 0 per output, default all 1.
+
+    Refuses (ConfigError, naming the argument) a name not in LOSSES, a single name for several
+    outputs, a list of the wrong length, and bad loss_weights."""
     if isinstance(loss, (list, tuple)):
         if len(loss) != num_outputs:
             raise ConfigError(f"loss lists {len(loss)} losses for {_outputs(num_outputs)}: "
