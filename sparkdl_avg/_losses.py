@@ -29,6 +29,8 @@ IGNORE_INDEX = -100
 
 def _cross_entropy(output: torch.Tensor, label: torch.Tensor):
     classes = output.shape[-1]  # class last, as transformers emit [B, T, C]
+    if not label.dtype.is_floating_point:  # torch takes int64 (or uint8) class indices only
+        label = label.long()
     per = F.cross_entropy(output.reshape(-1, classes), label.reshape(-1), reduction="none",
                           ignore_index=IGNORE_INDEX)
     return per.reshape(label.shape), label != IGNORE_INDEX

@@ -42,6 +42,8 @@ def test_cross_entropy_on_sequences_ignores_minus_100_positions():
     hits = sum(int(logits[b, t].argmax()) == int(labels[b, t]) for b, t in kept)
     assert (int(sums.correct), int(sums.scored)) == (hits, len(kept))
     assert sums.loss_weight.item() == len(kept)
+    narrow = objective(logits, (labels.int(),))  # int32 ids: torch takes int64 indices only
+    assert narrow.item() == pytest.approx(by_hand, abs=1e-12)
 
 
 def _model_batch(name: str, rows: int, seed: int = 1):
