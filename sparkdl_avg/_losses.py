@@ -234,8 +234,8 @@ def make_objective(loss, *, loss_weights=None, num_outputs: int = 1,
     outputs, a list of the wrong length, and bad loss_weights."""
     if isinstance(loss, (list, tuple)):
         if len(loss) != num_outputs:
-            raise ConfigError(f"loss lists {len(loss)} losses for {_outputs(num_outputs)}: "
-                              "give one loss per label column")
+            raise ConfigError(f"loss lists {len(loss)} loss{'es' if len(loss) != 1 else ''} "
+                              f"for {_outputs(num_outputs)}: give one loss per label column")
         losses = tuple(_checked_loss(item, f"loss[{k}]") for k, item in enumerate(loss))
     else:
         losses = (_checked_loss(loss, "loss"),)

@@ -229,7 +229,7 @@ def _two_outputs(*args, **kwargs):
     (lambda: make_objective(3), "loss must be a loss name .* got int"),
     (lambda: make_objective("mse", num_outputs=2),
      r"loss='mse' names one loss for 2 outputs: give one loss per label column"),
-    (lambda: make_objective(["mse"], num_outputs=2), "loss lists 1 losses for 2 outputs"),
+    (lambda: make_objective(["mse"], num_outputs=2), "loss lists 1 loss for 2 outputs"),
     (lambda: make_objective(["mse", "hinge"], num_outputs=2),
      r"loss\[1\]='hinge' is not supported"),
     (lambda: make_objective(["mse", None], num_outputs=2), r"loss\[1\] must be a loss name"),
