@@ -1,0 +1,83 @@
+"""Arrow columns to numpy and tensors, one call per column of a batch, never a loop over rows.
+
+A fixed-shape field's rows become one array `[rows, *shape]`; a ragged field's become its flat
+values `[total, *inner]` and the rows' lengths. `pad` lays ragged rows into a
+`[rows, longest, *inner]` tensor, the rest filled with the field's pad value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparkdl_avg._errors import DataError
+from sparkdl_avg.data.schema import FieldSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    values: np.ndarray
+    """`[rows, *shape]`, or for a ragged field `[total, *inner]`."""
+    lengths: np.ndarray | None = None
+    """A ragged field's rows' lengths (int64); None for a fixed shape."""
+
+
+def read_column(array: pa.Array, field: FieldSpec) -> Column:
+    """The rows of `array` (one column of a batch) as `field` describes them. Raises DataError
+    naming the column for a null, or for a row whose shape is not the field's."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    rows = len(array)
+    lengths = None
+    dims = field.inner if field.ragged else field.shape
+    for level in range(len(field.shape)):
+        if array.null_count:
+            raise DataError(f"{field.described} holds nulls: cannot use them")
+        counts = pc.list_value_length(array).to_numpy(zero_copy_only=False)
+        if level == 0 and field.ragged:
+            lengths = counts.astype(np.int64, copy=False)
+        else:
+            want = dims[level - 1] if field.ragged else dims[level]
+            if len(counts) and (counts.min() != want or counts.max() != want):
+                raise DataError(
+                    f"{field.described}: rows have {int(counts.min())} to {int(counts.max())} "
+                    f"values at depth {level + 1}, but the fit saw {want} (row shape "
+                    f"{_shape_text(field.shape)})")
+        array = array.flatten()
+    if array.null_count:
+        raise DataError(f"{field.described} holds nulls: cannot use them")
+    values = array.to_numpy(zero_copy_only=False)
+    if values.dtype != np.dtype(field.dtype):
+        values = values.astype(field.dtype)
+    shape = (-1, *field.inner) if field.ragged else (rows, *field.shape)
+    return Column(values.reshape(shape), lengths)
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join("*" if d == -1 else str(d) for d in shape) + "]"
+
+
+def pad(values, lengths, pad_value, longest: int | None = None):
+    """Ragged rows (torch tensors: flat `values` `[total, *inner]`, `lengths` `[rows]`) as
+    `[rows, longest, *inner]`, padded with `pad_value`; `longest` defaults to the longest
+    row."""
+    import torch
+
+    rows = int(lengths.shape[0])
+    if longest is None:
+        longest = int(lengths.max()) if rows else 0
+    out = torch.full((rows, longest, *values.shape[1:]), pad_value, dtype=values.dtype,
+                     device=values.device)
+    keep = torch.arange(longest, device=values.device)[None, :] < lengths[:, None]
+    out[keep] = values
+    return out
+
+
+def starts_of(lengths: np.ndarray) -> np.ndarray:
+    """Where each row's values start in the flat values."""
+    starts = np.zeros(len(lengths), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts

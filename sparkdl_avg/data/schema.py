@@ -1,0 +1,199 @@
+"""One description of a fit's data: every input, label and weight, with the dtype it is carried
+in and the shape of a row, derived once on the driver (`data/prepare`) and carried everywhere
+else: to the tasks (the cache and the minibatches), to scoring, to the Spark ML model's saved
+form and to the MLflow signature. Nothing downstream re-derives a dtype or a shape.
+
+A shape is the shape of one row: () a scalar, (d,) a vector, (1, 8, 8) an image; -1 as its
+first dimension marks a ragged field (the outer length varies by row, the inner ones do not),
+padded per minibatch to the batch's longest row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+ROLES = ("input", "label", "weight")
+BINDINGS = ("single", "positional", "keyword")
+"""How the inputs reach the model: model(x), model(*xs) or model(**xs)."""
+INT_DTYPES = ("int8", "int16", "int32", "int64")
+DTYPES = (*INT_DTYPES, "bool", "float32", "float64")
+IGNORE_INDEX = -100
+"""The pad of a ragged integer label: the built-in cross-entropy ignores it."""
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """One column of the data as the model sees it."""
+
+    role: str
+    """"input", "label" or "weight"."""
+    name: str
+    """An input's forward parameter (keyword binding) or its column; a label's or the
+    weight's column."""
+    column: str | tuple[str, ...]
+    """The user's column; a tuple: numeric columns assembled into one vector."""
+    wire: str
+    """Its column in the prepared frame and the tasks' Arrow batches."""
+    dtype: str
+    """The numpy dtype it is carried and cached in: integers keep their width (int32 ids stay
+    4 bytes), floats take the model's float dtype."""
+    shape: tuple[int, ...]
+    """A row's shape; -1 first: ragged."""
+    source: str = ""
+    """The Spark type, for messages."""
+
+    @property
+    def ragged(self) -> bool:
+        return bool(self.shape) and self.shape[0] == -1
+
+    @property
+    def inner(self) -> tuple[int, ...]:
+        """The dimensions after the first of a ragged field (fixed)."""
+        return self.shape[1:]
+
+    @property
+    def kind(self) -> str:
+        """"int", "bool" or "float"."""
+        return "int" if self.dtype in INT_DTYPES else ("bool" if self.dtype == "bool"
+                                                       else "float")
+
+    @property
+    def values_per_row(self) -> int | None:
+        """Elements in a row (None for a ragged field)."""
+        return None if self.ragged else math.prod(self.shape)
+
+    @property
+    def pad_value(self) -> int:
+        """What pads a ragged row: 0, or -100 for an integer label (ignored by the loss)."""
+        return IGNORE_INDEX if self.role == "label" and self.kind == "int" else 0
+
+    @property
+    def described(self) -> str:
+        """How messages name it: its column (or columns) and what it is for."""
+        column = self.column if isinstance(self.column, str) else list(self.column)
+        what = f"input {self.name!r}" if self.role == "input" and self.name != column else \
+            self.role
+        return f"column {column!r} ({what})"
+
+    def torch_dtype(self, float_dtype):
+        """The dtype the model gets: int64 for integers (what nn.Embedding and the losses
+        index with), bool, else `float_dtype` (the model's)."""
+        import torch
+
+        return {"int": torch.int64, "bool": torch.bool}.get(self.kind, float_dtype)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["shape"] = list(self.shape)
+        out["column"] = self.column if isinstance(self.column, str) else list(self.column)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FieldSpec:
+        column = d["column"] if isinstance(d["column"], str) else tuple(d["column"])
+        return cls(role=d["role"], name=d["name"], column=column, wire=d["wire"],
+                   dtype=d["dtype"], shape=tuple(d["shape"]), source=d.get("source", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class DataSchema:
+    """Every field of a fit's data, in the order the prepared frame carries them."""
+
+    inputs: tuple[FieldSpec, ...]
+    binding: str
+    labels: tuple[FieldSpec, ...]
+    label_list: bool
+    """label_col was a list: the model returns a tuple, one output per label."""
+    weight: FieldSpec | None = None
+    float_dtype: str = "float32"
+    """What float columns are carried as: the model's float32, or float64."""
+
+    @property
+    def fields(self) -> tuple[FieldSpec, ...]:
+        return (*self.inputs, *self.labels, *((self.weight,) if self.weight else ()))
+
+    @property
+    def wires(self) -> list[str]:
+        return [f.wire for f in self.fields]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [f.name for f in self.inputs]
+
+    @property
+    def ragged(self) -> bool:
+        return any(f.ragged for f in self.fields)
+
+    def call(self, model, inputs):
+        """The model's output on a batch's input tensors, bound as the fit said."""
+        if self.binding == "keyword":
+            return model(**{f.name: x for f, x in zip(self.inputs, inputs, strict=True)})
+        return model(*inputs)
+
+    def fixed_row_bytes(self) -> int:
+        """Bytes of a row's fixed-shape fields (ragged fields count their two row numbers)."""
+        import numpy as np
+
+        total = 0
+        for f in self.fields:
+            total += 16 if f.ragged else f.values_per_row * np.dtype(f.dtype).itemsize
+        return total
+
+    def to_dict(self) -> dict:
+        return {"inputs": [f.to_dict() for f in self.inputs], "binding": self.binding,
+                "labels": [f.to_dict() for f in self.labels], "label_list": self.label_list,
+                "weight": self.weight.to_dict() if self.weight else None,
+                "float_dtype": self.float_dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DataSchema:
+        return cls(inputs=tuple(FieldSpec.from_dict(f) for f in d["inputs"]),
+                   binding=d["binding"],
+                   labels=tuple(FieldSpec.from_dict(f) for f in d["labels"]),
+                   label_list=d["label_list"],
+                   weight=FieldSpec.from_dict(d["weight"]) if d.get("weight") else None,
+                   float_dtype=d.get("float_dtype", "float32"))
+
+    def without_targets(self) -> DataSchema:
+        """The inputs alone: what scoring reads."""
+        return DataSchema(inputs=self.inputs, binding=self.binding, labels=(),
+                          label_list=self.label_list, weight=None,
+                          float_dtype=self.float_dtype)
+
+
+@dataclass(slots=True)
+class Batch:
+    """A minibatch: tensors in field order, in the dtypes the model gets, ragged ones padded
+    to the batch's longest row."""
+
+    inputs: tuple
+    labels: tuple
+    weights: object = None
+    padded: int = 0
+    """Pad positions added to the ragged inputs (for `pad_fraction`)."""
+    positions: int = 0
+    """All positions of the ragged inputs, pads included."""
+
+    @property
+    def rows(self) -> int:
+        return int(self.inputs[0].shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (*self.inputs, *self.labels, *((self.weights,) if self.weights is not None
+                                                 else ()))
+        return sum(t.nbytes for t in tensors)
+
+    def to(self, device, non_blocking: bool = False) -> Batch:
+        def move(t):
+            return t.to(device, non_blocking=non_blocking)
+
+        return Batch(tuple(map(move, self.inputs)), tuple(map(move, self.labels)),
+                     None if self.weights is None else move(self.weights), self.padded,
+                     self.positions)
+
+    def record_stream(self, stream) -> None:
+        for t in (*self.inputs, *self.labels, *((self.weights,) if self.weights is not None
+                                                else ())):
+            t.record_stream(stream)
