@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from sparkdl_avg._errors import ConfigError, ModelError
+from sparkdl_avg.data.schema import IGNORE_INDEX  # a label that counts for nothing
 
 LossFn = Callable[..., torch.Tensor]
-IGNORE_INDEX = -100
-"""A cross_entropy label that counts for nothing (padding; transformers' convention)."""
 
 
 def _cross_entropy(output: torch.Tensor, label: torch.Tensor):

@@ -142,9 +142,9 @@ class Replica:
         return x, y.to(self.device) if self.long_labels else y.to(self.device, self.dtype)
 
     def evaluate(self) -> dict:
-        from types import SimpleNamespace
+        from sparkdl_avg.data.schema import Batch
 
-        chunks = (SimpleNamespace(inputs=(x,), labels=(y,), weights=None, rows=x.shape[0])
+        chunks = (Batch(inputs=(x,), labels=(y,))
                   for x, y in (self._typed(*chunk)
                                for chunk in self.data.eval.chunks(self._eval_rows)))
         return evaluate_batches(self.model, chunks, self.objective,
