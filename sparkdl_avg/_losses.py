@@ -110,7 +110,7 @@ def _hits(name: str, output: torch.Tensor, label: torch.Tensor):
         return ((output.argmax(dim=-1) == label) & keep).sum(), keep.sum()
     label = label.to(torch.float32) if label.dtype == torch.bool else label
     hits = ((_aligned(output, label) > 0) == (label > 0.5)).sum()
-    return hits, hits.new_tensor(label.numel())
+    return hits, torch.full((), label.numel(), dtype=hits.dtype, device=hits.device)
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
