@@ -21,14 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from sparkdl_avg._errors import ConfigError, ModelError
+from sparkdl_avg.data.schema import IGNORE_INDEX  # a label that counts for nothing
 
 LossFn = Callable[..., torch.Tensor]
-IGNORE_INDEX = -100
-"""A cross_entropy label that counts for nothing (padding; transformers' convention)."""
 
 
 def _cross_entropy(output: torch.Tensor, label: torch.Tensor):
     classes = output.shape[-1]  # class last, as transformers emit [B, T, C]
+    if not label.dtype.is_floating_point:  # torch takes int64 (or uint8) class indices only
+        label = label.long()
     per = F.cross_entropy(output.reshape(-1, classes), label.reshape(-1), reduction="none",
                           ignore_index=IGNORE_INDEX)
     return per.reshape(label.shape), label != IGNORE_INDEX
@@ -109,7 +110,7 @@ def _hits(name: str, output: torch.Tensor, label: torch.Tensor):
         return ((output.argmax(dim=-1) == label) & keep).sum(), keep.sum()
     label = label.to(torch.float32) if label.dtype == torch.bool else label
     hits = ((_aligned(output, label) > 0) == (label > 0.5)).sum()
-    return hits, hits.new_tensor(label.numel())
+    return hits, torch.full((), label.numel(), dtype=hits.dtype, device=hits.device)
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -220,13 +221,20 @@ class Objective:
 def make_objective(loss, *, loss_weights=None, num_outputs: int = 1,
                    weighted: bool = False) -> Objective:
     """The objective of `fit(loss=, loss_weights=)` for a model of `num_outputs` outputs (one
-    per label column); `weighted`: the fit has a weight column. Refuses (ConfigError, naming
-    the argument) a name not in LOSSES, a single name for several outputs, a list of the wrong
-    length, and loss_weights that are not one finite number >= 0 per output."""
+    per label column); `weighted`: the fit has a weight column.
+
+    `loss`: a name in LOSSES, a callable, or a list of them with one per output. A callable
+    is called as `loss(output, label)`, or `loss(output, label, weights)` (the rows' weights,
+    `[B]`) when `weighted`, and returns a scalar tensor; a single callable for several outputs
+    gets the tuple of outputs and the tuple of labels (and the weights), and weighs them
+    itself. `loss_weights`: one finite number >= 0 per output, default all 1.
+
+    Refuses (ConfigError, naming the argument) a name not in LOSSES, a single name for several
+    outputs, a list of the wrong length, and bad loss_weights."""
     if isinstance(loss, (list, tuple)):
         if len(loss) != num_outputs:
-            raise ConfigError(f"loss lists {len(loss)} losses for {_outputs(num_outputs)}: "
-                              "give one loss per label column")
+            raise ConfigError(f"loss lists {len(loss)} loss{'es' if len(loss) != 1 else ''} "
+                              f"for {_outputs(num_outputs)}: give one loss per label column")
         losses = tuple(_checked_loss(item, f"loss[{k}]") for k, item in enumerate(loss))
     else:
         losses = (_checked_loss(loss, "loss"),)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from sparkdl_avg import ConfigError, ModelError
 from sparkdl_avg._losses import LOSSES, check_outputs, make_loss, make_objective
+from sparkdl_avg.data.schema import Batch, DataSchema, FieldSpec
 from sparkdl_avg.task.evaluate import eval_means, evaluate_batches
 
 F64 = torch.float64
@@ -42,6 +43,8 @@ def test_cross_entropy_on_sequences_ignores_minus_100_positions():
     hits = sum(int(logits[b, t].argmax()) == int(labels[b, t]) for b, t in kept)
     assert (int(sums.correct), int(sums.scored)) == (hits, len(kept))
     assert sums.loss_weight.item() == len(kept)
+    narrow = objective(logits, (labels.int(),))  # int32 ids: torch takes int64 indices only
+    assert narrow.item() == pytest.approx(by_hand, abs=1e-12)
 
 
 def _model_batch(name: str, rows: int, seed: int = 1):
@@ -158,6 +161,57 @@ def test_evaluation_in_chunks_sums_to_the_one_chunk_weighted_mean():
     assert model.training  # left as it was
 
 
+class _TwoHeads(torch.nn.Module):
+    """Keyword inputs (a user id and a dense vector), two outputs: class logits and a score."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = torch.nn.Embedding(5, 3, dtype=F64)
+        self.heads = torch.nn.Linear(5, 4, dtype=F64)
+
+    def forward(self, user, dense):
+        out = self.heads(torch.cat([self.users(user), dense], dim=1))
+        return out[:, :3], out[:, 3]
+
+
+def test_evaluation_of_two_outputs_over_the_schemas_batches_and_binding():
+    def field(role, name, dtype, wire):
+        return FieldSpec(role=role, name=name, column=name, wire=wire, dtype=dtype, shape=())
+
+    schema = DataSchema(inputs=(field("input", "user", "int64", "_x0"),
+                                FieldSpec("input", "dense", "dense", "_x1", "float64", (2,))),
+                        binding="keyword",
+                        labels=(field("label", "kind", "int64", "_y0"),
+                                field("label", "score", "float64", "_y1")),
+                        label_list=True, weight=field("weight", "w", "float64", "_w"),
+                        float_dtype="float64")
+    g = torch.Generator().manual_seed(4)
+    users, dense = torch.randint(0, 5, (7,), generator=g), torch.randn(7, 2, dtype=F64)
+    kinds, scores = torch.randint(0, 3, (7,), generator=g), torch.randn(7, dtype=F64)
+    weights = torch.tensor([1.0, 2.0, 0.5, 0.0, 1.0, 3.0, 1.0], dtype=F64)
+    model = _TwoHeads()
+    objective = make_objective(["cross_entropy", "mse"], loss_weights=[1.0, 0.5],
+                               num_outputs=2, weighted=True)
+    batches = [Batch((users[a:b], dense[a:b]), (kinds[a:b], scores[a:b]), weights[a:b])
+               for a, b in ((0, 3), (3, 7))]
+    result = evaluate_batches(model, batches, objective, schema.call)
+    with torch.no_grad():
+        logits, score = model(user=users, dense=dense)
+    by_hand = [sum(w * v for w, v in zip(weights.tolist(), values, strict=True)) / 8.5
+               for values in (F.cross_entropy(logits, kinds, reduction="none").tolist(),
+                              ((score - scores) ** 2).tolist())]
+    chunked = [objective((logits[a:b], score[a:b]), (kinds[a:b], scores[a:b]), weights[a:b])
+               for a, b in ((0, 3), (3, 7))]
+    first_weight = [weights[:3].sum().item(), weights[3:].sum().item()]
+    # the cross-entropy term is exact over chunks; the second weighs each chunk's mean by
+    # the first output's kept weight
+    assert result["loss_sum"] == pytest.approx(
+        sum(c.item() * w for c, w in zip(chunked, first_weight, strict=True)), abs=1e-12)
+    assert result["loss_weight"] == 8.5 and result["count"] == 7 and result["scored"] == 7
+    assert objective((logits, score), (kinds, scores), weights).item() == pytest.approx(
+        by_hand[0] + 0.5 * by_hand[1], abs=1e-12)
+
+
 def test_a_chunk_that_keeps_nothing_has_loss_0_and_a_finite_gradient():
     logits = torch.randn(2, 3, 4, dtype=F64, requires_grad=True)
     ignored = torch.full((2, 3), -100)
@@ -227,7 +281,7 @@ def _two_outputs(*args, **kwargs):
     (lambda: make_objective(3), "loss must be a loss name .* got int"),
     (lambda: make_objective("mse", num_outputs=2),
      r"loss='mse' names one loss for 2 outputs: give one loss per label column"),
-    (lambda: make_objective(["mse"], num_outputs=2), "loss lists 1 losses for 2 outputs"),
+    (lambda: make_objective(["mse"], num_outputs=2), "loss lists 1 loss for 2 outputs"),
     (lambda: make_objective(["mse", "hinge"], num_outputs=2),
      r"loss\[1\]='hinge' is not supported"),
     (lambda: make_objective(["mse", None], num_outputs=2), r"loss\[1\] must be a loss name"),
