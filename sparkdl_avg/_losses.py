@@ -173,6 +173,31 @@ class Objective:
         """The loss of one output and one label tensor, every row weighing 1."""
         return self(output, (label,), None)
 
+    def step_weight(self, labels: Sequence[torch.Tensor],
+                    weights: torch.Tensor | None = None) -> torch.Tensor:
+        """What a micro-batch weighs among an optimizer step's several (gradient
+        accumulation): its first output's kept weight (built-in losses: the elements kept,
+        each with its row's weight), else its rows' weight. Weighing by it makes a step of
+        several micro-batches the weighted mean over all their kept elements, as one batch of
+        them would be, when -100 positions or weights differ between micro-batches."""
+        label = labels[0]
+        rows = label.shape[0]
+        loss = self.losses[0]
+        if isinstance(loss, str) and not self.joint:
+            keep = (label != IGNORE_INDEX) if loss == "cross_entropy" else None
+            per_row = label[0].numel() if rows else 1
+            if weights is None:
+                kept = keep.sum() if keep is not None else torch.full(
+                    (), float(rows * per_row), device=label.device)
+                return kept.double()
+            w = weights.double().reshape(-1, *(1,) * (label.dim() - 1))
+            if keep is not None:
+                return (w * keep).sum()
+            return w.sum() * per_row
+        if weights is not None:
+            return weights.double().sum()
+        return torch.full((), float(rows), dtype=torch.float64, device=label.device)
+
     def evaluate(self, outputs, labels: Sequence[torch.Tensor],
                  weights: torch.Tensor | None = None) -> EvalSums:
         """A chunk's sums: loss_sum is the objective times loss_weight, the first output's

@@ -201,3 +201,32 @@ def test_an_id_beyond_the_table_in_a_task_is_a_final_model_error(ratings):
 def _last_run(client):
     exp = client.get_experiment_by_name("typed-fits")
     return client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])[0]
+
+
+class PerToken(torch.nn.Module):
+    """Token ids -> 3 logits per position ([B, T, 3]); a position's output does not depend
+    on the padding after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 4).double()
+        self.out = torch.nn.Linear(4, 3).double()
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.embed(tokens)))
+
+
+def test_accumulated_micro_batches_weigh_their_kept_tokens_and_weights(ratings):
+    """Per-token labels (ragged, padded with -100) and row weights: micro-batches of 8 rows
+    keep different numbers of tokens and weights, and two of them accumulated make exactly
+    the step one batch of 16 makes (float64, 1e-10); weighing them by rows would not."""
+    df = ratings.withColumn("tags", F.transform("tokens", lambda t: t % 3))
+    cfg = {**BASE, "epochs": 2, "lr": 0.5}
+    one = fit(df, PerToken, TrainConfig(**cfg, batch_size=16), features_col="tokens",
+              label_col="tags", weight_col="weight")
+    two = fit(df, PerToken, TrainConfig(**cfg, batch_size=8, grad_accumulation=2),
+              features_col="tokens", label_col="tags", weight_col="weight")
+    assert (one.model.out.weight - PerToken().out.weight).abs().max().item() > 1e-2
+    for a, b in zip(one.model.parameters(), two.model.parameters(), strict=True):
+        assert (a - b).abs().max().item() < 1e-10

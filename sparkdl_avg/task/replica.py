@@ -133,7 +133,7 @@ class Replica:
         torch.manual_seed(step_seed(cfg.seed, self.rank, self.step))
         for _ in range(count):
             step_loss, rows, lr = self.steps.run(self.step, self._next_batch,
-                                                 self._forward_loss)
+                                                 self._forward_loss, self._weigh)
             loss_sum += step_loss
             samples += rows
             lrs.append(lr)
@@ -147,6 +147,9 @@ class Replica:
         self.padded += batch.padded
         self.positions += batch.positions
         return batch
+
+    def _weigh(self, batch):
+        return self.objective.step_weight(batch.labels, batch.weights)
 
     def _forward_loss(self, batch):
         return self.objective(self.forward(batch), batch.labels, batch.weights)
