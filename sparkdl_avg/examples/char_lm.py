@@ -23,7 +23,7 @@ VOCAB = 256  # bytes: any text (any file) has a vocabulary of 256, no tokenizer 
 
 def stdlib_text_dirs() -> list[str]:
     """Folders of real text every Python install has: the sources of json, email, asyncio
-    (about 0.9 MB of .py files)."""
+    (0.73 MB of .py files with Python 3.11)."""
     import asyncio
     import email
     import json
@@ -42,7 +42,7 @@ def read_files(spark, paths: list[str], glob: str | None = None):
 
 
 def read_lines(spark, paths: list[str], glob: str | None = None):
-    """One row per line, newline kept: `path` (file and line number) and `text`. Lines are
+    """One row per line, newline kept: `path` (the file and a row id) and `text`. Lines are
     ragged sequences: the padding bench's other kind of window."""
     from pyspark.sql import functions as sf
 
