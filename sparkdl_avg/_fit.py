@@ -224,7 +224,13 @@ _WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_
 
 
 def _log_model(run: RunLogger, plan: FitPlan) -> None:
-    example = torch.zeros(2, plan.data.num_features, dtype=plan.dtype)
-    half = plan.dtype in (torch.float16, torch.bfloat16)  # numpy has neither
-    run.log_model(plan.model, example.float().numpy() if half else example.numpy(),
+    """The trained model to the run, scoring the fit's inputs (`tracking/model`). A plan
+    without `schema`/`heads` is one of a float vector (`num_features`) and `classify`."""
+    schema = getattr(plan, "schema", None)
+    if schema is None:
+        schema = vector_schema("features", plan.data.num_features,
+                               "float64" if plan.dtype == torch.float64 else "float32")
+    heads = tuple(getattr(plan, "heads", None) or (("class",) if plan.classify else ("value",)))
+    names = output_names(schema, len(heads)) if schema.label_list else None
+    run.log_model(plan.model, schema=schema, heads=heads, names=names,
                   registered_model_name=plan.config.registered_model_name)

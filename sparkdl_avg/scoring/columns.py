@@ -64,7 +64,7 @@ def _input_column(types: dict, field: FieldSpec, frame_name: str):
     element = T.DoubleType() if field.dtype == "float64" else T.FloatType()
     if not isinstance(field.column, str):  # numeric columns assembled into one vector
         for name in field.column:
-            if not isinstance(_type_of(types, name, field, frame_name), _NUMERIC):
+            if not isinstance(_type_of(types, name, field, frame_name), _spark_kinds()[1]):
                 raise DataError(f"{frame_name} column {name!r} has type "
                                 f"{types[name].simpleString()}; {field.described} assembles "
                                 "numeric columns only")
@@ -82,7 +82,8 @@ def _input_column(types: dict, field: FieldSpec, frame_name: str):
     depth, leaf = 0, dtype
     while isinstance(leaf, T.ArrayType):
         depth, leaf = depth + 1, leaf.elementType
-    wanted = {"int": _INTEGRAL, "bool": (T.BooleanType,), "float": _NUMERIC}[field.kind]
+    integral, numeric = _spark_kinds()
+    wanted = {"int": integral, "bool": (T.BooleanType,), "float": numeric}[field.kind]
     if depth != len(field.shape) or not isinstance(leaf, wanted):
         raise DataError(
             f"{frame_name} column {field.column!r} has type {dtype.simpleString()}, but the "
@@ -101,13 +102,12 @@ def _type_of(types: dict, name: str, field: FieldSpec, frame_name: str):
 
 
 def _spark_kinds():
+    """The integral and the numeric Spark types (imported here: an MLflow model reads its
+    inputs through this module where pyspark may be missing)."""
     from pyspark.sql import types as T
 
     integral = (T.ByteType, T.ShortType, T.IntegerType, T.LongType)
     return integral, (*integral, T.FloatType, T.DoubleType, T.DecimalType)
-
-
-_INTEGRAL, _NUMERIC = _spark_kinds()
 
 
 def read_arrow(arrays, schema: DataSchema) -> list[Column]:

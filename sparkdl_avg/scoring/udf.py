@@ -74,18 +74,20 @@ def _predict_batches(payload: bytes, batches: Iterator, *, schema: DataSchema,
     target = torch.device(task_device(device).device)
     if target.type == "cuda":  # as training does: model code that says .cuda() lands here
         torch.cuda.set_device(target)
-    scorer = Scorer(cloudpickle.loads(payload), schema, outputs, target, batch_size)
+    model = cloudpickle.loads(payload).to(target).eval()
+    scorer = Scorer(model, schema, outputs, target, batch_size)
     for batch in batches:  # one argument: an array; several: a tuple of them
         arrays = batch if isinstance(batch, tuple) else (batch,)
         yield scorer.score(cols.read_arrow(arrays, schema))
 
 
 class Scorer:
-    """A model on its device, scoring columns `batch_size` rows per forward call."""
+    """A model (on `device`, in eval mode) scoring columns `batch_size` rows per forward
+    call."""
 
     def __init__(self, model: torch.nn.Module, schema: DataSchema, outputs: Outputs,
                  device: torch.device, batch_size: int) -> None:
-        self.model = model.to(device).eval()
+        self.model = model
         self.schema, self.outputs = schema, outputs
         self.device, self.batch_size = device, batch_size
         self.float_dtype = float_dtype_of(self.model)
