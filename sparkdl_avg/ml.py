@@ -13,7 +13,10 @@ active where `fit` was called.
 `fit`'s `inputs` and `weight_col`. The fitted model of a classifier (a cross_entropy output
 `[B, C]`, or a bce_with_logits output of one logit) adds `rawPredictionCol` and
 `probabilityCol` (vectors) beside `predictionCol` (the class as a double), as pyspark.ml's
-classifiers do, so Spark's evaluators read it with their defaults.
+classifiers do, so Spark's evaluators read it with their defaults. rawPrediction is the
+log-softmax of the logits (for one logit z, [-z, z]): BinaryClassificationEvaluator ranks rows
+by its element 1, which must rank them as class 1's probability does (the logit z1 alone
+does not).
 
 A saved `AveragingModel` is a folder: Spark ML's `metadata/` (its Params, JSON) and
 `model/`: `model.pt` (the torch module, `torch.save`) and `model.json` (the fit's DataSchema,
@@ -212,6 +215,10 @@ class AveragingModel(Model, HasFeaturesCol, _OutputParams, MLWritable, MLReadabl
         if kind == "binary":  # one logit z: as pyspark's LogisticRegression, [-z, z], [1-p, p]
             raw = F.array(-raw, raw)
             probability = F.array(1 - probability, probability)
+        else:  # log-softmax: each element ranks the rows as its class's probability does
+            top = F.array_max(raw)
+            total = F.aggregate(raw, F.lit(0.0), lambda acc, z: acc + F.exp(z - top))
+            raw = F.transform(raw, lambda z: z - top - F.log(total))
         from pyspark.ml.functions import array_to_vector
 
         columns = {out: F.col(f"{temp}.prediction").cast(T.DoubleType())}

@@ -4,7 +4,8 @@ fit's inputs as `FitResult.transform` does.
 
 The torch module is saved by the pytorch flavor as a pt2 export (torch.export, taking the
 inputs positionally, the batch and ragged dimensions dynamic); a module torch.export cannot
-trace is pickled instead (its class must then be importable where it is loaded). The pyfunc's
+trace is pickled instead (its class must then be importable where it is loaded, and MLflow
+loads pickles only with MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true). The pyfunc's
 loader is this module (`_load_pyfunc`): it reads the fit's DataSchema and heads from
 `data/sparkdl_avg.json` and scores through `scoring.udf.Scorer`.
 
@@ -12,8 +13,9 @@ The signature lists every input by name with its dtype (as the fit carried it) a
 -1 for the batch dimension: tensor specs when every input has a fixed shape (predict then
 takes a dict of numpy arrays, a pandas DataFrame with a list or array per cell, or, for one
 input, a numpy array); column specs (nested arrays) when one is ragged, since MLflow reshapes a
-DataFrame to tensor specs only for fixed shapes (predict then takes the DataFrame). The
-parameter `output` ("prediction", "probability", "raw") is `transform`'s.
+DataFrame to tensor specs only for fixed shapes (predict then takes the DataFrame); the model's
+metadata lists every input's shape either way. The parameter `output` ("prediction",
+"probability", "raw") is `transform`'s.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
     """What `mlflow.models.Model.log` calls: the pytorch flavor's files (pt2, else pickle),
     then our pyfunc loader, signature and schema file over them."""
     import mlflow.pytorch
+    from mlflow import pyfunc
 
     from sparkdl_avg.data.probe_batch import probe_batch
 
@@ -71,10 +74,18 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
         mlflow_model.flavors.clear()
         mlflow.pytorch.save_model(module.eval(), path, serialization_format="pickle",
                                   **common)
-    pyfunc = mlflow_model.flavors["python_function"]
-    pyfunc["loader_module"] = __name__
+    # the pytorch flavor adds no pyfunc for several inputs, and its own takes one tensor
+    flavor = mlflow_model.flavors["pytorch"]
+    mlflow_model.flavors.pop("python_function", None)
+    pyfunc.add_to_model(mlflow_model, loader_module=__name__, data=flavor["model_data"],
+                        code=flavor.get("code"), conda_env="conda.yaml",
+                        python_env="python_env.yaml")
     mlflow_model.signature = signature(inputs)
-    with open(os.path.join(path, pyfunc["data"], SCHEMA_FILE), "w") as f:
+    # column specs hold no shapes: every input's, -1 for the batch and ragged dimensions
+    mlflow_model.metadata = {**(mlflow_model.metadata or {}), "inputs": [
+        {"name": f.name, "dtype": f.dtype, "shape": list(_spec_shape(f))}
+        for f in inputs.inputs]}
+    with open(os.path.join(path, flavor["model_data"], SCHEMA_FILE), "w") as f:
         json.dump({"schema": schema.to_dict(), "heads": list(heads),
                    "names": list(names) if names else None}, f)
     mlflow_model.save(os.path.join(path, "MLmodel"))
