@@ -95,7 +95,8 @@ class FitResult:
                                 names=names, device=device,
                                 batch_size=batch_size or self.score_rows)
 
-    def transform(self, df, *, output_col: str = "prediction", output: str = "prediction",
+    def transform(self, df, *, output_col: str = "prediction",
+                  output: str | Sequence[str] = "prediction",
                   features_col: str | Sequence[str] | None = None, device: str = "auto",
                   batch_size: int | None = None):
         """`df` with the model's outputs added as `output_col`, read from the same inputs as
@@ -104,9 +105,10 @@ class FitResult:
         regressor's value as a double), "probability" (softmax or sigmoid of the logits) or
         "raw" (the logits). A row's output of shape (K,) is an array<double>, (T, K) nested
         arrays; a per-token output is cut to its row's length; several outputs are a struct
-        with a field per label column. A null, NaN or infinite input fails the query with a
-        DataError naming the column, raised on the executors (the driver gets Spark's
-        PythonException carrying it)."""
+        with a field per label column. A list of outputs (["prediction", "probability"]) is
+        a struct with a field per output, from one pass of the model. A null, NaN or
+        infinite input fails the query with a DataError naming the column, raised on the
+        executors (the driver gets Spark's PythonException carrying it)."""
         if not isinstance(output_col, str) or not output_col:
             raise ConfigError(f"output_col must be a column name, got {output_col!r}")
         if output_col in getattr(df, "columns", []):

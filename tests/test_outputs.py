@@ -183,12 +183,11 @@ def local(model, rec_pdf):
 def test_transform_reads_every_input_by_name_and_writes_each_output_kind(frames):
     rec, tag = frames
     result = FitResult(model=Recommender().eval(), run_id="", schema=REC, heads=("class",))
-    out = result.transform(result.transform(rec, output="probability", output_col="p")) \
-        .orderBy("id").toPandas()
+    out = result.transform(rec, output=["prediction", "probability"]).orderBy("id").toPandas()
     logits = local(result.model, out)
-    assert out["prediction"].tolist() == logits.argmax(1).tolist()
-    np.testing.assert_allclose(np.stack(out["p"]), torch.softmax(logits.double(), 1),
-                               rtol=1e-6)
+    assert [r["prediction"] for r in out["prediction"]] == logits.argmax(1).tolist()
+    np.testing.assert_allclose(np.stack([r["probability"] for r in out["prediction"]]),
+                               torch.softmax(logits.double(), 1), rtol=1e-6)
     rec.createOrReplaceTempView("recs")
     rec.sparkSession.udf.register("recommend", result.predict_udf(output="raw"))
     sql = rec.sparkSession.sql("SELECT id, recommend(user, dense) AS r FROM recs ORDER BY id")
@@ -332,15 +331,15 @@ def test_the_mlflow_model_on_pandas_predicts_as_transform(frames):
         assert info.metadata["inputs"] == [{"name": f.name, "dtype": f.dtype,
                                             "shape": [-1, *f.shape]} for f in data_schema.inputs]
         pyfunc = mlflow.pyfunc.load_model(uri)
-        expected = result.transform(result.transform(df), output="probability",
-                                    output_col="p").orderBy("id").toPandas()
-        inputs = expected.drop(columns=["id", "prediction", "p"])
+        scored = result.transform(df, output=["prediction", "probability"], output_col="s") \
+            .orderBy("id").toPandas()
+        inputs = scored.drop(columns=["id", "s"])
         got = pyfunc.predict(inputs)
         assert [np.asarray(r).tolist() for r in got] == \
-            [np.asarray(r).tolist() for r in expected["prediction"]]
+            [np.asarray(r["prediction"]).tolist() for r in scored["s"]]
         probability = pyfunc.predict(inputs, params={"output": "probability"})
-        for a, b in zip(probability, expected["p"], strict=True):
-            np.testing.assert_allclose(np.stack(a), np.stack(b), rtol=1e-5)
+        for a, b in zip(probability, scored["s"], strict=True):
+            np.testing.assert_allclose(np.stack(a), np.stack(b["probability"]), rtol=1e-5)
         inputs_spec = json.loads(info.signature.to_dict()["inputs"])
         if data_schema is REC:
             assert inputs_spec == [
