@@ -153,7 +153,7 @@ def test_nested_outputs_and_refusals_are_decided_on_the_driver():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_in_a_ragged_float_input_is_refused_naming_its_column(bad):
     s = schema(field("seq", "float32", (-1, 2)), binding="single")
-    rows = [[[0.0, 1.0]], [[1.0, 2.0], [bad, 0.0], [1.0, 1.0]], [[2.0, bad]]]
+    rows = [[[0.0, 1.0]], [[1.0, bad], [bad, 0.0], [1.0, 1.0]], [[2.0, bad]]]  # 3 values
     with pytest.raises(DataError, match=r"column 'seq' \(input\) holds NaN or infinite values "
                                         r"in 2 of 3 rows"):
         cols.read_arrow([pa.array(rows)], s)
