@@ -134,10 +134,14 @@ def test_the_logged_model_scores_through_mlflow_spark_udf(spark, classifier):
     import mlflow
 
     x, _ = data(40)
-    udf = mlflow.pyfunc.spark_udf(spark, f"runs:/{classifier.run_id}/model",
-                                  result_type="array<float>", env_manager="local")
+    uri = f"runs:/{classifier.run_id}/model"
+    udf = mlflow.pyfunc.spark_udf(spark, uri, result_type="long", env_manager="local")
     df = spark.createDataFrame(pd.DataFrame({"id": range(40), "features": list(x)}))
     rows = df.select("id", udf("features").alias("out")).orderBy("id").collect()
+    assert [r.out for r in rows] == local_classes(classifier.model, x)  # transform's output
+    raw = mlflow.pyfunc.spark_udf(spark, uri, result_type="array<double>", env_manager="local",
+                                  params={"output": "raw"})
+    rows = df.select("id", raw("features").alias("out")).orderBy("id").collect()
     assert [int(np.argmax(r.out)) for r in rows] == local_classes(classifier.model, x)
 
 
