@@ -351,3 +351,37 @@ def test_the_mlflow_model_on_pandas_predicts_as_transform(frames):
             assert inputs_spec == [{"type": "array", "items": {"type": "integer"},
                                         "name": "tokens", "required": True}]
         assert info.signature.params.to_dict()[0]["name"] == "output"
+
+
+class Branchy(torch.nn.Module):
+    """A branch on the data: torch.export cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.out = torch.nn.Linear(3, 2)
+
+    def forward(self, user, dense):
+        if dense.sum().item() > 0:
+            return self.out(dense) + user[:, None]
+        return self.out(dense)
+
+
+def test_a_model_torch_export_cannot_trace_is_logged_pickled_and_still_predicts(
+        monkeypatch, caplog):
+    import mlflow
+
+    from sparkdl_avg.tracking.model import log_model
+
+    mlflow.set_experiment("outputs")
+    with mlflow.start_run() as run:
+        log_model(Branchy().eval(), schema=REC, heads=("class",), pip_requirements=["torch"])
+    assert "torch.export could not export the model" in caplog.text
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "true")
+    pyfunc = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    user = np.array([1, 2, 3], np.int32)
+    dense = np.array([[1, 1, 1], [-1, 0, 0], [2, 0, 1]], np.float32)
+    got = pyfunc.predict({"user": user, "dense": dense}, params={"output": "raw"})
+    with torch.no_grad():
+        expected = Branchy().eval()(torch.from_numpy(user).long(), torch.from_numpy(dense))
+    np.testing.assert_allclose(got, expected, rtol=1e-6)

@@ -20,6 +20,7 @@ metadata lists every input's shape either way. The parameter `output` ("predicti
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -54,11 +55,11 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
     from sparkdl_avg.data.probe_batch import probe_batch
 
     inputs = schema.without_targets()
-    module = _Positional(torch_model, inputs.input_names) if inputs.binding == "keyword" \
-        else torch_model
-    dtype = next(torch_model.parameters()).dtype
+    module, dtype = torch_model, next(torch_model.parameters()).dtype
     if dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
-        module, dtype = _copy(module).float(), torch.float32
+        module, dtype = copy.deepcopy(module).float(), torch.float32
+    if inputs.binding == "keyword":
+        module = _Positional(module, inputs.input_names)
     example = tuple(t.numpy() for t in probe_batch(inputs, dtype).inputs)
     # the package travels with the model: the pyfunc's loader and scoring are ours
     common = {"mlflow_model": mlflow_model, "pip_requirements": pip_requirements,
@@ -68,8 +69,10 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
                                   input_example=example, signature=tensor_signature(inputs),
                                   **common)
     except Exception as exc:  # noqa: BLE001 - torch.export refuses many real models
-        log.warning("torch.export could not export the model (%s); it is logged pickled: "
-                    "its class must be importable where it is loaded", exc)
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        log.warning("torch.export could not export the model (%s: %s); it is logged pickled: "
+                    "its class must be importable where it is loaded", type(exc).__name__,
+                    first)
         shutil.rmtree(path, ignore_errors=True)
         mlflow_model.flavors.clear()
         mlflow.pytorch.save_model(module.eval(), path, serialization_format="pickle",
@@ -89,12 +92,6 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
         json.dump({"schema": schema.to_dict(), "heads": list(heads),
                    "names": list(names) if names else None}, f)
     mlflow_model.save(os.path.join(path, "MLmodel"))
-
-
-def _copy(module):
-    import copy
-
-    return copy.deepcopy(module)
 
 
 def _spec_shape(field) -> tuple[int, ...]:
@@ -148,8 +145,10 @@ class _Positional(torch.nn.Module):
         super().__init__()
         self.model, self.names = model, tuple(names)
 
-        def forward(*inputs):
-            return self.model(**dict(zip(self.names, inputs, strict=True)))
+        names = self.names
+
+        def forward(*inputs):  # closes over the model, not over self: no cycle to pickle
+            return model(**dict(zip(names, inputs, strict=True)))
 
         forward.__signature__ = inspect.Signature([
             inspect.Parameter(f"x{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD)
