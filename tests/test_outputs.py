@@ -124,10 +124,11 @@ def test_two_outputs_are_a_struct_named_after_the_label_columns(mode, expected_t
         cols.read_arrow([pa.array(list(x))], TWO)).to_pylist()
     with torch.no_grad():
         value, logits = model(torch.from_numpy(x))
-    np.testing.assert_allclose([r["price"] for r in got], value[:, 0].double(), rtol=1e-6)
+    np.testing.assert_allclose([r["price"] for r in got], value[:, 0].double(), rtol=1e-6,
+                               atol=1e-6)
     tags = {"prediction": (logits > 0).long(), "raw": logits,
             "probability": torch.sigmoid(logits.double())}[mode]
-    np.testing.assert_allclose([r["tags"] for r in got], tags.numpy(), rtol=1e-6)
+    np.testing.assert_allclose([r["tags"] for r in got], tags.numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_nested_outputs_and_refusals_are_decided_on_the_driver():
@@ -141,7 +142,7 @@ def test_nested_outputs_and_refusals_are_decided_on_the_driver():
         cols.read_arrow([column], image))
     with torch.no_grad():
         np.testing.assert_allclose(np.array(got.to_pylist()), conv(torch.from_numpy(x)),
-                                   rtol=1e-6)
+                                   rtol=1e-6, atol=1e-6)
     with pytest.raises(ConfigError, match="output='probability' needs a classifier"):
         describe_outputs(conv, image, ("value",), ("probability",))
     with pytest.raises(ModelError, match=r"returns 1 output\(s\), but the fit's loss describes"):
@@ -187,11 +188,11 @@ def test_transform_reads_every_input_by_name_and_writes_each_output_kind(frames)
     logits = local(result.model, out)
     assert [r["prediction"] for r in out["prediction"]] == logits.argmax(1).tolist()
     np.testing.assert_allclose(np.stack([r["probability"] for r in out["prediction"]]),
-                               torch.softmax(logits.double(), 1), rtol=1e-6)
+                               torch.softmax(logits.double(), 1), rtol=1e-6, atol=1e-6)
     rec.createOrReplaceTempView("recs")
     rec.sparkSession.udf.register("recommend", result.predict_udf(output="raw"))
     sql = rec.sparkSession.sql("SELECT id, recommend(user, dense) AS r FROM recs ORDER BY id")
-    np.testing.assert_allclose(np.stack(sql.toPandas()["r"]), logits, rtol=1e-6)
+    np.testing.assert_allclose(np.stack(sql.toPandas()["r"]), logits, rtol=1e-6, atol=1e-6)
     tagger = FitResult(model=Tagger().eval(), run_id="", schema=TAG, heads=("class",))
     tags = tagger.transform(tag, batch_size=3).orderBy("id").toPandas()["prediction"]
     with torch.no_grad():
@@ -201,6 +202,23 @@ def test_transform_reads_every_input_by_name_and_writes_each_output_kind(frames)
                                         r"fit read column 'dense' \(input\) as float32 of row "
                                         r"shape \[3\]"):
         result.transform(rec.selectExpr("user", "array(dense) AS dense"))
+
+
+@pytest.mark.spark
+def test_several_outputs_are_one_struct_column_named_after_the_label_columns(spark):
+    x = np.random.default_rng(9).normal(size=(6, 5)).astype(np.float32)
+    df = spark.createDataFrame(pd.DataFrame({"id": range(6), "x": list(x)}))
+    result = FitResult(model=TwoHeads().eval(), run_id="", schema=TWO,
+                       heads=output_heads(["mse", "bce_with_logits"]))
+    scored = result.transform(df)
+    assert scored.schema["prediction"].dataType.simpleString() == \
+        "struct<price:double,tags:array<bigint>>"
+    rows = scored.orderBy("id").collect()
+    with torch.no_grad():
+        value, logits = result.model(torch.from_numpy(x))
+    np.testing.assert_allclose([r.prediction.price for r in rows], value[:, 0], rtol=1e-6,
+                               atol=1e-6)
+    assert [r.prediction.tags for r in rows] == (logits > 0).long().tolist()
 
 
 def evaluator_data(spark, rng, classes):
@@ -282,7 +300,7 @@ def test_saved_models_load_today_s_and_before_typed_inputs(frames, tmp_path):
         logits = loaded.torch_model(torch.from_numpy(np.stack(scored["dense"])))
     assert scored["prediction"].tolist() == logits.argmax(1).double().tolist()
     np.testing.assert_allclose(np.stack(scored["rawPrediction"]),
-                               torch.log_softmax(logits.double(), 1), rtol=1e-6)
+                               torch.log_softmax(logits.double(), 1), rtol=1e-6, atol=1e-6)
 
 
 def test_input_cols_and_weight_col_reach_the_fit(monkeypatch):
@@ -384,4 +402,4 @@ def test_a_model_torch_export_cannot_trace_is_logged_pickled_and_still_predicts(
     got = pyfunc.predict({"user": user, "dense": dense}, params={"output": "raw"})
     with torch.no_grad():
         expected = Branchy().eval()(torch.from_numpy(user).long(), torch.from_numpy(dense))
-    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
