@@ -1,5 +1,5 @@
 """The validation job's scan: its check for null, NaN and infinite features as Spark's
-compiled `array_contains` (what `data/prepare.bad_features` uses) against a lambda through
+compiled `array_contains` (what `data/validate.bad_values` uses) against a lambda through
 `exists` (what it used before), which Spark interprets element by element.
 
 `prepare` (the validation job, and building the partitioned frame) on a Parquet file of
@@ -23,22 +23,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import in_fresh_process, local_session, median, report  # noqa: E402
 
 
-def lambda_check(element):
+def lambda_check(source, element):
     """The check as it was: a lambda through `exists`."""
     from pyspark.sql import functions as F
 
-    from sparkdl_avg.data.columns import FEATURES
-
-    return F.col(FEATURES).isNull() | F.exists(
-        F.col(FEATURES), lambda x: x.isNull() | F.isnan(x) | (F.abs(x) == float("inf")))
+    return F.col(source.wire).isNull() | F.exists(
+        F.col(source.wire), lambda x: x.isNull() | F.isnan(x) | (F.abs(x) == float("inf")))
 
 
 def one_session(kind: str, path: str, repeats: int) -> list[float]:
     from sparkdl_avg import SPARK_CONF
-    from sparkdl_avg.data import prepare
+    from sparkdl_avg.data import prepare, validate
 
     if kind == "lambda":
-        prepare.bad_features = lambda_check
+        validate.bad_values = lambda_check
     spark = local_session(2, **SPARK_CONF)
     try:
         df = spark.read.parquet(path)

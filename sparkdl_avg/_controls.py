@@ -146,7 +146,7 @@ def check_early_stopping(config, *, has_eval: bool, classify: bool) -> None:
                           f"{' and restore_best keeps the best one' if rule.restore_best else ''}")
     if rule is not None and rule.metric == "eval_accuracy" and not classify:
         raise ConfigError("EarlyStopping(metric='eval_accuracy') needs a classifier "
-                          "(loss='cross_entropy'); use 'eval_loss'")
+                          "(a 'cross_entropy' or 'bce_with_logits' loss); use 'eval_loss'")
 
 
 def fingerprint(config, total_steps: int) -> dict:

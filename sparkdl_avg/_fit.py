@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import ConfigError, DataError
-from sparkdl_avg._model import LossFn
+from sparkdl_avg._losses import LossFn
 from sparkdl_avg._version import __version__
+from sparkdl_avg.data.describe import input_columns
 from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.driver.asynchronous import train_async
 from sparkdl_avg.driver.checkpoints import open_source
 from sparkdl_avg.driver.plan import FitPlan, Resume, TrainOutcome, make_plan
 from sparkdl_avg.driver.sync import train_sync
-from sparkdl_avg.scoring.columns import input_columns, vector_schema, with_column
-from sparkdl_avg.scoring.outputs import output_names
+from sparkdl_avg.scoring.columns import vector_schema, with_column
+from sparkdl_avg.scoring.outputs import heads_of, output_names
 from sparkdl_avg.scoring.udf import make_predict_udf
 from sparkdl_avg.tracking.datasets import log_datasets
 from sparkdl_avg.tracking.plots import learning_curves
@@ -127,16 +128,24 @@ def fit(
     config: TrainConfig | None = None,
     *,
     features_col: str | Sequence[str] = "features",
-    label_col: str = "label",
-    loss: str | LossFn = "cross_entropy",
+    inputs: Sequence[str] | Mapping[str, str] | None = None,
+    label_col: str | Sequence[str] = "label",
+    weight_col: str | None = None,
+    loss: str | LossFn | Sequence[str | LossFn] = "cross_entropy",
+    loss_weights: Sequence[float] | None = None,
     eval_df=None,
     resume_from: str | None = None,
     on_round: Callable[[dict], bool] | None = None,
 ) -> FitResult:
     """Train `model_fn()` on `train_df` across `config.num_workers` Spark tasks by periodic
-    parameter averaging, logging the run to MLflow. `resume_from` (sync mode): a checkpoint
-    directory or the MLflow run id of a fit whose driver died; it continues from that fit's
-    newest checkpoint. `on_round`: called with each logged round's metrics (and "round");
+    parameter averaging, logging the run to MLflow. The model takes `features_col` (one column
+    of any supported type, or numeric columns assembled into a vector) as model(x), or
+    `inputs`: a list of columns as model(*tensors), a dict {forward parameter: column} as
+    model(**tensors). `label_col`: one column, or a list when the model returns a tuple of
+    outputs (with a list of losses, weighted by `loss_weights`). `weight_col`: a weight >= 0
+    per row; the loss is the weighted mean of the rows' losses. `resume_from` (sync mode): a
+    checkpoint directory or the MLflow run id of a fit whose driver died; it continues from
+    that fit's newest checkpoint. `on_round`: called with each logged round's metrics (and "round");
     True stops the fit there. See README for the full contract."""
     config = TrainConfig() if config is None else config
     t_start = time.perf_counter()
@@ -149,8 +158,8 @@ def fit(
         if spark is None:
             raise DataError(f"train_df must be a pyspark DataFrame, got "
                             f"{type(train_df).__name__}")
-        run.log_params({**config.to_dict(), "features_col": features_col,
-                        "label_col": label_col, "loss": getattr(loss, "__qualname__", loss)})
+        run.log_params({**config.to_dict(), **_data_params(features_col, inputs, label_col,
+                                                           weight_col, loss, loss_weights)})
         resume = None
         if resume_from is not None:
             if config.mode != "sync":
@@ -159,7 +168,8 @@ def fit(
             resume = Resume(*open_source(resume_from, run.tracking_uri))
         run.warm_up()  # in the wait for the first Spark job: cold executors import torch
         plan = make_plan(spark, train_df, eval_df, model_fn, config, features_col=features_col,
-                         label_col=label_col, loss=loss, resume=resume, on_round=on_round)
+                         inputs=inputs, label_col=label_col, weight_col=weight_col, loss=loss,
+                         loss_weights=loss_weights, resume=resume, on_round=on_round)
         run.log_params(plan.params)
         run.opened()  # MLflow's schema modules imported, by one thread only
         log_datasets(run, train_df, sum(plan.data.train_sizes), eval_df,
@@ -183,9 +193,23 @@ def fit(
                       "failures": outcome.failures}, "fit_summary.json")
         return FitResult(model=model, run_id=run.run_id, history=outcome.history,
                          workers=outcome.workers, timings=timings, failures=outcome.failures,
-                         features_col=features_col, num_features=plan.data.num_features,
-                         classify=plan.classify, score_rows=config.eval_rows(
-                             plan.data.num_features * plan.dtype.itemsize))
+                         features_col=features_col, num_features=plan.data.num_features or 0,
+                         classify=plan.objective.classify, score_rows=config.eval_rows(
+                             plan.data.schema.row_bytes(plan.data.ragged_values)),
+                         schema=plan.data.schema, heads=heads_of(plan.objective))
+
+
+def _data_params(features_col, inputs, label_col, weight_col, loss, loss_weights) -> dict:
+    """The fit's data arguments as MLflow params (what each names; None where unset)."""
+    def name(value):
+        if isinstance(value, (list, tuple)):
+            return [name(v) for v in value]
+        return getattr(value, "__qualname__", value)
+
+    params = {"features_col": features_col if inputs is None else None, "inputs": inputs,
+              "label_col": label_col, "weight_col": weight_col, "loss": name(loss),
+              "loss_weights": loss_weights}
+    return {k: v for k, v in params.items() if v is not None}
 
 
 _TRAIN = {"sync": train_sync, "async": train_async}
@@ -220,19 +244,19 @@ def _report_workers(outcome: TrainOutcome, run: RunLogger) -> None:
     peaks = [w["peak_rss_mb"] for w in outcome.workers if w["peak_rss_mb"] is not None]
     if peaks:
         run.log_metrics({"peak_rss_mb_max": max(peaks)}, step=0)
+    padding = [w["pad_fraction"] for w in outcome.workers if w["pad_fraction"] is not None]
+    if padding:  # ragged inputs: the share of their positions that were padding
+        run.log_metrics({"pad_fraction": sum(padding) / len(padding)}, step=0)
 
 
-_WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_s")
+_WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_s",
+                   "pad_fraction")
 
 
 def _log_model(run: RunLogger, plan: FitPlan) -> None:
-    """The trained model to the run, scoring the fit's inputs (`tracking/model`). A plan
-    without `schema`/`heads` is one of a float vector (`num_features`) and `classify`."""
-    schema = getattr(plan, "schema", None)
-    if schema is None:
-        schema = vector_schema("features", plan.data.num_features,
-                               "float64" if plan.dtype == torch.float64 else "float32")
-    heads = tuple(getattr(plan, "heads", None) or (("class",) if plan.classify else ("value",)))
+    """The trained model to the run, scoring the fit's inputs as `transform` does
+    (`tracking/model`)."""
+    schema, heads = plan.data.schema, heads_of(plan.objective)
     names = output_names(schema, len(heads)) if schema.label_list else None
     run.log_model(plan.model, schema=schema, heads=heads, names=names,
                   registered_model_name=plan.config.registered_model_name)

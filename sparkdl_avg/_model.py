@@ -20,8 +20,6 @@ from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import ConfigError, ModelError
 from sparkdl_avg.averaging.flat_buffer import averaged_tensors
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 def build_model(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     if not callable(model_fn):
@@ -59,7 +57,7 @@ def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
     """The modules a callable comes from: its own, its class's and their base classes', for
     a function those of the classes and functions it names from its module, for a
     `functools.partial` those of the function and of its arguments, for a dataclass those
-    of its callables (a few levels deep)."""
+    of its callables, alone or in a tuple or list (a few levels deep)."""
     found = set()
     classes = [value] if isinstance(value, type) else []
     classes.append(type(value))
@@ -77,10 +75,12 @@ def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
     if isinstance(value, functools.partial) and depth < 3:
         for part in (value.func, *value.args, *value.keywords.values()):
             found |= _modules_of(part, depth + 1)
-    if dataclasses.is_dataclass(value) and depth < 3:  # a TrainConfig's optimizer factory
-        for f in dataclasses.fields(value):
-            if callable(getattr(value, f.name)):
-                found |= _modules_of(getattr(value, f.name), depth + 1)
+    if dataclasses.is_dataclass(value) and depth < 3:  # a TrainConfig's optimizer factory,
+        for f in dataclasses.fields(value):               # an objective's loss callables
+            held = getattr(value, f.name)
+            for part in held if isinstance(held, (tuple, list)) else (held,):
+                if callable(part):
+                    found |= _modules_of(part, depth + 1)
     return found
 
 
@@ -139,58 +139,82 @@ def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
-def make_loss(loss: str | LossFn) -> tuple[LossFn, bool]:
-    """The loss function and whether it is a classification loss (accuracy is reported)."""
-    if callable(loss):
-        return loss, False
-    if loss == "cross_entropy":
-        return _cross_entropy, True
-    if loss == "mse":
-        return _mse, False
-    raise ConfigError(f"loss={loss!r} is not supported; use 'cross_entropy', 'mse' or a callable")
+def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: torch.dtype,
+                           ranges: dict, longest: dict) -> None:
+    """Run the model once, on the driver, on a probe batch of two rows with the data's real
+    dtypes and shapes: each integer field holds its least value in the first row and its
+    largest in the second (an embedding too small fails here, not in a task), each ragged
+    field its longest row. Then check its outputs against the labels (`check_outputs`)."""
+    from sparkdl_avg._losses import check_outputs
 
-
-def _cross_entropy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(outputs, labels)
-
-
-def _mse(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    if outputs.dim() == labels.dim() + 1 and outputs.shape[-1] == 1:
-        outputs = outputs.squeeze(-1)
-    return torch.nn.functional.mse_loss(outputs, labels)
-
-
-def check_model_fits_data(
-    model: torch.nn.Module, *, num_features: int, loss: str | LossFn, dtype: torch.dtype,
-    label_min: float, label_max: float,
-) -> None:
-    """Run the model once on a dummy batch; check its output against the labels' range."""
-    probe = torch.zeros(2, num_features, dtype=dtype)
+    _check_keywords(model, schema)
+    batch = probe_batch(schema, dtype, ranges=ranges, longest=longest)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out = model(probe)
+            out = schema.call(model, batch.inputs)
+    except IndexError as exc:
+        if "out of range" not in str(exc):
+            raise _forward_failed(schema, batch, exc) from exc
+        raise index_error(schema, batch.inputs, exc) from exc
     except Exception as exc:
-        raise ModelError(
-            f"the model's forward failed on a batch of shape {tuple(probe.shape)} "
-            f"({num_features} features per row): {exc!r}"
-        ) from exc
+        raise _forward_failed(schema, batch, exc) from exc
     finally:
         model.train(was_training)
-    if not isinstance(out, torch.Tensor):
-        raise ModelError(f"the model must return a tensor, got {type(out).__name__}")
-    if loss == "cross_entropy":
-        if out.dim() != 2:
-            raise ModelError(f"cross_entropy needs outputs of shape (batch, classes), got "
-                             f"{tuple(out.shape)}")
-        classes = out.shape[1]
-        if label_min < 0 or label_max >= classes or label_min != int(label_min) \
-                or label_max != int(label_max):
-            raise ModelError(
-                f"labels range from {label_min:g} to {label_max:g}, but the model outputs "
-                f"{classes} classes: cross_entropy needs integer labels in [0, {classes - 1}]"
-            )
-    elif loss == "mse" and out.reshape(out.shape[0], -1).shape[1] != 1:
-        raise ModelError(f"mse with a scalar label needs one output per row, got "
-                         f"{tuple(out.shape)}")
+    check_outputs(objective, out, batch.labels, [f.described for f in schema.labels])
+
+
+def _forward_failed(schema, batch, exc: BaseException) -> ModelError:
+    shapes = ", ".join(f"{f.name}: {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+                       for f, x in zip(schema.inputs, batch.inputs, strict=True))
+    per_row = f"; {schema.inputs[0].shape[0]} features per row" \
+        if len(schema.inputs) == 1 and len(schema.inputs[0].shape) == 1 else ""
+    return ModelError(f"the model's forward failed on a probe batch of the data's "
+                      f"shapes ({shapes}{per_row}): {exc!r}")
+
+
+def index_error(schema, inputs, exc: BaseException) -> ModelError:
+    """A ModelError for an index out of range in the model (an nn.Embedding given an id
+    beyond its table), naming each integer input and the largest id it held."""
+    seen = [f"{f.described} up to {int(x.max())}" for f, x in zip(schema.inputs, inputs,
+                                                                     strict=True)
+            if f.kind == "int" and x.numel()]
+    return ModelError(f"the model indexed out of range ({exc}): the batch held ids "
+                      f"{'; '.join(seen) or 'in no integer input'}. Size each nn.Embedding "
+                      "for the largest id its column holds (num_embeddings = largest + 1)")
+
+
+def _check_keywords(model: torch.nn.Module, schema) -> None:
+    """Inputs bound by name must be parameters of forward (unless it takes **kwargs)."""
+    if schema.binding != "keyword":
+        return
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for f in schema.inputs:
+        if f.name not in params:
+            raise ModelError(f"inputs binds {f.name!r} (column {f.column!r}), but "
+                             f"{type(model).__name__}.forward has no such parameter; its "
+                             f"parameters: {list(params)}")
+
+
+def probe_batch(schema, dtype: torch.dtype, *, ranges: dict | None = None,
+                longest: dict | None = None):
+    """Two rows of `schema`'s fields: an integer field's least value (`ranges`, by wire)
+    in the first, its largest in the second (0 when unknown); a ragged field `longest` long
+    (by wire; 2 when unknown); floats 0, weights 1."""
+    from sparkdl_avg.data.schema import Batch
+
+    def tensor(f):
+        length = (longest or {}).get(f.wire, 2)
+        shape = (2, *((length, *f.inner) if f.ragged else f.shape))
+        out = torch.zeros(shape, dtype=f.torch_dtype(dtype))
+        low_high = (ranges or {}).get(f.wire)
+        if f.kind == "int" and low_high is not None:
+            out[0], out[1] = int(low_high[0]), int(low_high[1])
+        return out
+
+    weights = torch.ones(2, dtype=dtype) if schema.weight is not None else None
+    return Batch(tuple(map(tensor, schema.inputs)), tuple(map(tensor, schema.labels)),
+                 weights)

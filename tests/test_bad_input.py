@@ -105,7 +105,7 @@ def test_the_bad_feature_check_agrees_with_numpy(spark, element):
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    from sparkdl_avg.data.prepare import bad_features
+    from sparkdl_avg.data.validate import bad_features
 
     nan, inf = float("nan"), float("inf")
     rows = [[1.0, 2.0], [nan, 1.0], [1.0, inf], [-inf, 0.0], [None, 1.0], None, [],
@@ -128,11 +128,15 @@ def test_nan_label(spark):
         fit(df, model, CFG, loss="mse")
 
 
-def test_ragged_features(spark):
-    rows = [([0.0, 1.0, 2.0], 1)] * 20 + [([0.0, 1.0], 0)]
+def test_ragged_features_are_padded_not_refused(spark):
+    """Rows of 2 and 3 features: a ragged input (issue 29), padded per minibatch to its
+    longest row, which the run reports as padding; arrays whose inner lengths vary are
+    refused (tests/test_data_schema.py)."""
+    rows = [([0.0, 1.0, 2.0], 1)] * 20 + [([0.0, 1.0], 0)] * 4
     df = spark.createDataFrame(rows, "features array<double>, label int")
-    with pytest.raises(DataError, match="from 2 to 3"):
-        fit(df, model, CFG)
+    result = fit(df, model, CFG)
+    padding = [w["pad_fraction"] for w in result.workers]
+    assert all(p is not None for p in padding) and 0 < sum(padding) / 2 < 1 / 3
 
 
 def test_labels_out_of_range_for_the_model(spark):

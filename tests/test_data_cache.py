@@ -16,10 +16,19 @@ from sparkdl_avg.data.batches import TrainBatches
 from sparkdl_avg.data.columns import EVAL, TRAIN
 from sparkdl_avg.data.order import Cut
 from sparkdl_avg.data.partition import Shape, cache_kind, load_partition
+from sparkdl_avg.data.schema import DataSchema, FieldSpec
 from sparkdl_avg.data.spill import SPILL_FOLDER, SpillDir, remove_orphans
 
 F, WORKERS, RANK = 3, 3, 1
 CPU = torch.device("cpu")
+
+
+def _schema(features=F, label_dtype="int64") -> DataSchema:
+    """One float vector in, one label out: the fit before typed inputs."""
+    return DataSchema(
+        inputs=(FieldSpec("input", "features", "features", "_x0", "float32", (features,)),),
+        binding="single", labels=(FieldSpec("label", "label", "label", "_y0", label_dtype, ()),),
+        label_list=False)
 
 
 def _global_rows(n_train: int, n_eval: int, seed: int = 0):
@@ -50,15 +59,14 @@ def _batches(n_train=200, n_eval=50, *, rank=RANK, arrival_seed=1, batch_rows=17
         yield pa.RecordBatch.from_arrays(
             [pa.FixedSizeListArray.from_arrays(pa.array(x[b].ravel()), F).cast(
                 pa.list_(pa.float32())), pa.array(y[b]), pa.array(g[b]), pa.array(s[b])],
-            names=["features", "label", "_row", "_split"])
+            names=["_x0", "_y0", "_row", "_split"])
 
 
 def _shape(n_train=200, n_eval=50, rank=RANK):
     sizes = [len(range(w, n_train, WORKERS)) for w in range(WORKERS)]
     evals = [len(range(w, n_eval, WORKERS)) for w in range(WORKERS)]
     return Shape(rank=rank, num_workers=WORKERS, train_rows=sizes[rank],
-                 eval_rows=evals[rank], num_features=F, double_precision=False,
-                 long_labels=True)
+                 eval_rows=evals[rank], schema=_schema())
 
 
 @pytest.fixture
@@ -74,7 +82,8 @@ def _load(cache, spill=None, **kw):
 @pytest.mark.parametrize("cache", ["memory", "disk"])
 def test_rows_land_in_local_order_whatever_order_they_arrive_in(cache, spill):
     data = _load(cache, spill, arrival_seed=7)
-    x, y = next(data.train.chunks(1000))
+    batch = next(data.train.chunks(1000))
+    (x,), (y,) = batch.inputs, batch.labels
     local = np.arange(data.rows[0]) * WORKERS + RANK  # global numbers, in local order
     assert np.array_equal(np.floor(x[:, 0].numpy() / 10), local)
     assert np.array_equal(y.numpy(), local % 4)
@@ -94,27 +103,33 @@ def test_memory_and_disk_give_identical_batches_from_any_step(spill, shuffle, ep
     a, b = TrainBatches(memory.train, **kw), TrainBatches(disk.train, **kw)
     a.start(0)
     b.start(0)
-    full = [a.next() for _ in range(42)]
-    for (xa, ya), (xb, yb) in zip(full, [b.next() for _ in range(42)], strict=True):
+    full = [_pair(a.next()) for _ in range(42)]
+    for (xa, ya), (xb, yb) in zip(full, [_pair(b.next()) for _ in range(42)], strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     # each epoch visits every row, and fills its positions by repeating some
-    rows = sorted(next(memory.train.chunks(1000))[0][:, 0].floor().tolist())
+    rows = sorted(next(memory.train.chunks(1000)).inputs[0][:, 0].floor().tolist())
     for epoch in range(3):
         seen = torch.cat([x for x, _ in full[14 * epoch:14 * (epoch + 1)]])[:, 0].floor()
         assert len(seen) == epoch_rows and sorted(set(seen.tolist())) == rows
     for restart in (3, 13, 14, 30):  # mid-window, at the padded batch, an epoch, the last
         b.start(restart)
         for x, y in full[restart:restart + 8]:
-            xb, yb = b.next()
+            xb, yb = _pair(b.next())
             assert torch.equal(x, xb) and torch.equal(y, yb)
     b.close()
     disk.close()
     assert b._producer is None
 
 
+def _pair(batch):
+    (x,), (y,) = batch.inputs, batch.labels
+    assert batch.weights is None and batch.padded == batch.positions == 0
+    return x, y
+
+
 def test_auto_keeps_a_partition_that_fits_the_budget_in_memory():
-    shape = Shape(0, 1, train_rows=1000, eval_rows=24, num_features=255,
-                  double_precision=False, long_labels=False)  # 1 KiB a row: 1 MiB
+    shape = Shape(0, 1, train_rows=1000, eval_rows=24,
+                  schema=_schema(255, "float32"))  # 1 KiB a row: 1 MiB
     assert cache_kind("auto", shape, 1) == "memory"
     assert cache_kind("auto", shape, 0) == "disk"
     assert cache_kind("disk", shape, 512) == "disk"
@@ -217,19 +232,21 @@ def test_only_folders_whose_owner_is_gone_are_cleaned(tmp_path):
 
 def test_the_memory_cache_holds_features_in_the_models_dtype_once(spill):
     """A bfloat16 model: the partition is converted once at load (one copy, half the size),
-    and its minibatches equal the disk cache's converted as they are read."""
+    and its minibatches equal the disk cache's, converted as they are read."""
     memory = load_partition(_batches(), _shape(), cache="memory", device=CPU,
                             dtype=torch.bfloat16)
     disk = load_partition(_batches(), _shape(), cache="disk", spill=spill, device=CPU,
                           dtype=torch.bfloat16)
-    assert memory.train.x.dtype == torch.bfloat16 and memory.train.y.dtype == torch.int64
+    assert memory.train.columns[0].dtype == torch.bfloat16
+    assert memory.train.columns[1].dtype == torch.int64
     kw = {"cut": Cut(4, 3), "seed": 2, "worker": RANK, "shuffle": True, "batch_size": 5,
           "steps_per_epoch": 14, "total_steps": 14, "device": CPU}
     a, b = TrainBatches(memory.train, **kw), TrainBatches(disk.train, **kw)
     a.start(0)
     b.start(0)
     for _ in range(14):
-        (xa, ya), (xb, yb) = a.next(), b.next()
-        assert torch.equal(xa, xb.to(torch.bfloat16)) and torch.equal(ya, yb)
+        (xa, ya), (xb, yb) = _pair(a.next()), _pair(b.next())
+        assert xa.dtype == xb.dtype == torch.bfloat16 and ya.dtype == yb.dtype == torch.int64
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
     b.close()
     disk.close()

@@ -45,7 +45,8 @@ AFTER_AUTH = [
     frame(Kind.PUSH, {"round": 0}),
     frame(Kind.EVALUATE, {}),
     frame(Kind.PULL, {"evaluate": True}),
-    frame(Kind.EVAL, {"loss_sum": 1.0, "correct": 1, "count": 2, "eval_s": 0.1, "request": 0}),
+    frame(Kind.EVAL, {"loss_sum": 1.0, "loss_weight": 2.0, "correct": 1, "scored": 2,
+                      "count": 2, "eval_s": 0.1, "request": 0}),
     frame(Kind.FINISHED, {"wait_s": 0.05}),
 ]
 HELLOS = st.fixed_dictionaries({}, optional={
@@ -145,7 +146,8 @@ WORKER_FRAMES = [
     frame(Kind.PUSH, {"round": 0, "samples": 4, "loss_sum": 2.0, "compute_s": 0.1,
                       "setup_s": 0.0, "dtype": "float32", "numel": 4},
           np.ones(4, np.float32).tobytes()),
-    frame(Kind.EVAL, {"loss_sum": 1.0, "correct": 1, "count": 2, "eval_s": 0.1}),
+    frame(Kind.EVAL, {"loss_sum": 1.0, "loss_weight": 2.0, "correct": 1, "scored": 2,
+                      "count": 2, "eval_s": 0.1}),
     frame(Kind.STATE, {"layout": [[0, "step", "value", 1]]}),
     frame(Kind.DONE, {"layout": []}),
     frame(Kind.FAILED, {"message": "boom", "final": False}),

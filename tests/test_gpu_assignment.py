@@ -139,8 +139,7 @@ def test_tasks_compare_their_gpus_in_a_barrier_only_where_spark_gives_them_gpus(
                             if key == "spark.task.resource.gpu.amount"
                             else real(s, key, default))
     spec = WorkerSpec(address=("127.0.0.1", 1), secret=b"", config=b"", model_fn=b"",
-                      loss=b"", schedule=None, num_features=1, double_precision=False,
-                      long_labels=True, classify=True, train_rows=[1], eval_rows=[0])
+                      loss=b"", schedule=None, schema=None, train_rows=[1], eval_rows=[0])
     job = BarrierJob.training(spark.range(1), spec, "gpu check", TrainConfig())
     try:
         assert job._fn.args[0].gpu_tasks is compared

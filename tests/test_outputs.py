@@ -21,9 +21,9 @@ from sparkdl_avg.scoring.outputs import describe_outputs, output_heads
 from sparkdl_avg.scoring.udf import Scorer
 
 
-def field(name, dtype, shape, role="input", wire=None):
+def field(name, dtype, shape, role="input", wire=None, source=""):
     return FieldSpec(role=role, name=name, column=name, wire=wire or f"_{name}", dtype=dtype,
-                     shape=tuple(shape))
+                     shape=tuple(shape), source=source)
 
 
 def schema(*inputs, binding="keyword", labels=()):
@@ -68,7 +68,8 @@ class TwoHeads(torch.nn.Module):
         return self.value(x), self.labels(x)
 
 
-REC = schema(field("user", "int32", ()), field("dense", "float32", (3,)))
+REC = schema(field("user", "int32", (), source="int"),
+             field("dense", "float32", (3,), source="array<float>"))
 TAG = schema(field("tokens", "int32", (-1,)), binding="single")
 TWO = schema(field("x", "float32", (5,)), binding="single",
              labels=[field("price", "float32", (), "label"), field("tags", "int64", (4,), "label")])
@@ -198,9 +199,8 @@ def test_transform_reads_every_input_by_name_and_writes_each_output_kind(frames)
     with torch.no_grad():
         expected = [tagger.model(torch.tensor([row]))[0].argmax(-1).tolist() for row in TOKENS]
     assert [list(r) for r in tags] == expected
-    with pytest.raises(DataError, match=r"column 'dense' has type array<array<float>>, but the "
-                                        r"fit read column 'dense' \(input\) as float32 of row "
-                                        r"shape \[3\]"):
+    with pytest.raises(DataError, match=r"column 'dense' is array<array<float>> in df but "
+                                        r"array<float> in train_df"):
         result.transform(rec.selectExpr("user", "array(dense) AS dense"))
 
 

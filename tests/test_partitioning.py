@@ -31,7 +31,8 @@ def test_rows_are_numbered_in_order_and_dealt_round_robin(spark, workers, input_
     assert len(parts) == workers
     for w, part in enumerate(parts):
         assert part and all(r[INDEX] % workers == w for r in part)
-    numbered = sorted((r[INDEX], r["features"][0]) for part in parts for r in part)
+    wire = data.schema.inputs[0].wire
+    numbered = sorted((r[INDEX], r[wire][0]) for part in parts for r in part)
     assert [i for i, _ in numbered] == list(range(103))
     assert sorted(f for _, f in numbered) == [float(i) for i in range(103)]
     if input_partitions == 1:  # numbering follows the DataFrame's own order

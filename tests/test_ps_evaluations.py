@@ -36,8 +36,12 @@ def client(ps: ParameterServer, worker: int) -> PSClient:
                     timeout=10)
 
 
-def result(loss_sum: float | None, correct: int | None, count: int) -> dict:
-    return {"loss_sum": loss_sum, "correct": correct, "count": count}
+def result(loss_sum: float | None, correct: int | None, count: int,
+           loss_weight: float | None = None, scored: int | None = None) -> dict:
+    """A worker's sums; by default every row weighs 1 and is scored once."""
+    return {"loss_sum": loss_sum, "correct": correct, "count": count,
+            "loss_weight": float(count) if loss_weight is None else loss_weight,
+            "scored": None if correct is None else (count if scored is None else scored)}
 
 
 def test_a_request_is_the_copy_asked_for_summed_over_every_worker_once():
@@ -53,16 +57,18 @@ def test_a_request_is_the_copy_asked_for_summed_over_every_worker_once():
         assert ack.evaluate == 0  # ... and the worker learns of the request
         assert a.pull_snapshot() == 0
         assert a.params.tolist() == [-1.0] * 4  # ... but the request is of -1
-        assert a.answer(0, result(3.0, 2, 4), eval_s=0.5).evaluate is None
+        assert a.answer(0, result(3.0, 2, 4, loss_weight=2.5, scored=8),
+                        eval_s=0.5).evaluate is None
         a.answer(0, result(100.0, 0, 100), eval_s=9.0)  # a second answer changes nothing
         assert driver.stats()["evaluations"]["results"] == []  # not every worker answered
         assert driver.stats()["evaluations"]["pending"]["answered"] == [0]
         assert b.pull_snapshot() == 0 and b.params.tolist() == [-1.0] * 4
-        b.answer(0, result(1.0, 1, 2), eval_s=0.25)
+        b.answer(0, result(1.0, 1, 2, loss_weight=0.5, scored=3), eval_s=0.25)
         evaluations = driver.stats()["evaluations"]
         assert evaluations["pending"] is None
         assert evaluations["results"] == [{"request": 0, "applied": 1, "final": False,
-                                           "loss_sum": 4.0, "correct": 3, "count": 6,
+                                           "loss_sum": 4.0, "loss_weight": 3.0,
+                                           "correct": 3, "scored": 11, "count": 6,
                                            "eval_s": 0.5}]
         a.pull()  # the snapshot pulls changed nothing of the worker's own reads
         assert a.params.tolist() == [-2.0] * 4 and ps.applied == 2
@@ -114,7 +120,8 @@ def test_finished_workers_get_the_final_request_and_then_leave():
 def test_misplaced_or_malformed_evaluation_messages_are_refused_and_counted():
     with started() as (ps, driver), client(ps, 0) as a:
         a.pull()
-        msg.send(a._conn, msg.Eval(loss_sum=1.0, correct=None, count=1, eval_s=0.0))
+        msg.send(a._conn, msg.Eval(loss_sum=1.0, loss_weight=1.0, correct=None, scored=None,
+                                   count=1, eval_s=0.0))
         with pytest.raises(ProtocolError, match="must name its request") as info:
             msg.expect(a._conn, msg.Ack)
         assert info.value.reason == "malformed"
@@ -122,9 +129,9 @@ def test_misplaced_or_malformed_evaluation_messages_are_refused_and_counted():
         with pytest.raises(ProtocolError, match="exceeds 60") as info:
             msg.expect(a._conn, msg.Ack)
         assert info.value.reason == "malformed"
-        a._conn.send(msg.Kind.EVAL, {"loss_sum": 1.0, "correct": 3, "count": 1,
-                                     "eval_s": 0.0, "request": 0})
-        with pytest.raises(ProtocolError, match="count 1, correct 3"):
+        a._conn.send(msg.Kind.EVAL, {"loss_sum": 1.0, "loss_weight": 1.0, "correct": 3,
+                                     "scored": 1, "count": 1, "eval_s": 0.0, "request": 0})
+        with pytest.raises(ProtocolError, match="scored 1, correct 3"):
             msg.expect(a._conn, msg.Ack)
         msg.send(a._conn, msg.Evaluate())  # only the driver asks
         with pytest.raises(ProtocolError, match="unexpected EVALUATE") as info:
@@ -173,7 +180,7 @@ class _Recording:
 
     def evaluate(self) -> dict:
         self.seen.append(self.model.weight.detach().flatten().tolist())
-        return {"loss_sum": 0.5, "correct": 1, "count": 2}
+        return result(0.5, 1, 2)
 
 
 def _worker_link(ps: ParameterServer, config):

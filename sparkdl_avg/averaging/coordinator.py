@@ -31,6 +31,7 @@ from sparkdl_avg.averaging.arithmetic import (
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
 from sparkdl_avg.net.server import Server
+from sparkdl_avg.task.evaluate import eval_means
 
 log = logging.getLogger("sparkdl_avg")
 _POLL_S = 0.25
@@ -220,11 +221,14 @@ class Coordinator(Server):
             stats.states = self._all(self._recv_state)
         if evaluate:
             evals = self._all(lambda rank, conn: self._expect(rank, conn, msg.Eval)[0])
-            count = sum(e.count for e in evals)
-            stats.eval = {"loss": sum_or_nan(e.loss_sum for e in evals) / max(1, count),
-                          "time_s": max(e.eval_s for e in evals)}
-            if all(e.correct is not None for e in evals):  # classifiers only
-                stats.eval["accuracy"] = sum(e.correct for e in evals) / max(1, count)
+            classify = all(e.correct is not None for e in evals)
+            loss, accuracy = eval_means(
+                sum_or_nan(e.loss_sum for e in evals), sum(e.loss_weight for e in evals),
+                sum(e.correct for e in evals) if classify else None,
+                sum(e.scored for e in evals) if classify else None)
+            stats.eval = {"loss": loss, "time_s": max(e.eval_s for e in evals)}
+            if accuracy is not None:  # classifiers only
+                stats.eval["accuracy"] = accuracy
         now = time.perf_counter()
         stats.phases = _phases(self._round_end, [r.setup_s for r, _ in reports],
                                [r.compute_s for r, _ in reports],

@@ -1,12 +1,15 @@
 """A worker's minibatches from any step on, in the one order of `order.EpochOrder`, from
 either cache.
 
-From memory, a batch is an index into the tensors already on the device. From disk, a
-background thread reads each shuffle window (its chunks, one contiguous read each) into one
-reused buffer and assembles the next `PREFETCH` minibatches from it; on CUDA they are pinned
-and copied on a side stream one step ahead. Either way the batch at a step is a pure function
-of the step, so a restart at any step sees what the uninterrupted run saw, padding included
-(an epoch of `epoch_rows` positions, more than a short partition's rows).
+A minibatch is a `schema.Batch` on the device in the model's dtypes, ragged fields padded to
+its longest row. From memory, it is an index into the tensors already on the device. From
+disk, a background thread reads each shuffle window (its chunks, one contiguous read each per
+file, and a ragged field's values one read per run of rows stored one after another) into one
+reused `disk_cache.Window` and assembles the next `PREFETCH` minibatches from it; on CUDA they
+are pinned, copied on a side stream one step ahead and take the model's dtypes there.
+Either way the batch at a step is a pure function of the step, so a restart at any step
+sees what the uninterrupted run saw, padding included (an epoch of `epoch_rows` positions,
+more than a short partition's rows).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import time
 
 import numpy as np
 
+from sparkdl_avg.data.cache import batch_of, tensors_of, typed
+from sparkdl_avg.data.disk_cache import assemble
 from sparkdl_avg.data.order import Cut, EpochOrder, batch_positions
 
 PREFETCH = 4
@@ -50,7 +55,7 @@ class TrainBatches:
             self._producer = _Producer(self, step).start()
 
     def next(self):
-        """The (features, labels) of the minibatch at the current step, on the device."""
+        """The minibatch at the current step (a `schema.Batch`), on the device."""
         if self.columns.in_memory:
             out = self._take(self.step)
         elif self.device.type == "cuda":
@@ -67,20 +72,22 @@ class TrainBatches:
             self._copy_stream = torch.cuda.Stream(self.device)
         if self._ahead is None:
             self._ahead = self._copy(self._producer.get())
-        (x, y), event = self._ahead
+        batch, event = self._ahead
         self._ahead = self._copy(self._producer.get()) \
             if self.step + 1 < self.total_steps else None
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(event)
-        x.record_stream(stream)
-        y.record_stream(stream)
-        return x, y
+        batch.record_stream(stream)
+        return batch
 
-    def _copy(self, item):
+    def _copy(self, batch):
+        """The pinned batch to the device and into the model's dtypes, on the side stream."""
         import torch
 
+        cols = self.columns
         with torch.cuda.stream(self._copy_stream):
-            out = tuple(t.to(self.device, non_blocking=True) for t in item)
+            out = typed(batch.to(self.device, non_blocking=True), cols.schema,
+                        cols.float_dtype)
             return out, self._copy_stream.record_event()
 
     def order(self, epoch: int) -> EpochOrder:
@@ -102,18 +109,22 @@ class TrainBatches:
 
         t0 = time.perf_counter()
         epoch, order, pieces = self.pieces(step)
-        parts = []
+        rows, index = [], []
         for k, a, b in pieces:
             if self._window is None or self._window[:2] != (epoch, k):
-                rows = torch.from_numpy(order.rows(k)).to(self.device)
-                self._window = (epoch, k, rows)
-            parts.append(self._window[2][a:b])
-        index = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
-            torch.zeros(0, dtype=torch.int64, device=self.device)
-        out = self.columns.take(index)
+                host = order.rows(k)
+                self._window = (epoch, k, host, torch.from_numpy(host).to(self.device))
+            rows.append(self._window[2][a:b])
+            index.append(self._window[3][a:b])
+        if len(pieces) == 1:
+            out = self.columns.take(rows[0], index[0])
+        elif pieces:
+            out = self.columns.take(np.concatenate(rows), torch.cat(index))
+        else:
+            out = self.columns.take(np.zeros(0, np.int64))
         if self.device.type != "cuda":  # on CUDA this times only the launch: not counted
             self.columns.assemble_s += time.perf_counter() - t0
-            self.columns.assembled_bytes += out[0].nbytes + out[1].nbytes
+            self.columns.assembled_bytes += out.nbytes
         return out
 
     def close(self) -> None:
@@ -158,34 +169,30 @@ class _Producer:
     def _run(self, step: int) -> None:
         b = self.batches
         cols = b.columns
-        window_x, window_y = cols.empty(min(b.cut.window_rows, cols.rows))
+        window = cols.empty(min(b.cut.window_rows, cols.rows))
         loaded = None
         pin = b.device.type == "cuda"
         try:
-            import torch
-
             while step < b.total_steps and not self.stopped.is_set():
                 t0 = time.perf_counter()
                 epoch, order, pieces = b.pieces(step)
-                xs, ys = [], []
+                parts = []
                 for k, a, c in pieces:
                     if loaded != (epoch, k):
-                        cols.read_into(order.ranges(k), window_x, window_y)
+                        cols.read_into(order.ranges(k), window)
                         loaded, window_visit = (epoch, k), order.visit(k)
-                    visit = window_visit[a:c]
-                    xs.append(window_x[visit])
-                    ys.append(window_y[visit])
-                if not xs:
-                    xs, ys = [window_x[:0]], [window_y[:0]]
-                x = torch.from_numpy(xs[0] if len(xs) == 1 else np.concatenate(xs))
-                y = torch.from_numpy(ys[0] if len(ys) == 1 else np.concatenate(ys))
-                if pin:
-                    x, y = x.pin_memory(), y.pin_memory()
+                    parts.append(window.part(window_visit[a:c]))
+                batch = assemble(cols.schema, parts or [window.part(np.zeros(0, np.int64))])
+                if pin:  # the side stream copies it and converts it on the device
+                    batch = batch_of(cols.schema, [t.pin_memory() for t in tensors_of(batch)],
+                                     batch.padded, batch.positions)
+                else:
+                    batch = typed(batch, cols.schema, cols.float_dtype)
                 cols.assemble_s += time.perf_counter() - t0
-                cols.assembled_bytes += x.nbytes + y.nbytes
+                cols.assembled_bytes += batch.nbytes
                 while not self.stopped.is_set() and not cols.closed:
                     try:
-                        self.queue.put((x, y), timeout=0.05)
+                        self.queue.put(batch, timeout=0.05)
                         break
                     except queue.Full:
                         pass

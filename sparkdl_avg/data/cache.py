@@ -1,76 +1,189 @@
-"""A partition's rows, held in memory (tensors on the task's device) or on local disk (one raw
-little-endian file per column, rows in their local order, read back through file handles).
+"""A partition's rows in the data cache, and the memory cache itself: every field of the
+schema as tensors on the task's device. Rows arrive from Spark's shuffle in no fixed order,
+but each row's place is known from its global number, so each batch is written straight to
+its place (`disk_cache` does the same with files).
 
-Rows arrive from Spark's shuffle in no fixed order, but each row's place is known from its
-global number, so each batch is written straight to its place: in memory by index, on disk by
-positional writes of its contiguous runs. Fixed-width rows at computed offsets are what let
-the disk cache be sorted as it arrives; a columnar file format with variable layout (Arrow
-IPC) would need a second, sorting pass. The files are `np.memmap`-able for inspection, but the
-cache itself never maps them: mapped pages would count toward the task's resident memory.
+A fixed-shape field is one array `[rows, *shape]`. A ragged field is its flat values, appended
+as rows arrive, and each row's start and length in them, by place (`ragged`). Floats are held
+in the model's dtype (converted once, when the partition is complete), integers at the width
+they were carried in (int32 ids stay 4 bytes), booleans as booleans; a minibatch takes the
+model's dtypes as it is cut (`typed`): integers int64, ragged fields padded to the batch's
+longest row with the field's pad value.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
+import math
 
 import numpy as np
 
-from sparkdl_avg._errors import DataCacheError
+from sparkdl_avg.data.ragged import RaggedRows, longest, pad_counts
+from sparkdl_avg.data.schema import Batch, DataSchema
 
 MIB = 1 << 20
 
 
+def float_dtype_of(schema: DataSchema, dtype=None):
+    """The torch dtype float fields take: the model's, else the one they were carried in."""
+    import torch
+
+    return dtype if dtype is not None else getattr(torch, schema.float_dtype)
+
+
+def batch_of(schema: DataSchema, tensors: list, padded: int = 0, positions: int = 0) -> Batch:
+    """Tensors in field order as a Batch."""
+    n_in, n_labels = len(schema.inputs), len(schema.labels)
+    return Batch(tuple(tensors[:n_in]), tuple(tensors[n_in:n_in + n_labels]),
+                 tensors[-1] if schema.weight is not None else None, padded, positions)
+
+
+def tensors_of(batch: Batch) -> list:
+    return [*batch.inputs, *batch.labels, *(() if batch.weights is None else (batch.weights,))]
+
+
+def typed(batch: Batch, schema: DataSchema, float_dtype) -> Batch:
+    """The batch in the dtypes the model gets (`FieldSpec.torch_dtype`)."""
+    tensors = [t.to(f.torch_dtype(float_dtype))
+               for f, t in zip(schema.fields, tensors_of(batch), strict=True)]
+    return batch_of(schema, tensors, batch.padded, batch.positions)
+
+
+class _RaggedStore:
+    """A ragged field's rows as they arrive: values appended (room grown as needed, from the
+    dataset's mean a row), starts and lengths by place."""
+
+    def __init__(self, rows: int, mean_values: float, field) -> None:
+        room = max(1, math.ceil(rows * mean_values / max(1, math.prod(field.inner))))
+        self.values = np.empty((room, *field.inner), field.dtype)
+        self.starts = np.zeros(rows, np.int64)
+        self.lengths = np.zeros(rows, np.int64)
+        self.end = 0
+
+    def write(self, place, rows: RaggedRows) -> None:
+        end = self.end + len(rows.values)
+        if end > len(self.values):  # grown geometrically: amortised copies
+            grown = np.empty((max(end, len(self.values) * 3 // 2), *self.values.shape[1:]),
+                             self.values.dtype)
+            grown[:self.end] = self.values[:self.end]
+            self.values = grown
+        self.values[self.end:end] = rows.values
+        self.starts[place] = rows.starts + self.end
+        self.lengths[place] = rows.lengths
+        self.end = end
+
+
+class _DeviceRagged:
+    """A ragged field on the device; its lengths also on the host, so that a batch's longest
+    row is known without waiting for the device."""
+
+    def __init__(self, store: _RaggedStore, device, dtype) -> None:
+        # the room beyond the last value given back in place: the tensor may share the array
+        store.values.resize((store.end, *store.values.shape[1:]), refcheck=False)
+        self.values = _to_device(store.values, device, dtype)
+        self.starts = _to_device(store.starts, device)
+        self.lengths = _to_device(store.lengths, device)
+        self.host_lengths = store.lengths
+
+    def padded(self, index, longest: int, pad_value):
+        """Rows `index` (a device tensor) as `[rows, longest, *inner]`: a gather and a fill,
+        no boolean indexing (which would wait for the device)."""
+        import torch
+
+        offsets = torch.arange(longest, device=self.values.device)
+        keep = offsets < self.lengths.index_select(0, index)[:, None]
+        at = torch.where(keep, self.starts.index_select(0, index)[:, None] + offsets, 0)
+        out = self.values.index_select(0, at.view(-1)).view(*at.shape, *self.values.shape[1:])
+        return out.masked_fill(~keep.view(*keep.shape, *(1,) * (out.dim() - 2)), pad_value)
+
+
 class MemoryColumns:
-    """Features and labels as tensors on the task's device."""
+    """Every field as tensors on the task's device."""
 
     in_memory = True
 
-    def __init__(self, x, y) -> None:
-        self.x, self.y = x, y
-        self.rows = int(x.shape[0])
+    def __init__(self, schema: DataSchema, columns: list, rows: int, float_dtype,
+                 device) -> None:
+        self.schema, self.columns, self.rows = schema, columns, rows
+        self.float_dtype, self.device = float_dtype, device
         self.assemble_s, self.assembled_bytes = 0.0, 0
         """Time spent, and bytes produced, assembling minibatches (`batches`)."""
 
-    def take(self, index):
-        return self.x[index], self.y[index]
+    def take(self, rows: np.ndarray, index=None) -> Batch:
+        """Rows `rows` (local places, a numpy array) as a Batch on the device; `index`: the
+        same places already on the device."""
+        import torch
+
+        if index is None:
+            index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(self.device)
+        tensors, padded, positions = [], 0, 0
+        for field, column in zip(self.schema.fields, self.columns, strict=True):
+            if field.ragged:
+                lengths = column.host_lengths[rows]
+                most = longest(lengths)
+                tensor = column.padded(index, most, field.pad_value)
+                if field.role == "input":
+                    pads, all_ = pad_counts(lengths, most)
+                    padded, positions = padded + pads, positions + all_
+            else:  # not column[index]: on the CPU, advanced indexing is 100 times slower
+                tensor = column.index_select(0, index)
+            tensors.append(tensor.to(field.torch_dtype(self.float_dtype)))
+        return batch_of(self.schema, tensors, padded, positions)
 
     def chunks(self, size: int):
         for start in range(0, self.rows, size):
-            yield self.x[start:start + size], self.y[start:start + size]
+            yield self.take(np.arange(start, min(start + size, self.rows)))
 
     def close(self) -> None:
-        pass
+        self.columns = []
 
 
 class MemoryWriter:
-    def __init__(self, rows: int, num_features: int, x_dtype, y_dtype) -> None:
-        self.x = np.empty((rows, num_features), x_dtype)
-        self.y = np.empty(rows, y_dtype)
+    def __init__(self, schema: DataSchema, rows: int, ragged_values: dict) -> None:
+        self.schema, self.rows = schema, rows
+        self.stores = [_RaggedStore(rows, ragged_values[f.wire], f) if f.ragged
+                       else np.empty((rows, *f.shape), f.dtype) for f in schema.fields]
 
-    def write(self, index: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        """`index` sorted and unique: one run of places is a slice."""
-        if index[-1] - index[0] == index.size - 1:
-            index = slice(int(index[0]), int(index[-1]) + 1)
-        self.x[index] = x
-        self.y[index] = y
+    def write(self, place: np.ndarray, columns: list) -> None:
+        """Rows to places `place` (sorted, unique: one run of places is a slice); `columns`
+        in field order, arrays in place order or `RaggedRows`."""
+        if place[-1] - place[0] == place.size - 1:
+            place = slice(int(place[0]), int(place[-1]) + 1)
+        for store, rows in zip(self.stores, columns, strict=True):
+            if isinstance(store, _RaggedStore):
+                store.write(place, rows)
+            else:
+                store[place] = rows
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.nbytes if isinstance(s, np.ndarray) else
+                   s.values[:s.end].nbytes + s.starts.nbytes + s.lengths.nbytes
+                   for s in self.stores)
 
     def finish(self, device, dtype=None) -> MemoryColumns:
-        """The columns as tensors on `device`, features (and fractional labels) in `dtype`
-        (the model's): converted here, once, so only that copy stays."""
-        import torch
-
-        x, y = torch.from_numpy(self.x), torch.from_numpy(self.y)
+        """The columns as tensors on `device`, floats in `dtype` (the model's; None: as
+        carried): converted here, once, so only that copy stays."""
+        float_dtype = float_dtype_of(self.schema, dtype)
+        columns = []
+        for field, store in zip(self.schema.fields, self.stores, strict=True):
+            want = float_dtype if field.kind == "float" else None
+            columns.append(_DeviceRagged(store, device, want) if field.ragged
+                           else _to_device(store, device, want))
         self.close()
-        y_dtype = dtype if dtype is not None and y.is_floating_point() else y.dtype
-        x_dtype = dtype or x.dtype
-        if device.type == "cuda":  # in slices: no pinned copy of the whole partition
-            return MemoryColumns(_to_cuda(x, device, x_dtype), _to_cuda(y, device, y_dtype))
-        return MemoryColumns(x.to(x_dtype), y.to(y_dtype))
+        return MemoryColumns(self.schema, columns, self.rows, float_dtype, device)
 
     def close(self) -> None:
-        self.x = self.y = None
+        self.stores = []
+
+
+def _to_device(array: np.ndarray, device, dtype=None):
+    import torch
+
+    t = torch.from_numpy(array)
+    dtype = dtype or t.dtype
+    if device.type == "cuda":  # in slices: no pinned copy of the whole partition
+        return _to_cuda(t, device, dtype)
+    return t.to(dtype)
 
 
 def _to_cuda(t, device, dtype, slice_bytes: int = 64 * MIB):
@@ -82,125 +195,3 @@ def _to_cuda(t, device, dtype, slice_bytes: int = 64 * MIB):
         out[start:start + step].copy_(t[start:start + step].pin_memory(), non_blocking=True)
     torch.cuda.synchronize(device)
     return out
-
-
-class DiskColumns:
-    """Features and labels in two files; reads go through file handles (`os.preadv`)."""
-
-    in_memory = False
-
-    def __init__(self, paths: tuple[str, str], rows: int, num_features: int, x_dtype,
-                 y_dtype) -> None:
-        self.paths, self.rows = paths, rows
-        self.x_dtype, self.y_dtype = np.dtype(x_dtype), np.dtype(y_dtype)
-        self.num_features = num_features
-        self.row_bytes = (num_features * self.x_dtype.itemsize, self.y_dtype.itemsize)
-        self._fds = [os.open(p, os.O_RDONLY) for p in paths]
-        self.assemble_s, self.assembled_bytes = 0.0, 0
-
-    def empty(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        return (np.empty((rows, self.num_features), self.x_dtype),
-                np.empty(rows, self.y_dtype))
-
-    def read_into(self, ranges: list[tuple[int, int]], x: np.ndarray, y: np.ndarray) -> int:
-        """Rows of `ranges` one after another into the front of x and y; returns the rows."""
-        at = 0
-        for start, stop in ranges:
-            for fd, out, width in zip(self._fds, (x, y), self.row_bytes, strict=True):
-                _pread_exactly(fd, out[at:at + stop - start], start * width)
-            at += stop - start
-        return at
-
-    @property
-    def closed(self) -> bool:
-        return not self._fds
-
-    def chunks(self, size: int):
-        import torch
-
-        x, y = self.empty(min(size, self.rows))
-        for start in range(0, self.rows, size):
-            n = self.read_into([(start, min(start + size, self.rows))], x, y)
-            yield torch.from_numpy(x[:n]), torch.from_numpy(y[:n])
-
-    def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-
-
-def _pread_exactly(fd: int, out: np.ndarray, offset: int) -> None:
-    view = memoryview(out).cast("B")
-    while len(view):
-        got = os.preadv(fd, [view], offset)
-        if got == 0:
-            raise DataCacheError(f"the data cache file ended early at byte {offset}")
-        view, offset = view[got:], offset + got
-
-
-class DiskWriter:
-    """Writes rows to their places in the column files, which are allocated in full up front,
-    so a disk without room fails here (naming it) rather than midway."""
-
-    def __init__(self, folder, name: str, rows: int, num_features: int, x_dtype,
-                 y_dtype) -> None:
-        self.rows, self.num_features = rows, num_features
-        self.x_dtype, self.y_dtype = np.dtype(x_dtype), np.dtype(y_dtype)
-        self.paths = (folder.file(f"{name}-features.{self.x_dtype.str[1:]}"),
-                      folder.file(f"{name}-labels.{self.y_dtype.str[1:]}"))
-        self.widths = (num_features * self.x_dtype.itemsize, self.y_dtype.itemsize)
-        self._fds = []
-        try:
-            for path, width in zip(self.paths, self.widths, strict=True):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                self._fds.append(fd)
-                if rows:
-                    with _room(path, rows * width):
-                        os.posix_fallocate(fd, 0, rows * width)
-        except BaseException:  # an open descriptor would keep the space allocated
-            self.close()
-            raise
-        self.bytes = rows * sum(self.widths)
-
-    def write(self, index: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        """`index` sorted: each run of consecutive places is one write per column."""
-        cuts = np.flatnonzero(np.diff(index) != 1) + 1
-        for a, b in zip(np.r_[0, cuts], np.r_[cuts, index.size], strict=True):
-            place = int(index[a])
-            for fd, path, column, width in zip(self._fds, self.paths, (x, y), self.widths,
-                                               strict=True):
-                data = memoryview(np.ascontiguousarray(column[a:b])).cast("B")
-                with _room(path, data.nbytes):
-                    _pwrite_all(fd, data, place * width)
-
-    def finish(self, device=None, dtype=None) -> DiskColumns:
-        """The columns as files (minibatches take the model's dtype as they are read)."""
-        self.close()
-        return DiskColumns(self.paths, self.rows, self.num_features, self.x_dtype,
-                           self.y_dtype)
-
-    def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-
-
-@contextlib.contextmanager
-def _room(path: str, nbytes: int):
-    """A full disk (or quota, or file size limit) as a DataCacheError naming the folder."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise DataCacheError(
-                f"no room for the data cache in {os.path.dirname(path)}: writing "
-                f"{nbytes / MIB:.1f} MiB to {os.path.basename(path)} failed ({exc.strerror}); "
-                "free space there, point spark.local.dir elsewhere, or raise "
-                "cache_budget_mb") from exc
-        raise
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        done = os.pwrite(fd, data, offset)
-        data, offset = data[done:], offset + done

@@ -8,15 +8,20 @@ task never holds more than one Arrow batch beyond the cache itself.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from sparkdl_avg._errors import DataError
-from sparkdl_avg.data.cache import MIB, DiskColumns, DiskWriter, MemoryColumns, MemoryWriter
-from sparkdl_avg.data.columns import EVAL, TRAIN
+from sparkdl_avg.data.arrow_columns import read_column
+from sparkdl_avg.data.cache import MIB, MemoryColumns, MemoryWriter
+from sparkdl_avg.data.columns import EVAL, INDEX, SPLIT, TRAIN
+from sparkdl_avg.data.disk_cache import DiskColumns, DiskWriter
+from sparkdl_avg.data.ragged import rows_of
+from sparkdl_avg.data.schema import DataSchema
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,23 +32,24 @@ class Shape:
     num_workers: int
     train_rows: int
     eval_rows: int
-    num_features: int
-    double_precision: bool
-    long_labels: bool
+    schema: DataSchema
+    ragged_values: dict = field(default_factory=dict)
+    """Per ragged field's wire: the mean values a row (outer length x inner size) over the
+    whole dataset, which sizes its cache before its rows arrive."""
 
     @property
-    def dtypes(self) -> tuple[np.dtype, np.dtype]:
-        x = np.dtype(np.float64 if self.double_precision else np.float32)
-        return x, (np.dtype(np.int64) if self.long_labels else x)
+    def mean_row_bytes(self) -> float:
+        """A row's bytes as carried, a ragged field's by its mean."""
+        return float(self.schema.row_bytes(self.ragged_values))
 
     @property
     def row_bytes(self) -> int:
-        x, y = self.dtypes
-        return self.num_features * x.itemsize + y.itemsize
+        return max(1, math.ceil(self.mean_row_bytes))
 
     @property
     def bytes(self) -> int:
-        return (self.train_rows + self.eval_rows) * self.row_bytes
+        """The partition's bytes in the cache (estimated by the means for ragged fields)."""
+        return math.ceil((self.train_rows + self.eval_rows) * self.mean_row_bytes)
 
 
 def cache_kind(data_cache: str, shape: Shape, budget_mb: int) -> str:
@@ -74,19 +80,19 @@ class Partition:
 
 def load_partition(batches: Iterator, shape: Shape, *, cache: str, spill=None, device,
                    dtype=None, progress=None) -> Partition:
-    """Read every batch into the cache ("disk" needs `spill`, a `SpillDir`), telling
-    `progress(rows, done=False)` as it goes; the memory cache holds features in `dtype` (the
-    model's; None: as they came). Raises DataError when the rows are not exactly
-    the ones validation numbered for this worker."""
+    """Read every batch (columns `[*shape.schema.wires, INDEX, SPLIT]`) into the cache
+    ("disk" needs `spill`, a `SpillDir`), telling `progress(rows, done=False)` as it goes.
+    Minibatches come out in the model's dtypes: float fields in `dtype` (the model's torch
+    dtype; None: as carried), which the memory cache holds them in. Raises DataError when
+    the rows are not exactly the ones validation numbered for this worker."""
     started = time.perf_counter()
-    x_dtype, y_dtype = shape.dtypes
     sizes = {TRAIN: shape.train_rows, EVAL: shape.eval_rows}
     writers, finished = {}, []
     try:  # every file opened is closed on the way out of a failure
         for split, name in ((TRAIN, "train"), (EVAL, "eval")):
-            writers[split] = DiskWriter(spill, name, sizes[split], shape.num_features,
-                                        x_dtype, y_dtype) if cache == "disk" else \
-                MemoryWriter(sizes[split], shape.num_features, x_dtype, y_dtype)
+            writers[split] = DiskWriter(spill, name, shape.schema, sizes[split],
+                                        shape.ragged_values) if cache == "disk" else \
+                MemoryWriter(shape.schema, sizes[split], shape.ragged_values)
         seen = {split: _Seen(sizes[split]) for split in (TRAIN, EVAL)}
         for batch in batches:
             _place(batch, shape, writers, seen)
@@ -112,30 +118,38 @@ def load_partition(batches: Iterator, shape: Shape, *, cache: str, spill=None, d
 def _place(batch, shape: Shape, writers: dict, seen: dict) -> None:
     if batch.num_rows == 0:
         return
-    x_dtype, y_dtype = shape.dtypes
-    x = batch.column(0).flatten().to_numpy(zero_copy_only=False)
-    x = x.reshape(-1, shape.num_features).astype(x_dtype, copy=False)
-    y = batch.column(1).to_numpy(zero_copy_only=False).astype(y_dtype, copy=False)
-    row = batch.column(2).to_numpy(zero_copy_only=False)
-    split = batch.column(3).to_numpy(zero_copy_only=False)
+    columns = [read_column(batch.column(f.wire), f) for f in shape.schema.fields]
+    row = batch.column(INDEX).to_numpy(zero_copy_only=False)
+    split = batch.column(SPLIT).to_numpy(zero_copy_only=False)
     for part in (TRAIN, EVAL):
         mine = split == part
         if mine.all():  # the common case: no copies of the batch's rows
-            xs, ys, offset = x, y, row - shape.rank
+            keep, offset = None, row - shape.rank
         elif mine.any():
-            xs, ys, offset = x[mine], y[mine], row[mine] - shape.rank
+            keep = np.flatnonzero(mine)
+            offset = row[keep] - shape.rank
         else:
             continue
-        place = offset // shape.num_workers
+        place, order = offset // shape.num_workers, None
         if not (np.diff(place) == 1).all():  # usually rows come in order, in runs
             order = np.argsort(place, kind="stable")
-            place, xs, ys = place[order], xs[order], ys[order]
+            place = place[order]
         if ((offset % shape.num_workers) != 0).any() or place[0] < 0 or \
                 place[-1] >= seen[part].rows:
             raise _changed(shape, f"rows numbered for another worker or beyond "
                                   f"{seen[part].rows} {_NAMES[part]} rows")
         seen[part].add(place, shape)
-        writers[part].write(place, xs, ys)
+        writers[part].write(place, [_rows(c, f, keep, order)
+                                    for c, f in zip(columns, shape.schema.fields,
+                                                    strict=True)])
+
+
+def _rows(column, field, keep, order):
+    """A column's rows of one split (`keep`, None: all), in place order (`order`)."""
+    if field.ragged:
+        return rows_of(column, keep, order)
+    pick = keep if order is None else order if keep is None else keep[order]
+    return column.values if pick is None else column.values[pick]
 
 
 _NAMES = {TRAIN: "training", EVAL: "evaluation"}

@@ -1,28 +1,28 @@
 """From the user's DataFrame to `num_workers` balanced, validated partitions (Spark side).
 
-One aggregation job validates everything (columns, nulls/NaN, feature width, label range) and
-counts rows per input partition; those counts number the rows globally, and a hash key chosen
-per worker sends row g to partition `g % num_workers` in a single shuffle. Training then reads
-each partition once through `mapInArrow`.
+The fit's arguments name the columns (`describe.bind`); each is carried in its own type (ints
+at their width, floats as the model's, arrays nested, vectors as arrays). One aggregation job
+(`validate`) checks every field and counts rows per input partition, and its results make the
+`schema.DataSchema` every later stage reads; the counts number the rows globally, and a hash
+key chosen per worker sends row g to partition `g % num_workers` in a single shuffle.
+Training then reads each partition once through `mapInArrow`.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sparkdl_avg._errors import DataError
-from sparkdl_avg.data.columns import EVAL, FEATURES, INDEX, LABEL, SPLIT, TRAIN
+from sparkdl_avg.data import validate
+from sparkdl_avg.data.columns import EVAL, INDEX, SPLIT, TRAIN
+from sparkdl_avg.data.describe import DEFAULT_FEATURES, Source, bind, carried_type, carry
 from sparkdl_avg.data.order import partition_sizes
-
-_NUMERIC = (T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.FloatType, T.DoubleType,
-            T.DecimalType)
-_INTEGRAL = (T.ByteType, T.ShortType, T.IntegerType, T.LongType)
+from sparkdl_avg.data.schema import DataSchema
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,216 +30,121 @@ class PreparedData:
     """Validated data, partitioned one partition per worker, and what was learned about it."""
 
     frame: DataFrame
-    num_features: int
+    schema: DataSchema
     train_sizes: list[int]
     eval_sizes: list[int]
-    integral_labels: bool
-    label_min: float
-    label_max: float
-    fractional_labels: int
+    ranges: dict[str, tuple[float, float] | None] = field(default_factory=dict)
+    """Per wire of an integer field or a label: its least and largest value (a label's -100
+    not counted); None when it has none."""
+    ragged_values: dict[str, float] = field(default_factory=dict)
+    """Per ragged wire: values per row, on average."""
+    longest: dict[str, int] = field(default_factory=dict)
+    """Per ragged wire: the longest row's outer length."""
+
+    @property
+    def num_features(self) -> int | None:
+        """The width of a single vector input (what a fit of one vector reports)."""
+        x = self.schema.inputs[0]
+        return x.shape[0] if len(self.schema.inputs) == 1 and len(x.shape) == 1 \
+            and not x.ragged else None
 
 
 def prepare(
     train_df: DataFrame,
     eval_df: DataFrame | None,
     *,
-    features_col: str | Sequence[str],
-    label_col: str,
+    features_col: str | Sequence[str] = DEFAULT_FEATURES,
+    inputs=None,
+    label_col: str | Sequence[str] = "label",
+    weight_col: str | None = None,
     num_workers: int,
     double_precision: bool,
+    class_labels: Sequence[bool] = (),
 ) -> PreparedData:
+    """`class_labels[k]`: label k feeds a classifier's cross-entropy, so a float column of
+    whole numbers is carried as int64 class indices (a fractional one is a DataError)."""
     element = T.DoubleType() if double_precision else T.FloatType()
-    sides = [_normalise(train_df, "train_df", features_col, label_col, element)]
+    binding = bind(train_df, features_col=features_col, inputs=inputs, label_col=label_col,
+                   weight_col=weight_col)
+    sources = list(binding.sources)
+    frames = [_carried(train_df, "train_df", sources, element)]
     if eval_df is not None:
-        sides.append(_normalise(eval_df, "eval_df", features_col, label_col, element))
-    integral = sides[0][1]
-    if eval_df is not None and sides[1][1] != integral:
-        raise DataError(
-            f"label column {label_col!r} is integral in one of train_df/eval_df and "
-            "fractional in the other; cast both to the same type"
-        )
-    label_type = T.LongType() if integral else T.DoubleType()
+        if not isinstance(eval_df, DataFrame):
+            raise DataError(f"eval_df must be a pyspark DataFrame, got {type(eval_df).__name__}")
+        frames.append(_carried(eval_df, "eval_df", sources, element))
     # Rows are numbered on each side before the union, so both sides count from 0 however
     # Spark lays out the union's partitions.
-    frames = [
-        frame.select(F.col(FEATURES), F.col(LABEL).cast(label_type).alias(LABEL),
-                     F.lit(split).cast(T.ByteType()).alias(SPLIT),
-                     F.spark_partition_id().alias("_pid"),
-                     F.monotonically_increasing_id().alias("_mid"))
-        for split, (frame, _) in enumerate(sides)
-    ]
+    wires = [s.wire for s in sources]
+    frames = [frame.select(*wires, F.lit(split).cast(T.ByteType()).alias(SPLIT),
+                           F.spark_partition_id().alias("_pid"),
+                           F.monotonically_increasing_id().alias("_mid"))
+              for split, frame in enumerate(frames)]
     numbered = frames[0] if len(frames) == 1 else frames[0].unionByName(frames[1])
-    stats = _validate(numbered, features_col, label_col, element, has_eval=eval_df is not None)
+    labels = [s for s in sources if s.role == "label"]
+    to_classes = {s.wire for s, c in zip(labels, class_labels, strict=False)
+                  if c and s.kind == "float"}
+    rows = numbered.groupBy(SPLIT, "_pid").agg(
+        *validate.aggregations(sources, element, to_classes)).collect()
+    totals = validate.check_rows(rows, sources, has_eval=eval_df is not None)
+    for s in labels:
+        odd = sum(r[f"{s.wire}_fractional"] or 0 for r in rows) if s.wire in to_classes else 0
+        if odd:
+            raise DataError(f"label column {s.column!r} has {odd} non-integer values; "
+                            "cross_entropy needs integer class labels")
+    sources = [_as_classes(s) if s.wire in to_classes else s for s in sources]
+    dtypes = {s.wire: _dtype(s, element) for s in sources}
+    learned = validate.field_specs(rows, sources, dtypes)
+    specs = learned["specs"]
+    schema = DataSchema(
+        inputs=tuple(specs[s.wire] for s in sources if s.role == "input"),
+        binding=binding.binding, label_list=binding.label_list,
+        labels=tuple(specs[s.wire] for s in sources if s.role == "label"),
+        weight=next((specs[s.wire] for s in sources if s.role == "weight"), None),
+        float_dtype="float64" if double_precision else "float32")
+    if schema.weight is not None and not any(r[f"{schema.weight.wire}_sum"] for r in rows
+                                             if r[SPLIT] == TRAIN):
+        raise DataError(f"every weight in column {weight_col!r} is 0: nothing would train")
 
-    offsets, stride = _row_offsets(stats["per_partition"])
+    offsets, stride = _row_offsets([(r[SPLIT], r["_pid"], r["rows"]) for r in rows])
     local_pos = F.col("_mid") - F.shiftleft(F.col("_pid").cast(T.LongType()), 33)
     slot = F.col(SPLIT).cast(T.IntegerType()) * stride + F.col("_pid") + 1
     row = F.element_at(F.array(*[F.lit(o) for o in offsets]), slot) + local_pos
     keys = _partition_keys(num_workers)
     key = F.element_at(F.array(*[F.lit(k) for k in keys]),
                        (row % num_workers).cast(T.IntegerType()) + 1)
+    carried = [F.col(s.wire).cast(carried_type(s, element)).alias(s.wire)
+               if s.wire in to_classes else F.col(s.wire) for s in sources]
     frame = (
         numbered.withColumn(INDEX, row)
         .withColumn("_key", key)
         .repartition(num_workers, "_key")
-        .select(FEATURES, LABEL, INDEX, SPLIT)
+        .select(*carried, F.col(INDEX), F.col(SPLIT))
     )
     return PreparedData(
-        frame=frame,
-        num_features=stats["num_features"],
-        train_sizes=partition_sizes(stats["rows"][TRAIN], num_workers),
-        eval_sizes=partition_sizes(stats["rows"][EVAL], num_workers),
-        integral_labels=integral,
-        label_min=stats["label_min"],
-        label_max=stats["label_max"],
-        fractional_labels=stats["fractional_labels"],
-    )
+        frame=frame, schema=schema,
+        train_sizes=partition_sizes(totals[TRAIN], num_workers),
+        eval_sizes=partition_sizes(totals[EVAL], num_workers),
+        ranges=learned["ranges"], ragged_values=learned["ragged_values"],
+        longest=learned["longest"])
 
 
-def _column(df: DataFrame, name: object, argument: str, frame_name: str) -> T.StructField:
-    if not isinstance(name, str):
-        raise DataError(f"{argument} must be a column name, got {name!r}")
-    fields = {f.name: f for f in df.schema.fields}
-    if name not in fields:
-        hint = difflib.get_close_matches(name, list(fields), n=1)
-        did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
-        raise DataError(
-            f"{frame_name} has no column {name!r} ({argument}){did_you_mean} "
-            f"Columns: {sorted(fields)}"
-        )
-    return fields[name]
+def _carried(df: DataFrame, frame_name: str, sources: list[Source],
+             element: T.DataType) -> DataFrame:
+    return df.select(*[carry(df, s, element, frame_name) for s in sources])
 
 
-def _normalise(
-    df: DataFrame, frame_name: str, features_col: str | Sequence[str], label_col: str,
-    element: T.DataType,
-) -> tuple[DataFrame, bool]:
-    """Features as array<element>, label as-is; also says whether labels are integral."""
-    features = features_column(df, features_col, frame_name, element)
-    label_field = _column(df, label_col, "label_col", frame_name)
-    if not isinstance(label_field.dataType, _NUMERIC) or isinstance(
-        label_field.dataType, T.BooleanType
-    ):
-        raise DataError(
-            f"{frame_name} label column {label_col!r} has type "
-            f"{label_field.dataType.simpleString()}; labels must be int or float"
-        )
-    integral = isinstance(label_field.dataType, _INTEGRAL)
-    frame = df.select(features.alias(FEATURES), F.col(f"`{label_col}`").alias(LABEL))
-    return frame, integral
+def _as_classes(source: Source) -> Source:
+    from dataclasses import replace
+
+    return replace(source, kind="int", int_dtype="int64")
 
 
-def features_column(df: DataFrame, features_col: str | Sequence[str], frame_name: str,
-                    element: T.DataType) -> Column:
-    """The features as one array<element> column: from an array column, a pyspark.ml vector,
-    or a list of numeric columns. Raises DataError naming what does not fit."""
-    if not isinstance(df, DataFrame):
-        raise DataError(f"{frame_name} must be a pyspark DataFrame, got {type(df).__name__}")
-    if isinstance(features_col, str):
-        field = _column(df, features_col, "features_col", frame_name)
-        col = F.col(f"`{features_col}`")
-        dtype = field.dataType
-        if isinstance(dtype, T.ArrayType) and isinstance(dtype.elementType, _NUMERIC):
-            features = col.cast(T.ArrayType(element))
-        elif type(dtype).__name__ == "VectorUDT":
-            from pyspark.ml.functions import vector_to_array
-
-            dtype_name = "float64" if isinstance(element, T.DoubleType) else "float32"
-            features = vector_to_array(col, dtype=dtype_name)
-        else:
-            raise DataError(
-                f"{frame_name} column {features_col!r} has type {dtype.simpleString()}; features "
-                "must be array<float|double|int>, a pyspark.ml.linalg vector, or a list of "
-                "numeric column names"
-            )
-    elif isinstance(features_col, Sequence) and features_col:
-        parts: list[Column] = []
-        for name in features_col:
-            field = _column(df, name, "features_col", frame_name)
-            if not isinstance(field.dataType, _NUMERIC):
-                raise DataError(
-                    f"{frame_name} feature column {name!r} has type "
-                    f"{field.dataType.simpleString()}; feature columns must be numeric"
-                )
-            parts.append(F.col(f"`{name}`").cast(element))
-        features = F.array(*parts)
-    else:
-        raise DataError(f"features_col must be a column name or a non-empty list, got "
-                        f"{features_col!r}")
-    return features
-
-
-def bad_features(element: T.DataType) -> Column:
-    """True for rows whose features are null or hold a null, NaN or infinite element.
-
-    Spark generates code for `array_contains` (NaN equals NaN there), not for a lambda
-    through `exists`, which it interprets element by element: the validation over 2M rows
-    of 40 features took 0.87 s this way against 1.86 s, warm medians
-    (`bench/results/validation_scan-20261125T210301Z.json`).
-    `array_contains` is null for a null array, or for one holding a null and none of the
-    values: both count as bad."""
-    nan, inf = F.lit(float("nan")).cast(element), F.lit(float("inf")).cast(element)
-    found = (F.array_contains(FEATURES, nan) | F.array_contains(FEATURES, inf)
-             | F.array_contains(FEATURES, -inf))
-    return F.coalesce(found, F.lit(True))
-
-
-def _validate(numbered: DataFrame, features_col: object, label_col: str,
-              element: T.DataType, *, has_eval: bool):
-    bad_feature = bad_features(element)
-    label = F.col(LABEL).cast(T.DoubleType())
-    bad_label = label.isNull() | F.isnan(label) | (F.abs(label) == float("inf"))
-    rows = numbered.groupBy(SPLIT, "_pid").agg(
-        F.count(F.lit(1)).alias("rows"),
-        F.sum(bad_feature.cast(T.LongType())).alias("bad_features"),
-        F.sum(bad_label.cast(T.LongType())).alias("bad_labels"),
-        F.min(F.size(FEATURES)).alias("min_width"),
-        F.max(F.size(FEATURES)).alias("max_width"),
-        F.min(label).alias("label_min"),
-        F.max(label).alias("label_max"),
-        F.sum((label != F.floor(label)).cast(T.LongType())).alias("fractional_labels"),
-    ).collect()
-    names = {TRAIN: "train_df", EVAL: "eval_df"}
-    total = {TRAIN: 0, EVAL: 0}
-    for r in rows:
-        total[r[SPLIT]] += r["rows"]
-    if total[TRAIN] == 0:
-        raise DataError("train_df is empty")
-    if has_eval and total[EVAL] == 0:
-        raise DataError("eval_df is empty; pass eval_df=None to skip evaluation")
-    for split in (TRAIN, EVAL):
-        mine = [r for r in rows if r[SPLIT] == split]
-        if not mine:
-            continue
-        bad_f = sum(r["bad_features"] or 0 for r in mine)
-        if bad_f:
-            raise DataError(
-                f"{names[split]} has {bad_f} rows whose features ({features_col!r}) are null or "
-                "contain null/NaN/infinite values; filter or impute them first"
-            )
-        bad_l = sum(r["bad_labels"] or 0 for r in mine)
-        if bad_l:
-            raise DataError(
-                f"{names[split]} has {bad_l} rows whose label ({label_col!r}) is null, NaN or "
-                "infinite; filter them first"
-            )
-    widths = {w for r in rows for w in (r["min_width"], r["max_width"])}
-    if len(widths) != 1:
-        raise DataError(
-            f"rows have different numbers of features ({features_col!r}): "
-            f"from {min(widths)} to {max(widths)}; every row needs the same width"
-        )
-    width = widths.pop()
-    if width == 0:
-        raise DataError(f"features ({features_col!r}) are empty arrays")
-    return {
-        "per_partition": [(r[SPLIT], r["_pid"], r["rows"]) for r in rows],
-        "rows": total,
-        "num_features": width,
-        "label_min": min(r["label_min"] for r in rows),
-        "label_max": max(r["label_max"] for r in rows),
-        "fractional_labels": sum(r["fractional_labels"] or 0 for r in rows),
-    }
+def _dtype(source: Source, element: T.DataType) -> str:
+    if source.kind == "int":
+        return source.int_dtype
+    if source.kind == "bool":
+        return "bool"
+    return "float64" if isinstance(element, T.DoubleType) else "float32"
 
 
 def _row_offsets(per_partition: list[tuple[int, int, int]]) -> tuple[list[int], int]:

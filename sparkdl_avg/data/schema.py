@@ -131,14 +131,19 @@ class DataSchema:
             return model(**{f.name: x for f, x in zip(self.inputs, inputs, strict=True)})
         return model(*inputs)
 
-    def fixed_row_bytes(self) -> int:
-        """Bytes of a row's fixed-shape fields (ragged fields count their two row numbers)."""
+    def row_bytes(self, ragged_values: dict[str, float] | None = None) -> int:
+        """Bytes a row takes as carried: a ragged field its values per row on average
+        (`ragged_values`, by wire; 1 if unknown) and its start and length (8 bytes each)."""
         import numpy as np
 
-        total = 0
+        total = 0.0
         for f in self.fields:
-            total += 16 if f.ragged else f.values_per_row * np.dtype(f.dtype).itemsize
-        return total
+            size = np.dtype(f.dtype).itemsize
+            if f.ragged:
+                total += 16 + (ragged_values or {}).get(f.wire, 1.0) * size
+            else:
+                total += f.values_per_row * size
+        return max(1, math.ceil(total))
 
     def to_dict(self) -> dict:
         return {"inputs": [f.to_dict() for f in self.inputs], "binding": self.binding,

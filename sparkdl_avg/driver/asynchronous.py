@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from sparkdl_avg.ps.sharded_client import connect as connect_ps
 from sparkdl_avg.ps.shards import parse_addresses, shard_name
 from sparkdl_avg.ps.sidecar import Sidecar
 from sparkdl_avg.ps.staleness import pushes_between_fetches
+from sparkdl_avg.task.evaluate import eval_means
 from sparkdl_avg.tracking.run import RunLogger
 
 log = logging.getLogger("sparkdl_avg")
@@ -301,11 +301,11 @@ class _Intervals:
         ps.stop()
 
     def _log_eval(self, row: dict, result: dict) -> None:
-        count = max(1, result["count"])
-        metrics = {"eval_loss": math.nan if result["loss_sum"] is None
-                   else result["loss_sum"] / count, "time_eval_s": result["eval_s"]}
-        if result["correct"] is not None:
-            metrics["eval_accuracy"] = result["correct"] / count
+        loss, accuracy = eval_means(result["loss_sum"], result["loss_weight"],
+                                    result["correct"], result["scored"])
+        metrics = {"eval_loss": loss, "time_eval_s": result["eval_s"]}
+        if accuracy is not None:
+            metrics["eval_accuracy"] = accuracy
         row.update(metrics)
         self.run.log_metrics(metrics, step=row["round"])
 

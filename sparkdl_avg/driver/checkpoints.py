@@ -60,10 +60,12 @@ class Checkpoint:
     reason."""
 
 
-def fingerprint(config, *, train_rows: list[int], num_features: int, model_numel: int,
+def fingerprint(config, *, train_rows: list[int], data: dict, model_numel: int,
                 dtype: str, total_steps: int) -> dict:
     """The settings that decide the trajectory; epochs may grow (to train further), and the
-    data cache may change (it never changes the trajectory)."""
+    data cache may change (it never changes the trajectory). `data`: each field's dtype and
+    row shape (`plan.describe_params`); a checkpoint of one vector written before typed
+    inputs recorded its `num_features` alone, which this holds too."""
     optimizer = config.optimizer if isinstance(config.optimizer, str) else \
         getattr(config.optimizer, "__qualname__", "callable")
     return {"num_workers": config.num_workers, "batch_size": config.batch_size,
@@ -73,7 +75,7 @@ def fingerprint(config, *, train_rows: list[int], num_features: int, model_numel
             "momentum": config.momentum, "weight_decay": config.weight_decay,
             "average_optimizer_state": config.average_optimizer_state,
             "train_rows": list(train_rows), "padded_rows": padded_rows(train_rows),
-            "num_features": num_features,
+            "num_features": data.get("num_features"), "data": data,
             "model_numel": model_numel, "dtype": dtype, **controls_fingerprint(config, total_steps)}
 
 
@@ -82,6 +84,8 @@ def check_resumable(checkpoint: Checkpoint, expected: dict, *, total_steps: int,
     """Raise ConfigError, naming each difference, if this fit cannot continue `checkpoint`."""
     # older checkpoints; before padding, an epoch left a longer partition's extra row out
     recorded = {**FINGERPRINT_DEFAULTS, "padded_rows": 0, **checkpoint.fingerprint}
+    if "data" not in checkpoint.fingerprint:  # before typed inputs: one vector, its width
+        recorded["data"] = expected.get("data")
     diffs = [f"{k}: checkpoint {recorded.get(k)!r}, this fit {v!r}"
              for k, v in expected.items() if recorded.get(k) != v]
     if diffs:

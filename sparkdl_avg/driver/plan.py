@@ -14,11 +14,10 @@ import torch
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._controls import check_early_stopping, check_warmup
 from sparkdl_avg._errors import ConfigError, DataError
+from sparkdl_avg._losses import Objective, make_objective
 from sparkdl_avg._model import (
-    LossFn,
     build_model,
-    check_model_fits_data,
-    make_loss,
+    check_model_takes_data,
     model_dtype,
     pickle_for_executors,
 )
@@ -51,9 +50,7 @@ class FitPlan:
     dtype: torch.dtype
     data: PreparedData
     schedule: Schedule
-    loss_fn: LossFn
-    classify: bool
-    long_labels: bool
+    objective: Objective
     pickled: dict[str, bytes]
     """model_fn, loss and config, cloudpickled for the executors."""
     params: dict[str, object]
@@ -62,14 +59,16 @@ class FitPlan:
     on_round: Callable[[dict], bool] | None = None
     """`fit(on_round=)`: sees each logged round's metrics; True stops the fit."""
 
+    def params_of_data(self) -> dict[str, object]:
+        return describe_params(self.data.schema)
+
     def worker_spec(self, address: tuple[str, int], secret: bytes,
                     tls_ca_pem: str | None = None) -> WorkerSpec:
         return WorkerSpec(
             address=address, secret=secret, config=self.pickled["config"],
             model_fn=self.pickled["model_fn"], loss=self.pickled["loss"],
-            schedule=self.schedule, num_features=self.data.num_features,
-            double_precision=self.dtype == torch.float64, long_labels=self.long_labels,
-            classify=self.classify, train_rows=self.data.train_sizes,
+            schedule=self.schedule, schema=self.data.schema,
+            ragged_values=self.data.ragged_values, train_rows=self.data.train_sizes,
             eval_rows=self.data.eval_sizes, num_workers=self.config.num_workers,
             model_dtype=str(self.dtype).removeprefix("torch."),
             tls_ca_pem=tls_ca_pem)
@@ -90,13 +89,17 @@ class TrainOutcome:
 
 
 def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, features_col,
-              label_col: str, loss, resume: Resume | None = None,
+              inputs=None, label_col, weight_col: str | None = None, loss,
+              loss_weights=None, resume: Resume | None = None,
               on_round: Callable[[dict], bool] | None = None) -> FitPlan:
     if on_round is not None and not callable(on_round):
         raise ConfigError(f"on_round must be a callable metrics -> bool, got "
                           f"{type(on_round).__name__}")
-    loss_fn, classify = make_loss(loss)
-    check_early_stopping(config, has_eval=eval_df is not None, classify=classify)
+    outputs = 1 if isinstance(label_col, str) else len(label_col) if \
+        isinstance(label_col, (list, tuple)) else 1
+    objective = make_objective(loss, loss_weights=loss_weights, num_outputs=outputs,
+                               weighted=weight_col is not None)
+    check_early_stopping(config, has_eval=eval_df is not None, classify=objective.classify)
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     model = build_model(model_fn)
     dtype = model_dtype(model)
@@ -106,20 +109,17 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     if callable(config.optimizer):  # fails naming the optimizer, not the whole config
         pickle_for_executors("optimizer", config.optimizer)
     pickled = {"model_fn": pickle_for_executors("model_fn", model_fn),
-               "loss": pickle_for_executors("loss", loss),
+               "loss": pickle_for_executors("loss", objective),
                "config": pickle_for_executors("config", config)}
     if config.checkpoint_dir is not None and (config.mode == "sync" or not config.ps_address):
         check_writable(config.checkpoint_dir)  # the driver (or its sidecar) writes there
     check_cluster(spark, config)  # the first Spark job: after every check that needs none
-    data = prepare(train_df, eval_df, features_col=features_col, label_col=label_col,
-                   num_workers=config.num_workers, double_precision=dtype == torch.float64)
-    if loss == "cross_entropy" and data.fractional_labels:
-        raise DataError(
-            f"label column {label_col!r} has {data.fractional_labels} non-integer values; "
-            "cross_entropy needs integer class labels"
-        )
-    check_model_fits_data(model, num_features=data.num_features, loss=loss, dtype=dtype,
-                          label_min=data.label_min, label_max=data.label_max)
+    data = prepare(train_df, eval_df, features_col=features_col, inputs=inputs,
+                   label_col=label_col, weight_col=weight_col, num_workers=config.num_workers,
+                   double_precision=dtype == torch.float64,
+                   class_labels=[loss == "cross_entropy" for loss in objective.losses])
+    check_model_takes_data(model, data.schema, objective, dtype=dtype, ranges=data.ranges,
+                           longest=data.longest)
     smallest = min(data.train_sizes)
     if smallest < config.batch_size:
         raise DataError(
@@ -134,16 +134,32 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
         log.info("%d training rows over %d workers: %d partition(s) one row short repeat one "
                  "row an epoch, so that every epoch has every row", sum(data.train_sizes),
                  config.num_workers, padding)
-    params = {"num_features": data.num_features, "train_rows": sum(data.train_sizes),
+    params = {**describe_params(data.schema), "train_rows": sum(data.train_sizes),
               "padded_rows": padding,
               "eval_rows": sum(data.eval_sizes), "steps_per_epoch": schedule.steps_per_epoch,
               "micro_batches_per_epoch": schedule.micro_batches_per_epoch,
               "num_rounds": schedule.num_rounds, "dtype": str(dtype),
               "model_parameters": sum(p.numel() for p in model.parameters())}
     return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,
-                   loss_fn=loss_fn, classify=classify,
-                   long_labels=data.integral_labels or loss == "cross_entropy",
-                   pickled=pickled, params=params, resume=resume, on_round=on_round)
+                   objective=objective, pickled=pickled, params=params, resume=resume,
+                   on_round=on_round)
+
+
+def describe_params(schema) -> dict[str, object]:
+    """The data's description as MLflow params: each field's dtype and row shape ("*": ragged),
+    and `num_features` for a fit of one vector, as before typed inputs."""
+    def text(f):
+        shape = ",".join("*" if d == -1 else str(d) for d in f.shape)
+        return f"{f.dtype}[{shape}]"
+
+    params = {f"input.{f.name}": text(f) for f in schema.inputs}
+    params.update({f"label.{f.name}": text(f) for f in schema.labels})
+    if schema.weight is not None:
+        params["weight"] = text(schema.weight)
+    x = schema.inputs[0]
+    if len(schema.inputs) == 1 and len(x.shape) == 1 and not x.ragged:
+        params["num_features"] = x.shape[0]
+    return params
 
 
 def check_writable(path: str) -> None:

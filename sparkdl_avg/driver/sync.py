@@ -50,7 +50,7 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
     config = plan.config
     flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
     expected = fingerprint(config, train_rows=plan.data.train_sizes,
-                           num_features=plan.data.num_features, model_numel=flat.array.size,
+                           data=plan.params_of_data(), model_numel=flat.array.size,
                            dtype=str(plan.dtype), total_steps=plan.schedule.total_steps)
     resume = plan.resume
     store = target_store(config, run.run_id, run.tracking_uri,

@@ -156,19 +156,30 @@ class State(Message):
 
 @dataclass(frozen=True, slots=True)
 class Eval(Message):
-    """A worker's evaluation of its rows (loss_sum None: not finite; correct None: no
-    classifier), to the driver (sync) or to the server for its `request` (async)."""
+    """A worker's evaluation of its rows, to the driver (sync) or to the server for its
+    `request` (async). Sums that add up over workers: the eval loss is sum(loss_sum) /
+    sum(loss_weight), the accuracy sum(correct) / sum(scored) (`_losses.EvalSums`)."""
 
     KIND = Kind.EVAL
     loss_sum: float | None
+    """None: not finite."""
+    loss_weight: float
+    """The weight of the elements the loss kept (rows, tokens not labelled -100, ...)."""
     correct: int | None
+    """None: no output is scored for accuracy, and then `scored` is None too."""
+    scored: int | None
+    """The predictions scored: rows, tokens kept, or labels of a multi-label output."""
     count: int
+    """Rows evaluated."""
     eval_s: float
     request: int | None = None
 
     def check(self) -> None:
-        if self.count < 0 or (self.correct is not None and not 0 <= self.correct <= self.count):
-            raise self.invalid(f"count {self.count}, correct {self.correct}")
+        if self.count < 0 or self.loss_weight < 0:
+            raise self.invalid(f"count {self.count}, loss_weight {self.loss_weight}")
+        if (self.correct is None) != (self.scored is None) or (
+                self.correct is not None and not 0 <= self.correct <= self.scored):
+            raise self.invalid(f"scored {self.scored}, correct {self.correct}")
         fields.request_id(self, self.request)
         fields.durations(self, "eval_s")
 

@@ -57,10 +57,12 @@ class PSClient:
         return params.evaluate
 
     def answer(self, request: int, result: dict, eval_s: float) -> msg.Ack:
-        """Send this worker's evaluation {loss_sum, correct, count} of `request`."""
+        """Send this worker's evaluation {loss_sum, loss_weight, correct, scored, count} of
+        `request` (`task.evaluate.evaluate_batches`)."""
         msg.send(self._conn, msg.Eval(
-            loss_sum=msg.finite_or_none(result["loss_sum"]), correct=result["correct"],
-            count=result["count"], eval_s=eval_s, request=request))
+            loss_sum=msg.finite_or_none(result["loss_sum"]), loss_weight=result["loss_weight"],
+            correct=result["correct"], scored=result["scored"], count=result["count"],
+            eval_s=eval_s, request=request))
         return msg.expect(self._conn, msg.Ack)[0]
 
     def finished(self, wait_s: float) -> msg.Ack:

@@ -79,7 +79,8 @@ class Evaluations:
         return self.pending if self.offer(worker) is not None else None
 
     def answer(self, worker: int, request: int, result: dict) -> dict | None:
-        """A worker's sums {loss_sum, correct, count, eval_s} for `request`; returns the
+        """A worker's sums {loss_sum, loss_weight, correct, scored, count, eval_s} for
+        `request`; returns the
         result it completes, if it does. An answer to a request no longer pending (replaced,
         or already complete) or a second answer from the same worker changes nothing."""
         pending = self.pending
@@ -125,8 +126,11 @@ def _summed(request: Request) -> dict:
     parts = list(request.answered.values())
     losses = [p["loss_sum"] for p in parts]
     corrects = [p["correct"] for p in parts]
+    classify = None not in corrects
     return {"request": request.request, "applied": request.applied, "final": request.final,
             "loss_sum": None if None in losses else float(sum(losses)),
-            "correct": None if None in corrects else int(sum(corrects)),
+            "loss_weight": float(sum(p["loss_weight"] for p in parts)),
+            "correct": int(sum(corrects)) if classify else None,
+            "scored": int(sum(p["scored"] for p in parts)) if classify else None,
             "count": int(sum(p["count"] for p in parts)),
             "eval_s": max(p["eval_s"] for p in parts)}

@@ -308,8 +308,9 @@ class ParameterServer(Server):
             return
         with self._lock:
             done = self.evaluations.answer(worker, message.request, {
-                "loss_sum": message.loss_sum, "correct": message.correct,
-                "count": message.count, "eval_s": message.eval_s})
+                "loss_sum": message.loss_sum, "loss_weight": message.loss_weight,
+                "correct": message.correct, "scored": message.scored, "count": message.count,
+                "eval_s": message.eval_s})
             if done is not None and done["final"]:  # the workers end: keep it for the driver
                 self._save_checkpoint()
             self._lock.notify_all()  # a finished worker may wait for the final one

@@ -1,14 +1,11 @@
-"""The inputs scoring reads, as the fit read them: on the driver, the DataFrame's columns for a
-`DataSchema`'s inputs (`input_columns`: types checked, a list of numeric columns assembled into
-one vector, a pyspark.ml vector made an array); on the executors (or in an MLflow model),
-Arrow or pandas columns read into numpy (`data/arrow_columns`) and checked for NaN and
-infinities; and a chunk of rows as the model's input tensors (`chunk`), ragged ones padded to
-the chunk's longest row.
+"""The inputs scoring reads, as the fit read them (the DataFrame's columns themselves come from
+`data/describe.input_columns`, as the fit's): on the executors (or in an MLflow model), Arrow or
+pandas columns read into numpy (`data/arrow_columns`) and checked for NaN and infinities; a
+chunk of rows as the model's input tensors (`chunk`), ragged ones padded to the chunk's
+longest row; and the schema of a model of one float vector (`vector_schema`).
 """
 
 from __future__ import annotations
-
-import difflib
 
 import numpy as np
 
@@ -44,70 +41,6 @@ def with_column(schema: DataSchema, column) -> DataSchema:
     name = column if isinstance(column, str) and schema.binding == "single" else field.name
     column = column if isinstance(column, str) else tuple(column)
     return replace(schema, inputs=(replace(field, column=column, name=name),))
-
-
-def input_columns(df, schema: DataSchema, frame_name: str = "df") -> list:
-    """One Spark column per input of `schema`, in order. Raises DataError naming a column
-    that is missing or whose type cannot become the input's."""
-    from pyspark.sql import DataFrame
-
-    if not isinstance(df, DataFrame) and type(df).__name__ != "DataFrame":
-        raise DataError(f"{frame_name} must be a pyspark DataFrame, got {type(df).__name__}")
-    types = {f.name: f.dataType for f in df.schema.fields}
-    return [_input_column(types, f, frame_name) for f in schema.inputs]
-
-
-def _input_column(types: dict, field: FieldSpec, frame_name: str):
-    from pyspark.sql import functions as F
-    from pyspark.sql import types as T
-
-    element = T.DoubleType() if field.dtype == "float64" else T.FloatType()
-    if not isinstance(field.column, str):  # numeric columns assembled into one vector
-        for name in field.column:
-            if not isinstance(_type_of(types, name, field, frame_name), _spark_kinds()[1]):
-                raise DataError(f"{frame_name} column {name!r} has type "
-                                f"{types[name].simpleString()}; {field.described} assembles "
-                                "numeric columns only")
-        return F.array(*[F.col(f"`{c}`").cast(element) for c in field.column])
-    dtype = _type_of(types, field.column, field, frame_name)
-    column = F.col(f"`{field.column}`")
-    if type(dtype).__name__ == "VectorUDT":
-        from pyspark.ml.functions import vector_to_array
-
-        if len(field.shape) != 1 or field.kind != "float":
-            raise DataError(f"{frame_name} column {field.column!r} is a vector, but the fit "
-                            f"read {field.described} as {field.dtype} of row shape "
-                            f"{list(field.shape)}")
-        return vector_to_array(column, dtype=field.dtype)
-    depth, leaf = 0, dtype
-    while isinstance(leaf, T.ArrayType):
-        depth, leaf = depth + 1, leaf.elementType
-    integral, numeric = _spark_kinds()
-    wanted = {"int": integral, "bool": (T.BooleanType,), "float": numeric}[field.kind]
-    if depth != len(field.shape) or not isinstance(leaf, wanted):
-        raise DataError(
-            f"{frame_name} column {field.column!r} has type {dtype.simpleString()}, but the "
-            f"fit read {field.described} as {field.dtype} of row shape {list(field.shape)} "
-            f"(from {field.source or 'its column'}): give it a column of that kind")
-    return column
-
-
-def _type_of(types: dict, name: str, field: FieldSpec, frame_name: str):
-    if name not in types:
-        hint = difflib.get_close_matches(name, list(types), n=1)
-        did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
-        raise DataError(f"{frame_name} has no column {name!r} ({field.described})"
-                        f"{did_you_mean} Columns: {sorted(types)}")
-    return types[name]
-
-
-def _spark_kinds():
-    """The integral and the numeric Spark types (imported here: an MLflow model reads its
-    inputs through this module where pyspark may be missing)."""
-    from pyspark.sql import types as T
-
-    integral = (T.ByteType, T.ShortType, T.IntegerType, T.LongType)
-    return integral, (*integral, T.FloatType, T.DoubleType, T.DecimalType)
 
 
 def read_arrow(arrays, schema: DataSchema) -> list[Column]:

@@ -38,6 +38,14 @@ def output_heads(loss) -> tuple[str, ...]:
                  for x in losses)
 
 
+def heads_of(objective) -> tuple[str, ...]:
+    """Each output's head from a fit's objective (`_losses.Objective`): one callable given
+    every output (`joint`) makes each a "value"."""
+    if objective.joint:
+        return ("value",) * objective.num_outputs
+    return output_heads(objective.losses)
+
+
 def output_names(schema: DataSchema, count: int) -> tuple[str, ...]:
     """The struct fields of a model with several outputs: its label columns (`label_col` as
     a list), else output_0, output_1, ..."""

@@ -39,7 +39,7 @@ class ServerLost(ConnectionError):
 
 def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition,
                 device) -> list[str]:
-    """Train to the end; returns the replica's warnings for the task's report."""
+    """Train to the end; returns `Replica.outcome()` for the task's report."""
     from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
     from sparkdl_avg.task.device import final_on_device_errors
     from sparkdl_avg.task.replica import Replica
@@ -67,7 +67,7 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
                         link.answer(replica)
                 if evaluates:
                     link.finish(replica)
-                return replica.warnings
+                return replica.outcome()
             except ServerLost as exc:
                 link.reconnect(exc)
                 link.pull()

@@ -101,17 +101,18 @@ def _run(spec: WorkerSpec, batches: Iterator):
                     # which names a hung worker before its peers time out and take the blame
                     all_gather=ctx.allGather, connect_timeout_s=waits.connect,
                     round_timeout_s=waits.reply)
-            notes = train_sync(spec, config, rank, data, device, channel, hello)
+            outcome = train_sync(spec, config, rank, data, device, channel, hello)
         else:
             from sparkdl_avg.task.async_loop import train_async
 
-            notes = train_async(spec, config, rank, data, device)
+            outcome = train_async(spec, config, rank, data, device)
         peak = memory.peak_resident_bytes() if own_peak else None
         train = data.train
         return record_batch({
             "partition": rank, "host": hello.host, "pid": os.getpid(),
             "device": choice.device, "gpu": choice.gpu_address,
-            "warning": "; ".join(w for w in (choice.warning, *notes) if w) or None,
+            "warning": "; ".join(w for w in (choice.warning, *outcome["warnings"]) if w)
+            or None, "pad_fraction": outcome["pad_fraction"],
             "train_rows": data.rows[0], "eval_rows": data.rows[1], "load_s": data.load_s,
             "version": _version.__version__, "library": os.path.dirname(_version.__file__),
             "cache": cache, "start_rss_mb": _mb(start_rss), "peak_rss_mb": _mb(peak),

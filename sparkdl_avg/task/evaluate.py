@@ -4,26 +4,47 @@ the tasks."""
 
 from __future__ import annotations
 
+import math
 
-def evaluate_batches(model, batches, loss_fn, classify: bool) -> dict:
-    """{"loss_sum", "correct" (None unless classify), "count"} over an iterable of (x, y)
-    batches; the model's training mode is left as it was."""
+
+def evaluate_batches(model, batches, objective, call) -> dict:
+    """{"loss_sum", "loss_weight", "correct", "scored" (both None unless the objective
+    classifies), "count" (rows)} over `batches`: items with `.inputs`, `.labels`, `.weights`
+    and `.rows`, run as `call(model, inputs)`. The sums add up across chunks and workers:
+    sum(loss_sum) / sum(loss_weight) is the eval loss, sum(correct) / sum(scored) the
+    accuracy. The model's training mode is left as it was."""
     import torch
 
-    loss_sum = correct = None  # summed on the device: one host sync at the end, not two a chunk
+    totals = None  # summed on the device: one host sync at the end, not one a chunk
     count = 0
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        for xb, yb in batches:
-            out = model(xb)
-            chunk_loss = loss_fn(out, yb).double() * xb.shape[0]
-            loss_sum = chunk_loss if loss_sum is None else loss_sum + chunk_loss
-            count += int(xb.shape[0])
-            if classify:
-                hits = (out.argmax(dim=1) == yb).sum()
-                correct = hits if correct is None else correct + hits
-    model.train(was_training)
-    return {"loss_sum": float(loss_sum) if loss_sum is not None else 0.0,
-            "correct": (int(correct) if correct is not None else 0) if classify else None,
-            "count": count}
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                sums = objective.evaluate(call(model, batch.inputs), batch.labels,
+                                          batch.weights)
+                totals = sums if totals is None else totals + sums
+                count += int(batch.rows)
+    finally:
+        model.train(was_training)
+    if totals is None:  # no evaluation rows: the worker still answers
+        scored = 0 if objective.classify else None
+        return {"loss_sum": 0.0, "loss_weight": 0.0, "correct": scored, "scored": scored,
+                "count": 0}
+    parts = [totals.loss_sum, totals.loss_weight]
+    if totals.correct is not None:
+        parts += [totals.correct, totals.scored]
+    values = torch.stack([p.double() for p in parts]).tolist()  # counts exact below 2**53
+    correct, scored = (int(values[2]), int(values[3])) if len(values) > 2 else (None, None)
+    return {"loss_sum": values[0], "loss_weight": values[1], "correct": correct,
+            "scored": scored, "count": count}
+
+
+def eval_means(loss_sum: float | None, loss_weight: float, correct: int | None,
+               scored: int | None) -> tuple[float, float | None]:
+    """(eval_loss, eval_accuracy or None) from sums over chunks and workers: the loss NaN when
+    some part was not finite, 0 when nothing was kept, as in training."""
+    loss = math.nan if loss_sum is None else loss_sum / (loss_weight if loss_weight > 0 else 1)
+    accuracy = None if correct is None else correct / max(1, scored)
+    return loss, accuracy

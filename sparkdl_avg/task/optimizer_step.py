@@ -72,9 +72,10 @@ class OptimizerSteps:
             for _ in range(step):
                 self.scheduler.step()
 
-    def run(self, step: int, next_batch, forward_loss) -> tuple[object, int, float]:
-        """Optimizer step `step`: its micro-batches from `next_batch()`, each one's loss from
-        `forward_loss(x, y)`. Returns (summed loss x rows as a device tensor, rows, lr)."""
+    def run(self, step: int, next_batch, forward_loss, weigh=None) -> tuple[object, int, float]:
+        """Optimizer step `step`: its micro-batches (`schema.Batch`) from `next_batch()`, each
+        one's loss from `forward_loss(batch)`, each weighing `weigh(batch)` among several (by
+        default its rows). Returns (summed loss x rows as a device tensor, rows, lr)."""
         import torch
 
         optimizer = self.optimizer
@@ -86,25 +87,35 @@ class OptimizerSteps:
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.zero_grad(set_to_none=True)
         micro = self.schedule.micro_batches(step)
-        loss_sum, rows = None, 0
+        loss_sum, rows, unit, total = None, 0, None, None
         for _ in range(micro):
-            x, y = next_batch()
+            batch = next_batch()
             with self._autocast():
-                loss = forward_loss(x, y)
-            # one micro-batch: its mean loss's gradient (as always); several: each weighted
-            # by its rows over batch_size (kept near 1 for fp16's range), the sum divided by
-            # the step's rows over batch_size below: averaged by sample count
-            scaled = loss if micro == 1 else loss * (x.shape[0] / self.config.batch_size)
+                loss = forward_loss(batch)
+            scaled = loss
+            if micro > 1:
+                # one micro-batch: its mean loss's gradient (as always); several: each
+                # weighted by its weight (rows, or the elements its loss kept, with their rows'
+                # weights) over the first one's (near 1, for fp16's range), the gradients
+                # divided by the step's total of those below. On the device: no host sync.
+                weight = torch.as_tensor(weigh(batch) if weigh is not None else batch.rows,
+                                         dtype=torch.float64, device=loss.device)
+                if unit is None:
+                    unit = torch.where(weight > 0, weight, torch.ones_like(weight))
+                share = weight / unit
+                total = share if total is None else total + share
+                scaled = loss * share.to(loss.dtype)
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            part = loss.detach().double() * x.shape[0]
+            part = loss.detach().double() * batch.rows
             loss_sum = part if loss_sum is None else loss_sum + part
-            rows += x.shape[0]
+            rows += batch.rows
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         if micro > 1:
+            total = torch.where(total > 0, total, torch.ones_like(total))
             for p in self.params:
                 if p.grad is not None:
-                    p.grad.div_(rows / self.config.batch_size)
+                    p.grad.div_(total.to(p.grad.dtype))
         if self.config.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip_norm)
         if self.scaler is not None:

@@ -56,7 +56,7 @@ class Replica:
         import cloudpickle
         import torch
 
-        from sparkdl_avg._model import make_loss, model_dtype
+        from sparkdl_avg._model import model_dtype
         from sparkdl_avg.averaging.flat_buffer import wire_dtype
         from sparkdl_avg.task.device import final_on_device_errors
 
@@ -65,10 +65,10 @@ class Replica:
         with final_on_device_errors("move the model to", str(device)):
             self.model = model.to(device)
         self.dtype = model_dtype(self.model)
-        self.data, self.long_labels = data, spec.long_labels
-        row_bytes = spec.shape(rank).row_bytes
+        self.data, self.schema = data, spec.schema
+        row_bytes = spec.schema.row_bytes(spec.ragged_values)
         # the same rows a chunk as the returned model scores (FitResult.score_rows)
-        self._eval_rows = config.eval_rows(spec.num_features * self.dtype.itemsize)
+        self._eval_rows = config.eval_rows(row_bytes)
         self.batches = TrainBatches(
             data.train, cut=make_cut(row_bytes, config.shuffle_buffer_mb),
             seed=config.seed, worker=rank, shuffle=config.shuffle,
@@ -79,15 +79,18 @@ class Replica:
         self.wire_dtype = wire_dtype(self.dtype)
         if device.type == "cuda":
             _check_device_memory(self.model, config, row_bytes, device)
-        self.loss_fn, _ = make_loss(cloudpickle.loads(spec.loss))
+        self.objective = cloudpickle.loads(spec.loss)
         self.optimizer = self.steps = None
-        self.config, self.schedule, self.classify = config, spec.schedule, spec.classify
+        self.config, self.schedule = config, spec.schedule
         self.rank, self.device = rank, device
         self.step = 0
         self.last_lr: float | None = None
         """The learning rate of the last optimizer step."""
         self.warnings: list[str] = []
         """What the driver should hear of (the task's report carries them)."""
+        self.padded = self.positions = 0
+        """Pad positions in the ragged inputs of the batches trained on, and all their
+        positions (`pad_fraction`)."""
 
     def start(self, step: int = 0) -> None:
         """After the initial parameters are in: build the optimizer, enter training mode, and
@@ -114,6 +117,12 @@ class Replica:
     def close(self) -> None:
         self.batches.close()
 
+    def outcome(self) -> dict:
+        """For the task's report: its warnings, and the share of the ragged inputs'
+        positions that were padding (None without ragged inputs)."""
+        return {"warnings": self.warnings,
+                "pad_fraction": self.padded / self.positions if self.positions else None}
+
     def run_steps(self, count: int) -> tuple[float, int, float]:
         """`count` local optimizer steps; returns (summed loss x rows, rows, mean lr)."""
         import torch
@@ -123,9 +132,8 @@ class Replica:
         samples, lrs = 0, []
         torch.manual_seed(step_seed(cfg.seed, self.rank, self.step))
         for _ in range(count):
-            step_loss, rows, lr = self.steps.run(
-                self.step, lambda: self._typed(*self.batches.next()),
-                lambda x, y: self.loss_fn(self.model(x), y))
+            step_loss, rows, lr = self.steps.run(self.step, self._next_batch,
+                                                 self._forward_loss, self._weigh)
             loss_sum += step_loss
             samples += rows
             lrs.append(lr)
@@ -134,11 +142,30 @@ class Replica:
         mean_lr = lrs[0] if len(set(lrs)) == 1 else sum(lrs) / len(lrs)  # exact when constant
         return float(loss_sum), samples, mean_lr
 
-    def _typed(self, x, y):
-        """A batch in the model's precision (integer class labels stay integers)."""
-        x = x.to(self.device, self.dtype)
-        return x, y.to(self.device) if self.long_labels else y.to(self.device, self.dtype)
+    def _next_batch(self):
+        batch = self.batches.next()
+        self.padded += batch.padded
+        self.positions += batch.positions
+        return batch
+
+    def _weigh(self, batch):
+        return self.objective.step_weight(batch.labels, batch.weights)
+
+    def _forward_loss(self, batch):
+        return self.objective(self.forward(batch), batch.labels, batch.weights)
+
+    def forward(self, batch):
+        """The model's output on `batch`; an index out of an embedding's range is a final
+        ModelError naming the integer inputs and the largest id each held."""
+        try:
+            return self.schema.call(self.model, batch.inputs)
+        except IndexError as exc:
+            if "out of range" not in str(exc):
+                raise
+            from sparkdl_avg._model import index_error
+
+            raise index_error(self.schema, batch.inputs, exc) from exc
 
     def evaluate(self) -> dict:
-        chunks = (self._typed(x, y) for x, y in self.data.eval.chunks(self._eval_rows))
-        return evaluate_batches(self.model, chunks, self.loss_fn, self.classify)
+        return evaluate_batches(self.model, self.data.eval.chunks(self._eval_rows),
+                                self.objective, self.schema.call)

@@ -9,11 +9,12 @@ FIELDS = (
     ("load_s", "double"), ("version", "string"), ("library", "string"),
     ("cache", "string"), ("start_rss_mb", "double"), ("peak_rss_mb", "double"),
     ("spilled_mb", "double"), ("load_mb_s", "double"), ("read_mb_s", "double"),
+    ("pad_fraction", "double"),
 )
 """What the task ran on and where its library came from (a --py-files zip, an environment);
 its data cache ("memory" or "disk"), resident memory when it started and at its peak (None
 off Linux), bytes spilled, and the throughput of loading the partition and of assembling
-minibatches from the cache."""
+minibatches from the cache; the share of its ragged inputs' positions that were padding."""
 
 
 def struct_type(fields=FIELDS):

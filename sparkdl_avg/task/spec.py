@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.task.schedule import Schedule
 
 
@@ -17,15 +18,16 @@ class WorkerSpec:
     module travels by value)."""
     model_fn: bytes
     loss: bytes
+    """The objective (`_losses.Objective`), cloudpickled: a user's loss travels in it."""
     schedule: Schedule
-    num_features: int
-    double_precision: bool
-    long_labels: bool
-    classify: bool
+    schema: DataSchema
+    """Every input, label and weight: carried dtype and row shape."""
     train_rows: list[int]
     eval_rows: list[int]
     """Rows per partition as validation counted them; a task that gets others stops."""
     num_workers: int = 1
+    ragged_values: dict[str, float] = field(default_factory=dict)
+    """Per ragged field (by wire): values per row on average, for sizing the cache."""
     model_dtype: str = "float32"
     """The model's parameter dtype (a torch dtype's name): the memory cache holds features in
     it, so the device keeps one copy of the partition."""
@@ -52,5 +54,5 @@ class WorkerSpec:
         from sparkdl_avg.data.partition import Shape
 
         return Shape(rank=rank, num_workers=self.num_workers, train_rows=self.train_rows[rank],
-                     eval_rows=self.eval_rows[rank], num_features=self.num_features,
-                     double_precision=self.double_precision, long_labels=self.long_labels)
+                     eval_rows=self.eval_rows[rank], schema=self.schema,
+                     ragged_values=self.ragged_values)

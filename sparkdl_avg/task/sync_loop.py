@@ -17,7 +17,7 @@ from sparkdl_avg.task.spec import WorkerSpec
 
 def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition, device,
                transport: Transport, hello: msg.WorkerHello) -> list[str]:
-    """Train to the end; returns the replica's warnings for the task's report."""
+    """Train to the end; returns `Replica.outcome()` for the task's report."""
     from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
     from sparkdl_avg.averaging.optimizer_state import averaged_state_tensors
     from sparkdl_avg.averaging.overlap import OverlappedExchange
@@ -93,13 +93,13 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
                 transport.send_eval(msg.Eval(**result, eval_s=time.perf_counter() - t_eval))
             ready = time.perf_counter()
         transport.done(*(buffers_pushed or worker_state.pack(None, model)))
-        return replica.warnings
+        return replica.outcome()
     except BaseException as exc:
         # the exchange in flight ends before the failure is sent; if it stopped the fit, the
         # failed steps were past the end: the worker is done
         if overlap is not None and (reply := overlap.close()) is not None and reply.stop:
             transport.done(*buffers_pushed)
-            return replica.warnings
+            return replica.outcome()
         message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         transport.fail(message, final=is_final(exc))
         raise

@@ -1,0 +1,215 @@
+"""What the fit's arguments name, read from the DataFrame's schema (Spark side, before any job):
+which columns are inputs, labels and the weight, how the inputs reach the model, and for each
+column the expression that carries it in its carried type. Shapes come later, from the
+validation job (`data/validate`); together they make the `schema.DataSchema`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from sparkdl_avg._errors import ConfigError, DataError
+
+DEFAULT_FEATURES = "features"
+_INTS = {T.ByteType: "int8", T.ShortType: "int16", T.IntegerType: "int32",
+         T.LongType: "int64"}
+_FLOATS = (T.FloatType, T.DoubleType, T.DecimalType)
+_REFUSED = {
+    T.StringType: "decode strings on the Spark side first (token ids as array<int>, a "
+                  "category as an int id)",
+    T.BinaryType: "binary columns (images, encoded records) are not read yet: decode them "
+                  "into arrays on the Spark side",
+    T.MapType: "turn a map into arrays or separate columns",
+    T.StructType: "select the struct's fields as columns of their own",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One field before validation: where it comes from and how it is carried."""
+
+    role: str
+    name: str
+    column: str | tuple[str, ...]
+    wire: str
+    kind: str
+    """"int", "bool" or "float" (the elements)."""
+    int_dtype: str | None
+    """An integer field's carried width ("int32"...), from its Spark type."""
+    depth: int
+    """Levels of arrays around the elements (a vector or assembled columns: 1)."""
+    source: str
+    vector: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    sources: tuple[Source, ...]
+    binding: str
+    label_list: bool
+
+    def of(self, role: str) -> list[Source]:
+        return [s for s in self.sources if s.role == role]
+
+
+def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col) -> Binding:
+    """The fields `fit`'s arguments name in `df` (train_df). ConfigError for arguments that
+    do not fit together, DataError for a column that is missing or of a type no model takes."""
+    if not isinstance(df, DataFrame):
+        raise DataError(f"train_df must be a pyspark DataFrame, got {type(df).__name__}")
+    sources: list[Source] = []
+    if inputs is None:
+        binding = "single"
+        name = features_col if isinstance(features_col, str) else DEFAULT_FEATURES
+        sources.append(_source(df, "input", name, features_col, "_x0", "features_col"))
+    else:
+        if features_col != DEFAULT_FEATURES:
+            raise ConfigError("pass either inputs= or features_col=, not both: inputs names "
+                              "every column the model takes")
+        if isinstance(inputs, Mapping):
+            binding, pairs = "keyword", list(inputs.items())
+            for key, _ in pairs:
+                if not isinstance(key, str) or not key.isidentifier():
+                    raise ConfigError(f"inputs' keys are the model's forward parameters; "
+                                      f"{key!r} is not a parameter name")
+        elif isinstance(inputs, Sequence) and not isinstance(inputs, str):
+            binding, pairs = "positional", [(c, c) for c in inputs]
+        else:
+            raise ConfigError(f"inputs must be a list of columns (model(*tensors)) or a dict "
+                              f"{{forward parameter: column}} (model(**tensors)); got "
+                              f"{inputs!r}")
+        if not pairs:
+            raise ConfigError("inputs is empty: name at least one column")
+        for i, (key, column) in enumerate(pairs):
+            if not isinstance(column, str):
+                raise ConfigError(f"inputs: {column!r} is not a column name")
+            sources.append(_source(df, "input", key, column, f"_x{i}", "inputs"))
+    label_list = not isinstance(label_col, str)
+    labels = [label_col] if not label_list else label_col
+    if label_list and (not isinstance(labels, Sequence) or not labels
+                       or not all(isinstance(c, str) for c in labels)):
+        raise ConfigError(f"label_col must be a column name or a non-empty list of them, "
+                          f"got {label_col!r}")
+    for i, column in enumerate(labels):
+        sources.append(_source(df, "label", column, column, f"_y{i}", "label_col"))
+    if weight_col is not None:
+        if not isinstance(weight_col, str):
+            raise ConfigError(f"weight_col must be a column name, got {weight_col!r}")
+        weight = _source(df, "weight", weight_col, weight_col, "_w", "weight_col")
+        if weight.depth or weight.kind == "bool":
+            raise DataError(f"weight column {weight_col!r} has type {weight.source}; a weight "
+                            "is one number >= 0 per row")
+        sources.append(weight)
+    wires = [s.column for s in sources if isinstance(s.column, str)]
+    if len(set(wires)) != len(wires):  # the same column twice: a mistake, not a model
+        twice = sorted({c for c in wires if wires.count(c) > 1})
+        raise ConfigError(f"column(s) {twice} are bound more than once among inputs, "
+                          "labels and the weight")
+    return Binding(tuple(sources), binding, label_list)
+
+
+def _source(df: DataFrame, role: str, name: str, column, wire: str, argument: str) -> Source:
+    if isinstance(column, str):
+        field = find_column(df, column, argument, "train_df")
+        kind, int_dtype, depth, vector = classify_type(field.dataType, column, "train_df",
+                                                       role)
+        return Source(role, name, column, wire, kind, int_dtype, depth,
+                      field.dataType.simpleString(), vector)
+    if role != "input" or not isinstance(column, Sequence) or not column:
+        raise ConfigError(f"{argument} must be a column name or a non-empty list, got "
+                          f"{column!r}")
+    for part in column:  # numeric scalar columns assembled into one vector
+        field = find_column(df, part, argument, "train_df")
+        if not isinstance(field.dataType, (*_FLOATS, *_INTS)):
+            raise DataError(f"train_df feature column {part!r} has type "
+                            f"{field.dataType.simpleString()}; feature columns must be "
+                            "numeric")
+    return Source(role, name, tuple(column), wire, "float", None, 1,
+                  f"{len(column)} numeric columns")
+
+
+def find_column(df: DataFrame, name: object, argument: str, frame_name: str) -> T.StructField:
+    if not isinstance(name, str):
+        raise DataError(f"{argument} must be a column name, got {name!r}")
+    fields = {f.name: f for f in df.schema.fields}
+    if name not in fields:
+        hint = difflib.get_close_matches(name, list(fields), n=1)
+        did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+        raise DataError(f"{frame_name} has no column {name!r} ({argument}){did_you_mean} "
+                        f"Columns: {sorted(fields)}")
+    return fields[name]
+
+
+def classify_type(dtype: T.DataType, column: str, frame_name: str, role: str = "input"):
+    """(kind, int width, array depth, is a vector) of a column's Spark type; DataError for a
+    type no model takes, saying what to do."""
+    if type(dtype).__name__ == "VectorUDT":
+        return "float", None, 1, True
+    depth = 0
+    while isinstance(dtype, T.ArrayType):
+        dtype, depth = dtype.elementType, depth + 1
+    if isinstance(dtype, T.BooleanType):
+        return "bool", None, depth, False
+    if type(dtype) in _INTS:
+        return "int", _INTS[type(dtype)], depth, False
+    if isinstance(dtype, _FLOATS):
+        return "float", None, depth, False
+    hint = next((h for t, h in _REFUSED.items() if isinstance(dtype, t)),
+                "use numbers, booleans, arrays of them or a pyspark.ml vector")
+    what = {"input": "", "label": "label ", "weight": "weight "}[role]
+    raise DataError(f"{frame_name} {what}column {column!r} has type {dtype.simpleString()}, "
+                    f"which no model takes: {hint}")
+
+
+def carried_type(source: Source, float_type: T.DataType) -> T.DataType:
+    """The Spark type a field travels in: its integer width, boolean, or the model's float."""
+    element = {"bool": T.BooleanType(), "float": float_type}.get(source.kind) or \
+        {v: k for k, v in _INTS.items()}[source.int_dtype]()
+    for _ in range(source.depth):
+        element = T.ArrayType(element)
+    return element
+
+
+def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str) -> Column:
+    """`source`'s column of `df` (train_df or eval_df) in its carried type, as `source.wire`.
+    DataError when eval_df's column is of another kind than train_df's."""
+    if isinstance(source.column, tuple):
+        parts = []
+        for part in source.column:
+            field = find_column(df, part, "features_col", frame_name)
+            if not isinstance(field.dataType, (*_FLOATS, *_INTS)):
+                raise DataError(f"{frame_name} feature column {part!r} has type "
+                                f"{field.dataType.simpleString()}; feature columns must be "
+                                "numeric")
+            parts.append(F.col(f"`{part}`").cast(float_type))
+        return F.array(*parts).alias(source.wire)
+    field = find_column(df, source.column, source.role, frame_name)
+    kind, _, depth, vector = classify_type(field.dataType, source.column, frame_name,
+                                           source.role)
+    if (kind, depth) != (source.kind, source.depth) and not \
+            (kind == "int" and source.kind == "float" and depth == source.depth):
+        raise DataError(f"column {source.column!r} is {field.dataType.simpleString()} in "
+                        f"{frame_name} but {source.source} in train_df; cast both alike")
+    col = F.col(f"`{source.column}`")
+    if vector:
+        from pyspark.ml.functions import vector_to_array
+
+        name = "float64" if isinstance(float_type, T.DoubleType) else "float32"
+        return vector_to_array(col, dtype=name).alias(source.wire)
+    return col.cast(carried_type(source, float_type)).alias(source.wire)
+
+
+def input_columns(df: DataFrame, schema, frame_name: str = "df") -> list[Column]:
+    """The schema's inputs read from `df` (a DataFrame to score) as the fit carried them, each
+    named by its wire. DataError for a column that is missing or of another kind than the
+    fit's."""
+    float_type = T.DoubleType() if schema.float_dtype == "float64" else T.FloatType()
+    return [carry(df, Source(f.role, f.name, f.column, f.wire, f.kind,
+                             f.dtype if f.kind == "int" else None, len(f.shape), f.source),
+                  float_type, frame_name) for f in schema.inputs]
