@@ -403,3 +403,37 @@ def test_a_model_torch_export_cannot_trace_is_logged_pickled_and_still_predicts(
     with torch.no_grad():
         expected = Branchy().eval()(torch.from_numpy(user).long(), torch.from_numpy(dense))
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+# End to end: a fit of typed inputs, its Spark ML model and its logged MLflow model.
+
+def make_recommender() -> torch.nn.Module:
+    return Recommender()
+
+
+@pytest.mark.spark
+def test_a_fit_of_named_inputs_scores_alike_in_spark_ml_and_mlflow(spark, mlflow_client):
+    import mlflow
+
+    from sparkdl_avg import TrainConfig
+    from sparkdl_avg.ml import AveragingEstimator
+
+    rng = np.random.default_rng(11)
+    user, dense = rng.integers(0, 10, 48), rng.normal(size=(48, 3)).astype(np.float32)
+    label = (dense[:, 0] > 0).astype(np.int64) + (user > 6)
+    df = spark.createDataFrame(pd.DataFrame({"id": range(48), "u": user, "d": list(dense),
+                                             "label": label, "w": 1.0})) \
+        .selectExpr("id", "CAST(u AS INT) AS u", "d", "label", "w")
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=8, experiment_name="outputs")
+    model = AveragingEstimator(model_fn=make_recommender, config=config,
+                               inputCols={"user": "u", "dense": "d"}, weightCol="w").fit(df)
+    assert mlflow_client.get_run(model.run_id).data.params["weight_col"] == "w"
+    assert [(f.name, f.column, f.dtype) for f in model.schema.inputs] == \
+        [("user", "u", "int32"), ("dense", "d", "float32")]
+    scored = model.transform(df).orderBy("id").toPandas()
+    logits = model.torch_model(torch.from_numpy(user), torch.from_numpy(dense)).detach()
+    assert scored["prediction"].tolist() == logits.argmax(1).double().tolist()
+    pyfunc = mlflow.pyfunc.load_model(f"runs:/{model.run_id}/model")
+    got = pyfunc.predict(pd.DataFrame({"user": user.astype(np.int32), "dense": list(dense)}),
+                         params={"output": "probability"})
+    np.testing.assert_allclose(got, np.stack(scored["probability"]), rtol=1e-5, atol=1e-6)
