@@ -12,12 +12,16 @@ import torch
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._losses import LossFn
-from sparkdl_avg._scoring import make_predict_udf
 from sparkdl_avg._version import __version__
+from sparkdl_avg.data.describe import input_columns
+from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.driver.asynchronous import train_async
 from sparkdl_avg.driver.checkpoints import open_source
 from sparkdl_avg.driver.plan import FitPlan, Resume, TrainOutcome, make_plan
 from sparkdl_avg.driver.sync import train_sync
+from sparkdl_avg.scoring.columns import vector_schema, with_column
+from sparkdl_avg.scoring.outputs import heads_of, output_names
+from sparkdl_avg.scoring.udf import make_predict_udf
 from sparkdl_avg.tracking.datasets import log_datasets
 from sparkdl_avg.tracking.plots import learning_curves
 from sparkdl_avg.tracking.run import RunLogger
@@ -48,52 +52,74 @@ class FitResult:
     """The task failures the fit recovered from: partition, executor, host, error, and where
     training restarted (`restart_at`)."""
     features_col: str | Sequence[str] = "features"
-    """Where the fit read its features; `transform` reads the same by default."""
+    """Where the fit read its features (a fit of one float vector); `transform` reads the same
+    by default."""
     num_features: int = 0
+    """With no `schema`: the width of that vector."""
     classify: bool = False
-    """A classifier (cross_entropy): predictions are class indices."""
+    """With no `heads`: a classifier (cross_entropy): predictions are class indices."""
     score_rows: int = 8192
     """Rows the model scores at once (`TrainConfig.eval_rows`: eval_batch_size)."""
+    schema: DataSchema | None = None
+    """Every input and label of the fit (`data/schema`): what scoring reads and in which
+    dtype and shape. None: one float vector of `num_features` values from `features_col`."""
+    heads: tuple[str, ...] = ()
+    """Each model output's head, from the fit's loss (`scoring.outputs.output_heads`): "class",
+    "multilabel" or "value". Empty: from `classify`."""
 
-    def predict_udf(self, device: str = "auto", batch_size: int | None = None):
-        """A column function for `select`/`withColumn`/SQL that scores an array<float|double>
-        features column on the executors (batched through Arrow, on the task's GPU when it
-        has one): the class index for a classifier, else the value (array<double> for several
-        outputs). `batch_size`: rows per forward call; None: the fit's eval_batch_size. A
-        null, NaN or infinite feature fails the query: the executors raise a DataError, which
-        reaches the driver inside Spark's PythonException."""
-        return self._udf(device, batch_size, "the features column given to predict_udf")
+    def scoring(self) -> tuple[DataSchema, tuple[str, ...]]:
+        """The schema and heads scoring works from (built from `num_features` and
+        `classify` for a result made without them)."""
+        schema = self.schema
+        if schema is None:
+            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            schema = vector_schema(self.features_col, self.num_features,
+                                   dtype if dtype == "float64" else "float32")
+        heads = self.heads or (("class",) if self.classify else ("value",))
+        return schema, tuple(heads)
 
-    def _udf(self, device: str, batch_size: int | None, features: str):
-        return make_predict_udf(self.model, num_features=self.num_features,
-                                classify=self.classify, device=device,
-                                batch_size=batch_size or self.score_rows, features=features)
+    def predict_udf(self, device: str = "auto", batch_size: int | None = None,
+                    output: str = "prediction"):
+        """A column function for `select`/`withColumn`/SQL that scores the fit's inputs, given
+        as its arguments in the fit's order, on the executors (batched through Arrow, on the
+        task's GPU when it has one). `output`: "prediction" (a classifier's class index, else
+        the value), "probability" or "raw" (the logits); see `transform`. `batch_size`: rows
+        per forward call; None: the fit's eval_batch_size. A null, NaN or infinite input
+        fails the query: the executors raise a DataError, which reaches the driver inside
+        Spark's PythonException."""
+        return self._udf(self.scoring()[0], device, batch_size, output)
+
+    def _udf(self, schema: DataSchema, device: str, batch_size: int | None, output):
+        heads = self.scoring()[1]
+        names = output_names(schema, len(heads)) if schema.label_list else None
+        return make_predict_udf(self.model, schema=schema, heads=heads, output=output,
+                                names=names, device=device,
+                                batch_size=batch_size or self.score_rows)
 
     def transform(self, df, *, output_col: str = "prediction",
+                  output: str | Sequence[str] = "prediction",
                   features_col: str | Sequence[str] | None = None, device: str = "auto",
                   batch_size: int | None = None):
-        """`df` with the model's prediction added as `output_col`. Features are read as in
-        `fit` (an array or vector column, or a list of numeric columns); a null, NaN or
-        infinite feature fails the query with a DataError naming the column, raised on the
+        """`df` with the model's outputs added as `output_col`, read from the same inputs as
+        the fit (`features_col`: another column for a one-input model). `output`:
+        "prediction" (a classifier's class index as a long, a multi-label output's 0/1, a
+        regressor's value as a double), "probability" (softmax or sigmoid of the logits) or
+        "raw" (the logits). A row's output of shape (K,) is an array<double>, (T, K) nested
+        arrays; a per-token output is cut to its row's length; several outputs are a struct
+        with a field per label column. A list of outputs (["prediction", "probability"]) is
+        a struct with a field per output, from one pass of the model. A null, NaN or
+        infinite input fails the query with a DataError naming the column, raised on the
         executors (the driver gets Spark's PythonException carrying it)."""
         if not isinstance(output_col, str) or not output_col:
             raise ConfigError(f"output_col must be a column name, got {output_col!r}")
         if output_col in getattr(df, "columns", []):
             raise DataError(f"df already has a column {output_col!r}; choose another "
                             "output_col")
-        double = next(self.model.parameters()).dtype == torch.float64
-        name = self.features_col if features_col is None else features_col
-        from sparkdl_avg.data.describe import input_columns
-        from sparkdl_avg.data.schema import DataSchema, FieldSpec
-
-        x = FieldSpec("input", "features", name if isinstance(name, str) else tuple(name),
-                      "_x0", "float64" if double else "float32", (self.num_features,))
-        schema = DataSchema((x,), "single", (), False,
-                            float_dtype="float64" if double else "float32")
-        features = input_columns(df, schema)[0]
-        described = f"features column {name!r}" if isinstance(name, str) else \
-            f"features columns {list(name)!r}"
-        return df.withColumn(output_col, self._udf(device, batch_size, described)(features))
+        schema = self.scoring()[0]
+        if features_col is not None:
+            schema = with_column(schema, features_col)
+        udf = self._udf(schema, device, batch_size, output)
+        return df.withColumn(output_col, udf(*input_columns(df, schema)))
 
 
 def fit(
@@ -169,7 +195,8 @@ def fit(
                          workers=outcome.workers, timings=timings, failures=outcome.failures,
                          features_col=features_col, num_features=plan.data.num_features or 0,
                          classify=plan.objective.classify, score_rows=config.eval_rows(
-                             plan.data.schema.row_bytes(plan.data.ragged_values)))
+                             plan.data.schema.row_bytes(plan.data.ragged_values)),
+                         schema=plan.data.schema, heads=heads_of(plan.objective))
 
 
 def _data_params(features_col, inputs, label_col, weight_col, loss, loss_weights) -> dict:
@@ -227,7 +254,9 @@ _WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_
 
 
 def _log_model(run: RunLogger, plan: FitPlan) -> None:
-    example = torch.zeros(2, plan.data.num_features or 1, dtype=plan.dtype)
-    half = plan.dtype in (torch.float16, torch.bfloat16)  # numpy has neither
-    run.log_model(plan.model, example.float().numpy() if half else example.numpy(),
+    """The trained model to the run, scoring the fit's inputs as `transform` does
+    (`tracking/model`)."""
+    schema, heads = plan.data.schema, heads_of(plan.objective)
+    names = output_names(schema, len(heads)) if schema.label_list else None
+    run.log_model(plan.model, schema=schema, heads=heads, names=names,
                   registered_model_name=plan.config.registered_model_name)

@@ -9,11 +9,21 @@ override the given `TrainConfig` where set. Each fit is an MLflow run; under
 `CrossValidator`, whose folds fit on pool threads, each is a child of the run that was
 active where `fit` was called.
 
+`inputCols` (a list of columns, or a dict {forward parameter: column}) and `weightCol` are
+`fit`'s `inputs` and `weight_col`. The fitted model of a classifier (a cross_entropy output
+`[B, C]`, or a bce_with_logits output of one logit) adds `rawPredictionCol` and
+`probabilityCol` (vectors) beside `predictionCol` (the class as a double), as pyspark.ml's
+classifiers do, so Spark's evaluators read it with their defaults. rawPrediction is the
+log-softmax of the logits (for one logit z, [-z, z]): BinaryClassificationEvaluator ranks rows
+by its element 1, which must rank them as class 1's probability does (the logit z1 alone
+does not).
+
 A saved `AveragingModel` is a folder: Spark ML's `metadata/` (its Params, JSON) and
-`model/`: `model.pt` (the torch module, `torch.save`) and `model.json` (features, classifier
-or not, rows scored at once, dtype, the sparkdl-avg version). Loading unpickles `model.pt`
-through `torch.load` (`weights_only=False`: the module's class must be importable), so load
-only models you trust; nothing else is unpickled.
+`model/`: `model.pt` (the torch module, `torch.save`) and `model.json` (the fit's DataSchema,
+each output's head, rows scored at once, dtype, the sparkdl-avg version; a model saved before
+typed inputs holds `num_features` and `classify` instead, and still loads). Loading unpickles
+`model.pt` through `torch.load` (`weights_only=False`: the module's class must be importable),
+so load only models you trust; nothing else is unpickled.
 """
 
 from __future__ import annotations
@@ -25,7 +35,14 @@ import os
 from pyspark import keyword_only
 from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
-from pyspark.ml.param.shared import HasFeaturesCol, HasLabelCol, HasPredictionCol
+from pyspark.ml.param.shared import (
+    HasFeaturesCol,
+    HasLabelCol,
+    HasPredictionCol,
+    HasProbabilityCol,
+    HasRawPredictionCol,
+    HasWeightCol,
+)
 from pyspark.ml.util import (
     DefaultParamsReader,
     DefaultParamsWriter,
@@ -59,15 +76,38 @@ class _TunedParams(Params):
                        typeConverter=TypeConverters.toInt)
 
 
-class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasPredictionCol,
+def _to_inputs(value) -> list[str] | dict[str, str]:
+    """inputCols: a list of column names (the model's positional inputs) or a dict {forward
+    parameter: column} (its keyword inputs)."""
+    if isinstance(value, dict) and value and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return dict(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise TypeError(f"inputCols must be a non-empty list of column names or a dict "
+                    f"{{forward parameter: column}}, got {value!r}")
+
+
+class _OutputParams(HasPredictionCol, HasRawPredictionCol, HasProbabilityCol):
+    pass
+
+
+class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _OutputParams,
                          _TunedParams):
-    """`model_fn`, `config`, `loss` and `eval_df` are `sparkdl_avg.fit`'s; the Params set
-    here win over `config`'s fields."""
+    """`model_fn`, `config`, `loss` and `eval_df` are `sparkdl_avg.fit`'s; `inputCols` and
+    `weightCol` its `inputs` and `weight_col`; the Params set here win over `config`'s
+    fields."""
+
+    inputCols = Param(Params._dummy(), "inputCols",  # noqa: N815 - Spark ML's name
+                      "the model's inputs: a list of columns (positional) or a dict {forward "
+                      "parameter: column} (keyword); fit's inputs=", typeConverter=_to_inputs)
 
     @keyword_only
     def __init__(self, *, model_fn=None, config: TrainConfig | None = None,
                  loss="cross_entropy", eval_df=None, featuresCol="features",  # noqa: N803
-                 labelCol="label", predictionCol="prediction", lr=None, epochs=None,  # noqa: N803
+                 labelCol="label", predictionCol="prediction", inputCols=None,  # noqa: N803
+                 weightCol=None, rawPredictionCol="rawPrediction",  # noqa: N803
+                 probabilityCol="probability", lr=None, epochs=None,  # noqa: N803
                  batchSize=None, averagingFrequency=None, numWorkers=None) -> None:  # noqa: N803
         super().__init__()
         if model_fn is None or not callable(model_fn):
@@ -88,14 +128,25 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasPredictionCo
     def _fit(self, dataset) -> AveragingModel:
         from sparkdl_avg._fit import fit
 
-        result = fit(dataset, self.model_fn, self.train_config(),
-                     features_col=self.getFeaturesCol(), label_col=self.getLabelCol(),
-                     loss=self.loss, eval_df=self.eval_df)
-        model = AveragingModel(torch_model=result.model, num_features=result.num_features,
+        result = fit(dataset, self.model_fn, self.train_config(), **self._fit_kwargs())
+        model = AveragingModel(torch_model=result.model, schema=result.schema,
+                               heads=result.heads, num_features=result.num_features,
                                classify=result.classify, run_id=result.run_id,
                                score_rows=result.score_rows)
-        model._set(featuresCol=self.getFeaturesCol(), predictionCol=self.getPredictionCol())
+        model._set(featuresCol=self.getFeaturesCol(), predictionCol=self.getPredictionCol(),
+                   rawPredictionCol=self.getRawPredictionCol(),
+                   probabilityCol=self.getProbabilityCol())
         return model
+
+    def _fit_kwargs(self) -> dict:
+        """`fit`'s keyword arguments from the Params (inputs and weight_col only when set)."""
+        kwargs = {"features_col": self.getFeaturesCol(), "label_col": self.getLabelCol(),
+                  "loss": self.loss, "eval_df": self.eval_df}
+        if self.isSet(self.inputCols):
+            kwargs["inputs"] = self.getOrDefault(self.inputCols)
+        if self.isSet(self.weightCol) and self.getWeightCol():
+            kwargs["weight_col"] = self.getWeightCol()
+        return kwargs
 
     def fitMultiple(self, dataset, paramMaps):  # noqa: N802 - pyspark's name
         """As pyspark's, plus: the MLflow run active here (on the caller's thread) becomes
@@ -117,33 +168,65 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasPredictionCo
         return _FitMultipleIterator(fit_one, len(paramMaps))
 
 
-class AveragingModel(Model, HasFeaturesCol, HasPredictionCol, MLWritable, MLReadable):
-    """A trained model in a pipeline: adds `predictionCol` from `featuresCol`, scored on the
-    executors: for a classifier the class index as a double (Spark ML's evaluators expect
-    that), else the model's output. `score_rows`: rows the model scores at once (the fit's
-    eval_batch_size)."""
+class AveragingModel(Model, HasFeaturesCol, _OutputParams, MLWritable, MLReadable):
+    """A trained model in a pipeline: adds `predictionCol` from the fit's inputs, scored on
+    the executors: for a classifier the class index as a double (Spark ML's evaluators expect
+    that) with `rawPredictionCol` and `probabilityCol` (vectors; "" leaves one out), else the
+    model's output as `FitResult.transform` writes it. `score_rows`: rows the model scores at
+    once (the fit's eval_batch_size). `schema`/`heads`: the fit's (`FitResult`); a model
+    without them is one of a float vector of `num_features` read from `featuresCol`."""
 
     def __init__(self, torch_model=None, num_features: int = 0, classify: bool = False,
-                 run_id: str | None = None, score_rows: int = SCORE_ROWS) -> None:
+                 run_id: str | None = None, score_rows: int = SCORE_ROWS, schema=None,
+                 heads: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.torch_model, self.num_features = torch_model, num_features
         self.classify, self.run_id, self.score_rows = classify, run_id, score_rows
+        self.schema, self.heads = schema, tuple(heads)
 
-    def _transform(self, dataset):
+    def _result(self):
         from sparkdl_avg._fit import FitResult
 
-        result = FitResult(model=self.torch_model, run_id=self.run_id or "",
-                           features_col=self.getFeaturesCol(),
-                           num_features=self.num_features, classify=self.classify,
-                           score_rows=self.score_rows)
-        out = self.getPredictionCol()
-        scored = result.transform(dataset, output_col=out)
-        if self.classify:
-            from pyspark.sql import functions as F
-            from pyspark.sql import types as T
+        return FitResult(model=self.torch_model, run_id=self.run_id or "",
+                         features_col=self.getFeaturesCol(), num_features=self.num_features,
+                         classify=self.classify, score_rows=self.score_rows,
+                         schema=self.schema, heads=self.heads)
 
-            scored = scored.withColumn(out, F.col(out).cast(T.DoubleType()))
-        return scored
+    def _transform(self, dataset):
+        from pyspark.sql import functions as F
+        from pyspark.sql import types as T
+
+        result = self._result()
+        schema, heads = result.scoring()
+        single = len(schema.inputs) == 1 and schema.binding == "single"
+        features = self.getFeaturesCol() if single and self.isSet(self.featuresCol) and \
+            schema.inputs[0].column != self.getFeaturesCol() else None
+        out = self.getPredictionCol()
+        kind = _classifier_kind(self.torch_model, schema, heads)
+        if kind is None:
+            scored = result.transform(dataset, output_col=out, features_col=features)
+            if isinstance(scored.schema[out].dataType, T.LongType):  # a class index
+                scored = scored.withColumn(out, F.col(out).cast(T.DoubleType()))
+            return scored
+        temp = f"__{self.uid}_scored"
+        scored = result.transform(dataset, output_col=temp, features_col=features,
+                                  output=("prediction", "raw", "probability"))
+        raw, probability = F.col(f"{temp}.raw"), F.col(f"{temp}.probability")
+        if kind == "binary":  # one logit z: as pyspark's LogisticRegression, [-z, z], [1-p, p]
+            raw = F.array(-raw, raw)
+            probability = F.array(1 - probability, probability)
+        else:  # log-softmax: each element ranks the rows as its class's probability does
+            top = F.array_max(raw)
+            total = F.aggregate(raw, F.lit(0.0), lambda acc, z: acc + F.exp(z - top))
+            raw = F.transform(raw, lambda z: z - top - F.log(total))
+        from pyspark.ml.functions import array_to_vector
+
+        columns = {out: F.col(f"{temp}.prediction").cast(T.DoubleType())}
+        if self.getRawPredictionCol():
+            columns[self.getRawPredictionCol()] = array_to_vector(raw)
+        if self.getProbabilityCol():
+            columns[self.getProbabilityCol()] = array_to_vector(probability)
+        return scored.withColumns(columns).drop(temp)
 
     def write(self) -> MLWriter:
         return _ModelWriter(self)
@@ -151,6 +234,23 @@ class AveragingModel(Model, HasFeaturesCol, HasPredictionCol, MLWritable, MLRead
     @classmethod
     def read(cls) -> MLReader:
         return _ModelReader(cls)
+
+
+def _classifier_kind(model, schema, heads) -> str | None:
+    """"multiclass" (one cross_entropy output of shape (C,) a row), "binary" (one
+    bce_with_logits logit a row) or None: the models whose rows Spark ML's classification
+    columns describe."""
+    if len(heads) != 1 or heads[0] == "value":
+        return None
+    from sparkdl_avg.scoring.outputs import describe_outputs
+
+    outputs = describe_outputs(model, schema.without_targets(), heads, ("raw",))
+    [[spec]] = outputs.specs
+    if outputs.several:
+        return None
+    if heads[0] == "class" and spec.rank == 1:
+        return "multiclass"
+    return "binary" if heads[0] == "multilabel" and spec.rank == 0 else None
 
 
 class _ModelWriter(MLWriter):
@@ -169,9 +269,9 @@ class _ModelWriter(MLWriter):
         model = self.instance.torch_model
         torch.save(model, os.path.join(folder, "model.pt"))
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        schema, heads = self.instance._result().scoring()
         with open(os.path.join(folder, "model.json"), "w") as f:
-            json.dump({"num_features": self.instance.num_features,
-                       "classify": self.instance.classify, "dtype": dtype,
+            json.dump({"schema": schema.to_dict(), "heads": list(heads), "dtype": dtype,
                        "score_rows": self.instance.score_rows,
                        "run_id": self.instance.run_id, "sparkdl_avg": __version__}, f)
 
@@ -189,10 +289,16 @@ class _ModelReader(MLReader):
         with open(os.path.join(folder, "model.json")) as f:
             info = json.load(f)
         module = torch.load(os.path.join(folder, "model.pt"), weights_only=False)
-        model = AveragingModel(torch_model=module.eval(), num_features=info["num_features"],
-                               classify=info["classify"], run_id=info["run_id"],
+        if "schema" in info:
+            from sparkdl_avg.data.schema import DataSchema
+
+            typed = {"schema": DataSchema.from_dict(info["schema"]),
+                     "heads": tuple(info["heads"])}
+        else:  # saved before typed inputs: a float vector read from featuresCol
+            typed = {"num_features": info["num_features"], "classify": info["classify"]}
+        model = AveragingModel(torch_model=module.eval(), run_id=info["run_id"],
                                # saved before it was kept: what scoring then used
-                               score_rows=info.get("score_rows", SCORE_ROWS))
+                               score_rows=info.get("score_rows", SCORE_ROWS), **typed)
         model._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(model, metadata)
         return model

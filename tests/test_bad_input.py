@@ -256,3 +256,19 @@ def test_diverging_training_stops_with_a_clear_error(good, mlflow_client):
     with pytest.raises(TrainingError, match=r"NaN/Inf parameters in round \d+.*diverged"):
         fit(good, lambda: torch.nn.Linear(3, 1), cfg, loss="mse")  # squares explode
     assert_failed_run(mlflow_client, "diverged")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"features_col": "name"}, DataError, "column 'name' has type string"),
+    ({"inputs": ["features"], "features_col": "name"}, ConfigError, "either inputs= or"),
+    ({"inputs": {"x": "features"}, "weight_col": "name"}, DataError,
+     "weight column 'name' has type string"),
+    ({"label_col": ["label", "label"]}, ConfigError, "loss lists|one loss per label"),
+    ({"loss": "mse", "loss_weights": [-1.0]}, ConfigError, "loss_weights"),
+    ({"loss": ["cross_entropy", "mse"]}, ConfigError, "2 losses for 1 output"),
+])
+def test_typed_arguments_are_refused_before_training_with_a_failed_run(
+        good, kwargs, error, message, mlflow_client):
+    with pytest.raises(error, match=message):
+        fit(good, model, CFG, **kwargs)
+    assert_failed_run(mlflow_client, error.__name__)

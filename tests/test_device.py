@@ -455,13 +455,14 @@ def test_scoring_on_a_gpu_hands_cudas_cache_back_for_the_next_task(monkeypatch):
 
     import pyspark.sql.functions
 
-    from sparkdl_avg import _scoring
+    from sparkdl_avg.scoring.columns import vector_schema
+    from sparkdl_avg.scoring.udf import make_predict_udf
     from sparkdl_avg.task import device
     from sparkdl_avg.task.device import DeviceChoice
 
     monkeypatch.setattr(pyspark.sql.functions, "arrow_udf", lambda fn, return_type: fn)
-    predict = _scoring.make_predict_udf(_StaysPut(3, 2), num_features=3, classify=True,
-                                        device="cuda")
+    predict = make_predict_udf(_StaysPut(3, 2), schema=vector_schema("x", 3, "float32"),
+                               heads=("class",), device="cuda")
     calls = []
     monkeypatch.setattr(device, "task_device", lambda wanted: DeviceChoice("cuda:0", "0"))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append("set_device"))

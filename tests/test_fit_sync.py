@@ -179,7 +179,8 @@ def test_fit_learns_and_logs_everything_to_mlflow(spark, mlflow_client):
     loaded = mlflow.pyfunc.load_model(f"runs:/{result.run_id}/model")
     batch = x[1600:1632].astype(np.float32)
     expected = result.model.eval()(torch.from_numpy(batch)).detach().numpy()
-    np.testing.assert_allclose(np.asarray(loaded.predict(batch)), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(loaded.predict(batch, params={"output": "raw"})),
+                               expected, rtol=1e-5, atol=1e-5)
 
     # And the final accuracy is what an independent evaluation of result.model says.
     with torch.no_grad():

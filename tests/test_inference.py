@@ -86,8 +86,8 @@ def test_transform_refuses_bad_input_before_running(spark, classifier):
         classifier.transform(df, features_col="feature", output_col="p")
     holes = spark.createDataFrame(pd.DataFrame({"a": [1.0, None], "b": [2.0, 3.0],
                                                 "c": [0.0, 1.0]}))
-    with pytest.raises(Exception, match=r"DataError: features columns \['a', 'b', 'c'\] "
-                                        r"holds nulls"):  # not a guessed class
+    with pytest.raises(Exception, match=r"DataError: column \['a', 'b', 'c'\] \(input "
+                                        r"'features'\) holds nulls"):  # not a guessed class
         classifier.transform(holes, features_col=["a", "b", "c"]).collect()
 
 
@@ -98,16 +98,20 @@ def test_nan_and_infinite_features_are_refused_not_scored(bad):
     import pyarrow as pa
 
     from sparkdl_avg._model import pickle_for_executors
-    from sparkdl_avg._scoring import _predict_batches
+    from sparkdl_avg.scoring.columns import vector_schema
+    from sparkdl_avg.scoring.outputs import describe_outputs
+    from sparkdl_avg.scoring.udf import _predict_batches
+
+    model, schema = torch.nn.Linear(3, 2), vector_schema("x", 3, "float32")
 
     def score(rows):
         return list(_predict_batches(
-            pickle_for_executors("model", torch.nn.Linear(3, 2)), iter([pa.array(rows)]),
-            num_features=3, classify=True, width=2, device="cpu", batch_size=2,
-            features="features column 'x'"))
+            pickle_for_executors("model", model), iter([pa.array(rows)]), schema=schema,
+            outputs=describe_outputs(model, schema, ("class",), ("prediction",)),
+            device="cpu", batch_size=2))
 
     assert len(score([[0.0, 1.0, 2.0], [1.0, 0.5, 0.0]])[0]) == 2
-    with pytest.raises(DataError, match=r"features column 'x' holds NaN or infinite values "
+    with pytest.raises(DataError, match=r"column 'x' \(input\) holds NaN or infinite values "
                                         r"in 1 of 3 rows"):
         score([[0.0, 1.0, 2.0], [1.0, bad, 0.0], [2.0, 0.0, 1.0]])
 
@@ -118,9 +122,8 @@ def test_transform_and_predict_udf_refuse_nan_and_infinite_features(spark, class
     bad = [float("nan"), float("inf"), float("-inf")]
     df = spark.createDataFrame([([0.0, 1.0, 2.0],)] + [([1.0, b, 0.0],) for b in bad],
                                "x array<double>").coalesce(1)  # pandas would make NaN null
-    with pytest.raises(Exception, match=r"DataError: (features column 'x'|the features column "
-                                        r"given to predict_udf) holds NaN or infinite values "
-                                        r"in 3 of 4 rows"):
+    with pytest.raises(Exception, match=r"DataError: column '(x|features)' \(input\) holds NaN "
+                                        r"or infinite values in 3 of 4 rows"):
         if how == "transform":
             classifier.transform(df, features_col="x").collect()
         else:
@@ -131,10 +134,14 @@ def test_the_logged_model_scores_through_mlflow_spark_udf(spark, classifier):
     import mlflow
 
     x, _ = data(40)
-    udf = mlflow.pyfunc.spark_udf(spark, f"runs:/{classifier.run_id}/model",
-                                  result_type="array<float>", env_manager="local")
+    uri = f"runs:/{classifier.run_id}/model"
+    udf = mlflow.pyfunc.spark_udf(spark, uri, result_type="long", env_manager="local")
     df = spark.createDataFrame(pd.DataFrame({"id": range(40), "features": list(x)}))
     rows = df.select("id", udf("features").alias("out")).orderBy("id").collect()
+    assert [r.out for r in rows] == local_classes(classifier.model, x)  # transform's output
+    raw = mlflow.pyfunc.spark_udf(spark, uri, result_type="array<double>", env_manager="local",
+                                  params={"output": "raw"})
+    rows = df.select("id", raw("features").alias("out")).orderBy("id").collect()
     assert [int(np.argmax(r.out)) for r in rows] == local_classes(classifier.model, x)
 
 

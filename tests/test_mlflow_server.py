@@ -119,8 +119,8 @@ def _assert_reloaded_model_predicts_like(result, rows: np.ndarray) -> None:
     loaded = mlflow.pyfunc.load_model(f"runs:/{result.run_id}/model")
     with torch.no_grad():
         expected = result.model(torch.from_numpy(rows)).numpy()
-    np.testing.assert_allclose(np.asarray(loaded.predict(rows)), expected, rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(loaded.predict(rows, params={"output": "raw"})),
+                               expected, rtol=1e-5, atol=1e-6)
 
 
 def test_the_runs_table_shows_the_fits_names_and_datasets_in_a_browser(server_uri, tmp_path):

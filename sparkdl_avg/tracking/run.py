@@ -11,7 +11,6 @@ failed; the fit calls it before training starts.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import queue
 import sys
@@ -280,23 +279,23 @@ class RunLogger:
         except Exception:  # noqa: BLE001
             log.warning("could not log %s", artifact_file, exc_info=True)
 
-    def log_model(self, model, input_example, registered_model_name: str | None = None) -> None:
-        """The model (and, named, a new registered version of it, ready before this
-        returns)."""
+    def log_model(self, model, *, schema, heads, names=None,
+                  registered_model_name: str | None = None) -> None:
+        """The model, scoring `schema`'s inputs (`tracking/model`), and, named, a new
+        registered version of it, ready before this returns."""
         import mlflow
         import torch
 
+        from sparkdl_avg.tracking.model import log_model
+
         self._warmed_up()  # never an export beside the warm-up's
-        if input_example.dtype not in (np.float32, np.float64):  # numpy has no bfloat16
-            model = copy.deepcopy(model).float()
-            input_example = input_example.astype(np.float32)
         # Explicit requirements: MLflow's inference imports the model in a subprocess (~9 s).
         requirements = [f"torch=={torch.__version__.split('+')[0]}",
                         f"mlflow=={mlflow.__version__}"]
         with mlflow.start_run(run_id=self.run_id, nested=True):
-            mlflow.pytorch.log_model(model, name="model", input_example=input_example,
-                                     pip_requirements=requirements,
-                                     registered_model_name=registered_model_name)
+            log_model(model, schema=schema, heads=heads, names=names,
+                      pip_requirements=requirements,
+                      registered_model_name=registered_model_name)
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(_FLUSH_EVERY_S):

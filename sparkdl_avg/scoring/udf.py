@@ -1,0 +1,125 @@
+"""Scoring a DataFrame with a trained model on the executors, batched through Arrow.
+
+`make_predict_udf` is an iterator Arrow UDF over the model's input columns (one argument per
+input, in the fit's order): each task unpickles the model once, puts it on the GPU Spark gave
+the task (else the CPU), reads each Arrow batch's columns into numpy without a Python loop over
+rows (`data/arrow_columns`), and scores `batch_size` rows per forward call. What it writes, and
+its Spark type, were decided on the driver (`outputs.describe_outputs`)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+import torch
+
+from sparkdl_avg._errors import ConfigError
+from sparkdl_avg._model import pickle_for_executors
+from sparkdl_avg.data.arrow_columns import Column
+from sparkdl_avg.data.schema import DataSchema
+from sparkdl_avg.scoring import columns as cols
+from sparkdl_avg.scoring.outputs import (
+    Outputs,
+    check_modes,
+    convert,
+    describe_outputs,
+    float_dtype_of,
+    to_arrow,
+)
+
+
+def make_predict_udf(model: torch.nn.Module, *, schema: DataSchema, heads: tuple[str, ...],
+                     output="prediction", names: tuple[str, ...] | None = None,
+                     device: str = "auto", batch_size: int = 8192) -> Callable:
+    """A column function of the model's inputs (`schema`'s, in order) giving its outputs as
+    `output` says ("prediction", "probability" or "raw"; a tuple of them: a struct with a
+    field per mode). `heads`: each output's head (`outputs.output_heads`); `names`: the
+    struct fields of a model with several outputs. A batch with a null, NaN or infinite
+    input fails the task with a DataError naming the column."""
+    try:
+        from pyspark.sql.functions import arrow_udf
+    except ImportError:
+        raise ConfigError("scoring needs pyspark 4.1 or newer (its arrow_udf); this is "
+                          "pyspark " + __import__("pyspark").__version__) from None
+    check_scoring(device, batch_size)
+    schema = schema.without_targets()
+    model = copy.deepcopy(model).cpu().eval()  # the caller's model stays where it is
+    outputs = describe_outputs(model, schema, tuple(heads), check_modes(output), names)
+    payload = pickle_for_executors("model", model)
+
+    def predict(batches: Iterator[tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
+        try:
+            yield from _predict_batches(payload, batches, schema=schema, outputs=outputs,
+                                        device=device, batch_size=batch_size)
+        finally:
+            _release_gpu()
+
+    return arrow_udf(predict, outputs.spark_type())
+
+
+def check_scoring(device: str, batch_size: int) -> None:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda'")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+
+
+def _predict_batches(payload: bytes, batches: Iterator, *, schema: DataSchema,
+                     outputs: Outputs, device: str, batch_size: int) -> Iterator[pa.Array]:
+    import cloudpickle
+
+    from sparkdl_avg.task.device import task_device
+
+    target = torch.device(task_device(device).device)
+    if target.type == "cuda":  # as training does: model code that says .cuda() lands here
+        torch.cuda.set_device(target)
+    model = cloudpickle.loads(payload).to(target).eval()
+    scorer = Scorer(model, schema, outputs, target, batch_size)
+    for batch in batches:  # one argument: an array; several: a tuple of them
+        arrays = batch if isinstance(batch, tuple) else (batch,)
+        yield scorer.score(cols.read_arrow(arrays, schema))
+
+
+class Scorer:
+    """A model (on `device`, in eval mode) scoring columns `batch_size` rows per forward
+    call."""
+
+    def __init__(self, model: torch.nn.Module, schema: DataSchema, outputs: Outputs,
+                 device: torch.device, batch_size: int) -> None:
+        self.model = model
+        self.schema, self.outputs = schema, outputs
+        self.device, self.batch_size = device, batch_size
+        self.float_dtype = float_dtype_of(self.model)
+
+    def score(self, columns: list[Column]) -> pa.Array:
+        rows = cols.rows_of(columns)
+        if rows == 0:
+            return self.outputs.empty()
+        parts = [[[] for _ in specs] for specs in self.outputs.specs]
+        with torch.no_grad():
+            for start in range(0, rows, self.batch_size):
+                inputs, lengths = cols.chunk(columns, self.schema, start,
+                                             min(start + self.batch_size, rows),
+                                             self.float_dtype, self.device)
+                out = self.schema.call(self.model, inputs)
+                out = tuple(out) if self.outputs.several else (out,)
+                for mode_parts, specs in zip(parts, self.outputs.specs, strict=True):
+                    for part, spec, o in zip(mode_parts, specs, out, strict=True):
+                        part.append(to_arrow(convert(o, spec.head, spec.mode),
+                                             lengths if spec.trim else None))
+        return self.outputs.assemble([[_concat(p) for p in mode_parts] for mode_parts in parts])
+
+
+def _concat(arrays: list[pa.Array]) -> pa.Array:
+    return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
+
+
+def _release_gpu() -> None:
+    """Once a task has scored (the model gone with `_predict_batches`' frame): Spark reuses
+    the Python worker, and CUDA's cache of the model's and the batches' blocks would hold
+    the GPU's memory into the next fit, whose free-memory check would then fail."""
+    if torch.cuda.is_initialized():
+        from sparkdl_avg.task.memory import release_task_memory
+
+        release_task_memory()

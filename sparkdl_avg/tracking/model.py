@@ -1,0 +1,215 @@
+"""The fit's model as an MLflow model: the pytorch flavor (`mlflow.pytorch.load_model` gives the
+module) with a pyfunc of our own, so `mlflow.pyfunc.load_model(uri).predict(...)` scores the
+fit's inputs as `FitResult.transform` does.
+
+The torch module is saved by the pytorch flavor as a pt2 export (torch.export, taking the
+inputs positionally, the batch and ragged dimensions dynamic); a module torch.export cannot
+trace is pickled instead (its class must then be importable where it is loaded, and MLflow
+loads pickles only with MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true). The pyfunc's
+loader is this module (`_load_pyfunc`): it reads the fit's DataSchema and heads from
+`data/sparkdl_avg.json` and scores through `scoring.udf.Scorer`.
+
+The signature lists every input by name with its dtype (as the fit carried it) and row shape,
+-1 for the batch dimension: tensor specs when every input has a fixed shape (predict then
+takes a dict of numpy arrays, a pandas DataFrame with a list or array per cell, or, for one
+input, a numpy array); column specs (nested arrays) when one is ragged, since MLflow reshapes a
+DataFrame to tensor specs only for fixed shapes (predict then takes the DataFrame); the model's
+metadata lists every input's shape either way. The parameter `output` ("prediction",
+"probability", "raw") is `transform`'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+
+import numpy as np
+import torch
+
+log = logging.getLogger("sparkdl_avg")
+SCHEMA_FILE = "sparkdl_avg.json"
+
+
+def log_model(model, *, schema, heads, names=None, pip_requirements=None,
+              registered_model_name: str | None = None) -> None:
+    """Log `model` as "model" to the active run (a new registered version when named)."""
+    from mlflow.models import Model
+
+    Model.log(None, sys.modules[__name__], name="model", torch_model=model, schema=schema,
+              heads=tuple(heads), names=names, pip_requirements=pip_requirements,
+              registered_model_name=registered_model_name)
+
+
+def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
+               pip_requirements=None) -> None:
+    """What `mlflow.models.Model.log` calls: the pytorch flavor's files (pt2, else pickle),
+    then our pyfunc loader, signature and schema file over them."""
+    import mlflow.pytorch
+    from mlflow import pyfunc
+
+    from sparkdl_avg.data.probe_batch import probe_batch
+
+    inputs = schema.without_targets()
+    module, dtype = torch_model, next(torch_model.parameters()).dtype
+    if dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
+        module, dtype = copy.deepcopy(module).float(), torch.float32
+    if inputs.binding == "keyword":
+        module = _Positional(module, inputs.input_names)
+    example = tuple(t.numpy() for t in probe_batch(inputs, dtype).inputs)
+    # the package travels with the model: the pyfunc's loader and scoring are ours
+    common = {"mlflow_model": mlflow_model, "pip_requirements": pip_requirements,
+              "code_paths": [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]}
+    try:
+        mlflow.pytorch.save_model(module.eval(), path, serialization_format="pt2",
+                                  input_example=example, signature=tensor_signature(inputs),
+                                  **common)
+    except Exception as exc:  # noqa: BLE001 - torch.export refuses many real models
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        log.warning("torch.export could not export the model (%s: %s); it is logged pickled: "
+                    "its class must be importable where it is loaded", type(exc).__name__,
+                    first)
+        shutil.rmtree(path, ignore_errors=True)
+        mlflow_model.flavors.clear()
+        mlflow.pytorch.save_model(module.eval(), path, serialization_format="pickle",
+                                  **common)
+    # the pytorch flavor adds no pyfunc for several inputs, and its own takes one tensor
+    flavor = mlflow_model.flavors["pytorch"]
+    mlflow_model.flavors.pop("python_function", None)
+    pyfunc.add_to_model(mlflow_model, loader_module=__name__, data=flavor["model_data"],
+                        code=flavor.get("code"), conda_env="conda.yaml",
+                        python_env="python_env.yaml")
+    mlflow_model.signature = signature(inputs)
+    # column specs hold no shapes: every input's, -1 for the batch and ragged dimensions
+    mlflow_model.metadata = {**(mlflow_model.metadata or {}), "inputs": [
+        {"name": f.name, "dtype": f.dtype, "shape": list(_spec_shape(f))}
+        for f in inputs.inputs]}
+    with open(os.path.join(path, flavor["model_data"], SCHEMA_FILE), "w") as f:
+        json.dump({"schema": schema.to_dict(), "heads": list(heads),
+                   "names": list(names) if names else None}, f)
+    mlflow_model.save(os.path.join(path, "MLmodel"))
+
+
+def _spec_shape(field) -> tuple[int, ...]:
+    return (-1, *field.shape)  # a ragged field's first dimension is -1 already
+
+
+def tensor_signature(schema):
+    """Every input as a tensor spec: dtype as the model gets it, -1 for batch and ragged."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    return ModelSignature(inputs=Schema([
+        TensorSpec(np.dtype(_model_dtype(f)), _spec_shape(f), f.name) for f in schema.inputs]))
+
+
+def _model_dtype(field) -> str:
+    return {"int": "int64", "bool": "bool"}.get(field.kind, field.dtype)
+
+
+def signature(schema):
+    """The logged signature (see the module's docstring), with the `output` parameter."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema, TensorSpec
+    from mlflow.types.schema import Array
+
+    params = ParamSchema([ParamSpec("output", DataType.string, "prediction")])
+    one = len(schema.inputs) == 1 and schema.binding == "single"
+    if not any(f.ragged for f in schema.inputs):
+        return ModelSignature(inputs=Schema([
+            TensorSpec(np.dtype(f.dtype), _spec_shape(f), None if one else f.name)
+            for f in schema.inputs]), params=params)
+    columns = []
+    for f in schema.inputs:
+        kind = {"int8": DataType.integer, "int16": DataType.integer,
+                "int32": DataType.integer, "int64": DataType.long, "bool": DataType.boolean,
+                "float32": DataType.float, "float64": DataType.double}[f.dtype]
+        for _ in f.shape:
+            kind = Array(kind)
+        columns.append(ColSpec(kind, f.name))
+    return ModelSignature(inputs=Schema(columns), params=params)
+
+
+class _Positional(torch.nn.Module):
+    """A model of keyword inputs called positionally: torch.export and the pyfunc pass the
+    inputs in order. Its forward names one parameter per input (`__signature__`), as
+    torch.export matches its dynamic shapes to the forward's parameters."""
+
+    def __init__(self, model, names) -> None:
+        import inspect
+
+        super().__init__()
+        self.model, self.names = model, tuple(names)
+
+        names = self.names
+
+        def forward(*inputs):  # closes over the model, not over self: no cycle to pickle
+            return model(**dict(zip(names, inputs, strict=True)))
+
+        forward.__signature__ = inspect.Signature([
+            inspect.Parameter(f"x{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            for i in range(len(self.names))])
+        self.forward = forward
+
+
+def _load_pyfunc(path: str, model_config=None):
+    """MLflow's pyfunc loader: `path` is the model's data folder."""
+    import mlflow.pytorch
+
+    from sparkdl_avg.data.schema import DataSchema
+
+    with open(os.path.join(path, SCHEMA_FILE)) as f:
+        saved = json.load(f)
+    module = mlflow.pytorch.load_model(os.path.dirname(os.path.abspath(path)))
+    schema = DataSchema.from_dict(saved["schema"]).without_targets()
+    if schema.binding == "keyword":  # logged through _Positional
+        schema = dataclasses.replace(schema, binding="positional")
+    names = tuple(saved["names"]) if saved.get("names") else None
+    return _PyfuncModel(module, schema, tuple(saved["heads"]), names)
+
+
+class _PyfuncModel:
+    def __init__(self, module, schema, heads, names) -> None:
+        self.module, self.schema, self.heads, self.names = module, schema, heads, names
+        self._scorers: dict = {}
+
+    def predict(self, data, params=None):
+        """`transform`'s output for the rows of `data`: a numpy array for one output of a
+        fixed shape, a pandas Series (a row's value or array) for one ragged output, a pandas
+        DataFrame with a column per output for several."""
+        from sparkdl_avg.scoring.columns import read_pandas
+
+        scorer = self._scorer((params or {}).get("output", "prediction"))
+        result = scorer.score(read_pandas(data, self.schema))
+        return _to_python(result, scorer.outputs)
+
+    def _scorer(self, output: str):
+        if output not in self._scorers:
+            from sparkdl_avg.scoring.outputs import check_modes, describe_outputs
+            from sparkdl_avg.scoring.udf import Scorer
+
+            outputs = describe_outputs(self.module, self.schema, self.heads,
+                                       check_modes(output), self.names)
+            self._scorers[output] = Scorer(self.module, self.schema, outputs,
+                                           torch.device("cpu"), 8192)
+        return self._scorers[output]
+
+
+def _to_python(array, outputs):
+    import pyarrow as pa
+
+    [specs] = outputs.specs
+    if outputs.several:
+        return pa.Table.from_struct_array(array).to_pandas()
+    [spec] = specs
+    if spec.trim:
+        return array.to_pandas()
+    rows, dims, values = len(array), [], array
+    for _ in range(spec.rank):
+        dims.append(len(values.flatten()) // max(len(values), 1))
+        values = values.flatten()
+    return values.to_numpy(zero_copy_only=False).reshape(rows, *dims)
