@@ -136,10 +136,11 @@ print(f"held-out RMSE without the weights {unweighted.history[-1]['eval_loss'] *
 
 # MAGIC %md
 # MAGIC ## Serve it: the logged model on a pandas DataFrame, and `transform` on Spark
-# MAGIC The logged model's signature lists the three input columns with their types; MLflow's
-# MAGIC pyfunc takes a pandas DataFrame of them (the side features a list per cell), as a serving
-# MAGIC endpoint would. `result.transform` scores a Spark DataFrame on the executors. Both give
-# MAGIC the same ratings.
+# MAGIC The logged model's signature lists the three inputs by `forward`'s names (`user`,
+# MAGIC `item` int32, `side` float32 [3]); MLflow's pyfunc takes a pandas DataFrame with those
+# MAGIC columns (the side features an array per cell), as a serving endpoint would.
+# MAGIC `result.transform` scores a Spark DataFrame on the executors, reading the columns the
+# MAGIC fit read. Both give the same ratings.
 
 # COMMAND ----------
 
@@ -148,8 +149,9 @@ import numpy as np
 
 served = mlflow.pyfunc.load_model(f"runs:/{result.run_id}/model")
 requests = test_df.orderBy("rating_id").limit(200)
-from_mlflow = np.asarray(served.predict(
-    requests.select("user_id", "item_id", "features").toPandas()), dtype=np.float64).reshape(-1)
+# the signature names the inputs as forward does: a request's columns are user, item, side
+request = requests.selectExpr("user_id AS user", "item_id AS item", "features AS side")
+from_mlflow = np.asarray(served.predict(request.toPandas()), dtype=np.float64).reshape(-1)
 from_spark = (result.transform(requests).orderBy("rating_id").select("prediction")
               .toPandas()["prediction"].to_numpy())
 print(f"largest difference between MLflow's and transform's ratings: "
