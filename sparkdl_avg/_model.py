@@ -146,9 +146,12 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
     largest in the second (an embedding too small fails here, not in a task), each ragged
     field its longest row. Then check its outputs against the labels (`check_outputs`)."""
     from sparkdl_avg._losses import check_outputs
+    from sparkdl_avg.data.probe_batch import probe_batch
 
     _check_keywords(model, schema)
-    batch = probe_batch(schema, dtype, ranges=ranges, longest=longest)
+    known = {wire: r for wire, r in ranges.items() if r is not None}
+    batch = probe_batch(schema, dtype, low={w: int(r[0]) for w, r in known.items()},
+                        high={w: int(r[1]) for w, r in known.items()}, lengths=longest)
     was_training = model.training
     model.eval()
     try:
@@ -197,24 +200,3 @@ def _check_keywords(model: torch.nn.Module, schema) -> None:
             raise ModelError(f"inputs binds {f.name!r} (column {f.column!r}), but "
                              f"{type(model).__name__}.forward has no such parameter; its "
                              f"parameters: {list(params)}")
-
-
-def probe_batch(schema, dtype: torch.dtype, *, ranges: dict | None = None,
-                longest: dict | None = None):
-    """Two rows of `schema`'s fields: an integer field's least value (`ranges`, by wire)
-    in the first, its largest in the second (0 when unknown); a ragged field `longest` long
-    (by wire; 2 when unknown); floats 0, weights 1."""
-    from sparkdl_avg.data.schema import Batch
-
-    def tensor(f):
-        length = (longest or {}).get(f.wire, 2)
-        shape = (2, *((length, *f.inner) if f.ragged else f.shape))
-        out = torch.zeros(shape, dtype=f.torch_dtype(dtype))
-        low_high = (ranges or {}).get(f.wire)
-        if f.kind == "int" and low_high is not None:
-            out[0], out[1] = int(low_high[0]), int(low_high[1])
-        return out
-
-    weights = torch.ones(2, dtype=dtype) if schema.weight is not None else None
-    return Batch(tuple(map(tensor, schema.inputs)), tuple(map(tensor, schema.labels)),
-                 weights)

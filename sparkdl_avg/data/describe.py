@@ -54,9 +54,6 @@ class Binding:
     binding: str
     label_list: bool
 
-    def of(self, role: str) -> list[Source]:
-        return [s for s in self.sources if s.role == role]
-
 
 def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col) -> Binding:
     """The fields `fit`'s arguments name in `df` (train_df). ConfigError for arguments that
