@@ -136,9 +136,10 @@ print(f"held-out RMSE without the weights {unweighted.history[-1]['eval_loss'] *
 
 # MAGIC %md
 # MAGIC ## Serve it: the logged model on a pandas DataFrame, and `transform` on Spark
-# MAGIC The logged model's signature lists the three inputs by `forward`'s names (`user`,
-# MAGIC `item` int32, `side` float32 [3]); MLflow's pyfunc takes a pandas DataFrame with those
-# MAGIC columns (the side features an array per cell), as a serving endpoint would.
+# MAGIC The logged model's signature lists the three inputs by the columns the fit read
+# MAGIC (`user_id` int32, `item_id` int32, `features` float32 [3]); MLflow's pyfunc takes a
+# MAGIC pandas DataFrame with those columns (the side features an array per cell), as a
+# MAGIC serving endpoint would.
 # MAGIC `result.transform` scores a Spark DataFrame on the executors, reading the columns the
 # MAGIC fit read. Both give the same ratings.
 
@@ -149,8 +150,8 @@ import numpy as np
 
 served = mlflow.pyfunc.load_model(f"runs:/{result.run_id}/model")
 requests = test_df.orderBy("rating_id").limit(200)
-# the signature names the inputs as forward does: a request's columns are user, item, side
-request = requests.selectExpr("user_id AS user", "item_id AS item", "features AS side")
+# the signature names the inputs by the columns the fit read: user_id, item_id, features
+request = requests.select("user_id", "item_id", "features")
 from_mlflow = np.asarray(served.predict(request.toPandas()), dtype=np.float64).reshape(-1)
 from_spark = (result.transform(requests).orderBy("rating_id").select("prediction")
               .toPandas()["prediction"].to_numpy())

@@ -346,7 +346,7 @@ def test_the_mlflow_model_on_pandas_predicts_as_transform(frames):
         uri = f"runs:/{run.info.run_id}/model"
         info = mlflow.models.get_model_info(uri)
         assert isinstance(mlflow.pytorch.load_model(uri), torch.fx.GraphModule)  # pt2
-        assert info.metadata["inputs"] == [{"name": f.name, "dtype": f.dtype,
+        assert info.metadata["inputs"] == [{"name": f.key, "dtype": f.dtype,
                                             "shape": [-1, *f.shape]} for f in data_schema.inputs]
         pyfunc = mlflow.pyfunc.load_model(uri)
         scored = result.transform(df, output=["prediction", "probability"], output_col="s") \
@@ -434,6 +434,7 @@ def test_a_fit_of_named_inputs_scores_alike_in_spark_ml_and_mlflow(spark, mlflow
     logits = model.torch_model(torch.from_numpy(user), torch.from_numpy(dense)).detach()
     assert scored["prediction"].tolist() == logits.argmax(1).double().tolist()
     pyfunc = mlflow.pyfunc.load_model(f"runs:/{model.run_id}/model")
-    got = pyfunc.predict(pd.DataFrame({"user": user.astype(np.int32), "dense": list(dense)}),
+    # the signature names the inputs by the columns the fit read, as the DataFrame has them
+    got = pyfunc.predict(pd.DataFrame({"u": user.astype(np.int32), "d": list(dense)}),
                          params={"output": "probability"})
     np.testing.assert_allclose(got, np.stack(scored["probability"]), rtol=1e-5, atol=1e-6)

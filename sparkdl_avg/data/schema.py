@@ -69,6 +69,12 @@ class FieldSpec:
         return IGNORE_INDEX if self.role == "label" and self.kind == "int" else 0
 
     @property
+    def key(self) -> str:
+        """What a scoring input is named by (the MLflow signature, a pandas DataFrame's
+        column, a dict's key): its column; for numeric columns assembled, its name."""
+        return self.column if isinstance(self.column, str) else self.name
+
+    @property
     def described(self) -> str:
         """How messages name it: its column (or columns) and what it is for."""
         column = self.column if isinstance(self.column, str) else list(self.column)

@@ -50,23 +50,23 @@ def read_arrow(arrays, schema: DataSchema) -> list[Column]:
 
 def read_pandas(data, schema: DataSchema) -> list[Column]:
     """An MLflow model's input: a pandas DataFrame holding the input columns (a list or an
-    array per cell), a dict of numpy arrays `[rows, *shape]` by input name, or one numpy
-    array for a one-input model."""
+    array per cell), a dict of numpy arrays `[rows, *shape]` by input column (`FieldSpec.key`),
+    or one numpy array for a one-input model."""
     import pandas as pd
     import pyarrow as pa
 
     if isinstance(data, pd.DataFrame):
         return [checked(read_column(pa.array(_cells(data, f)), f), f) for f in schema.inputs]
     if isinstance(data, np.ndarray):
-        data = {schema.inputs[0].name: data} if len(schema.inputs) == 1 else {}
+        data = {schema.inputs[0].key: data} if len(schema.inputs) == 1 else {}
     if not isinstance(data, dict):
         raise DataError(f"the model scores a pandas DataFrame or numpy arrays, got "
                         f"{type(data).__name__}")
     out = []
     for f in schema.inputs:
-        if f.name not in data:
-            raise DataError(f"the input {f.name!r} is missing; given: {sorted(data)}")
-        values = np.asarray(data[f.name])
+        if f.key not in data:
+            raise DataError(f"the input {f.key!r} is missing; given: {sorted(data)}")
+        values = np.asarray(data[f.key])
         if f.ragged:  # rows of one length: a fixed block, read as ragged rows
             lengths = np.full(len(values), values.shape[1] if values.ndim > 1 else 0, np.int64)
             values = values.reshape(-1, *f.inner)
@@ -78,13 +78,12 @@ def read_pandas(data, schema: DataSchema) -> list[Column]:
 
 
 def _cells(frame, field: FieldSpec) -> list:
-    name = field.column if isinstance(field.column, str) else field.name
-    for key in (field.name, name):
+    for key in (field.key, field.name):
         if key in frame.columns:
             series = frame[key]
             break
     else:
-        raise DataError(f"the DataFrame has no column {field.name!r} ({field.described}); "
+        raise DataError(f"the DataFrame has no column {field.key!r} ({field.described}); "
                         f"columns: {list(frame.columns)}")
     return [c.tolist() if isinstance(c, np.ndarray) else c for c in series]
 

@@ -86,7 +86,7 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
     mlflow_model.signature = signature(inputs)
     # column specs hold no shapes: every input's, -1 for the batch and ragged dimensions
     mlflow_model.metadata = {**(mlflow_model.metadata or {}), "inputs": [
-        {"name": f.name, "dtype": f.dtype, "shape": list(_spec_shape(f))}
+        {"name": f.key, "dtype": f.dtype, "shape": list(_spec_shape(f))}
         for f in inputs.inputs]}
     with open(os.path.join(path, flavor["model_data"], SCHEMA_FILE), "w") as f:
         json.dump({"schema": schema.to_dict(), "heads": list(heads),
@@ -104,7 +104,7 @@ def tensor_signature(schema):
     from mlflow.types import Schema, TensorSpec
 
     return ModelSignature(inputs=Schema([
-        TensorSpec(np.dtype(_model_dtype(f)), _spec_shape(f), f.name) for f in schema.inputs]))
+        TensorSpec(np.dtype(_model_dtype(f)), _spec_shape(f), f.key) for f in schema.inputs]))
 
 
 def _model_dtype(field) -> str:
@@ -121,7 +121,7 @@ def signature(schema):
     one = len(schema.inputs) == 1 and schema.binding == "single"
     if not any(f.ragged for f in schema.inputs):
         return ModelSignature(inputs=Schema([
-            TensorSpec(np.dtype(f.dtype), _spec_shape(f), None if one else f.name)
+            TensorSpec(np.dtype(f.dtype), _spec_shape(f), None if one else f.key)
             for f in schema.inputs]), params=params)
     columns = []
     for f in schema.inputs:
@@ -130,7 +130,7 @@ def signature(schema):
                 "float32": DataType.float, "float64": DataType.double}[f.dtype]
         for _ in f.shape:
             kind = Array(kind)
-        columns.append(ColSpec(kind, f.name))
+        columns.append(ColSpec(kind, f.key))
     return ModelSignature(inputs=Schema(columns), params=params)
 
 
