@@ -106,6 +106,40 @@ def test_transform_and_predict_udf_score_as_the_model_does(synced, data):
     assert np.array_equal(column["p"].to_numpy(), expected)
 
 
+class Typed(torch.nn.Module):
+    """Int ids, a ragged bag of pairs of ids ([B, L, 2]) and an image ([B, 1, 2, 2])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ids = torch.nn.Embedding(8, 3)
+        self.pairs = torch.nn.Embedding(8, 3)
+        self.image = torch.nn.Linear(4, 3)
+
+    def forward(self, ids, pairs, image):
+        return self.ids(ids) + self.pairs(pairs).sum((1, 2)) + self.image(image.flatten(1))
+
+
+def test_typed_inputs_by_name_train_and_score(data):
+    """Typed inputs on either session kind: the validation's nested-array sizes (a lambda),
+    ragged rows, keyword binding, weights, and transform's probabilities."""
+    from pyspark.sql import functions as F
+
+    typed = data.select(
+        (F.abs(F.hash("features")) % 8).alias("id"), "label",
+        F.slice(F.array(*[F.array(F.lit(i % 8), F.lit((i + 3) % 8)) for i in range(4)]),
+                1, F.abs(F.hash("label", "features")) % 4 + 1).alias("pairs"),
+        F.array(F.slice("features", 1, 2), F.slice("features", 3, 2)).alias("image"),
+        (F.col("label") + 1).cast("double").alias("w"))
+    typed = typed.select("id", "label", "pairs", F.array("image").alias("image"), "w")
+    result = fit(typed, Typed, replace(SYNC, epochs=1),
+                 inputs={"ids": "id", "pairs": "pairs", "image": "image"}, weight_col="w")
+    assert [f.shape for f in result.schema.inputs] == [(), (-1, 2), (1, 2, 2)]
+    assert all(0 < w["pad_fraction"] < 1 for w in result.workers)
+    scored = result.transform(typed, output="probability").toPandas()
+    assert np.allclose([sum(p) for p in scored["prediction"]], 1.0, atol=1e-5)
+
+
 def test_bad_input_is_refused_before_training_with_a_failed_run(data, mlflow_client):
     with pytest.raises(DataError, match=r"no column 'feature'.*did you mean 'features'"):
         fit(data, FaultyMLP, SYNC, features_col="feature")
