@@ -242,9 +242,13 @@ def _classifier_kind(model, schema, heads) -> str | None:
     columns describe."""
     if len(heads) != 1 or heads[0] == "value":
         return None
+    import copy
+
     from sparkdl_avg.scoring.outputs import describe_outputs
 
-    outputs = describe_outputs(model, schema.without_targets(), heads, ("raw",))
+    # a copy on the CPU in eval mode, as scoring probes: the model may sit on a GPU or train
+    probe = copy.deepcopy(model).cpu().eval()
+    outputs = describe_outputs(probe, schema.without_targets(), heads, ("raw",))
     [[spec]] = outputs.specs
     if outputs.several:
         return None

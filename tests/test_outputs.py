@@ -109,6 +109,20 @@ def test_a_per_token_classifier_gives_each_row_its_tokens_classes_whatever_the_b
         np.testing.assert_allclose(row, torch.softmax(lg.double(), -1).numpy(), rtol=1e-12)
 
 
+class TokenValues(torch.nn.Module):
+    """A value a token: [B, T]."""
+
+    def forward(self, tokens):
+        return tokens.double() * 0.5
+
+
+def test_a_per_token_value_of_rows_one_token_long_stays_a_list_per_row():
+    arrays = [pa.array([[4], [2], [6, 8]], pa.list_(pa.int32()))]
+    outputs, got = score(TokenValues(), TAG, ("value",), "prediction", arrays, batch_size=2)
+    assert outputs.spark_type().simpleString() == "array<double>"
+    assert got.to_pylist() == [[2.0], [1.0], [3.0, 4.0]]  # the first chunk: rows of 1 token
+
+
 @pytest.mark.parametrize(("mode", "expected_type"), [
     ("prediction", "struct<price:double,tags:array<bigint>>"),
     ("probability", "struct<price:double,tags:array<double>>"),
@@ -355,6 +369,10 @@ def test_the_mlflow_model_on_pandas_predicts_as_transform(frames):
         got = pyfunc.predict(inputs)
         assert [np.asarray(r).tolist() for r in got] == \
             [np.asarray(r["prediction"]).tolist() for r in scored["s"]]
+        if data_schema is TAG:  # a frame built by hand: Python ints, lists of any length
+            hand = pd.DataFrame({"tokens": [list(map(int, t)) for t in TOKENS]})
+            assert [np.asarray(r).tolist() for r in pyfunc.predict(hand)] == \
+                [np.asarray(r).tolist() for r in got]
         probability = pyfunc.predict(inputs, params={"output": "probability"})
         for a, b in zip(probability, scored["s"], strict=True):
             np.testing.assert_allclose(np.stack(a), np.stack(b["probability"]), rtol=1e-5)
@@ -366,7 +384,7 @@ def test_the_mlflow_model_on_pandas_predicts_as_transform(frames):
                 {"type": "tensor", "tensor-spec": {"dtype": "float32", "shape": [-1, 3]},
                  "name": "dense"}]
         else:
-            assert inputs_spec == [{"type": "array", "items": {"type": "integer"},
+            assert inputs_spec == [{"type": "array", "items": {"type": "long"},
                                         "name": "tokens", "required": True}]
         assert info.signature.params.to_dict()[0]["name"] == "output"
 

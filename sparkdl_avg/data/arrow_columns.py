@@ -51,9 +51,22 @@ def read_column(array: pa.Array, field: FieldSpec) -> Column:
         raise DataError(f"{field.described} holds nulls: cannot use them")
     values = array.to_numpy(zero_copy_only=False)
     if values.dtype != np.dtype(field.dtype):
+        check_fits(values, field)
         values = values.astype(field.dtype)
     shape = (-1, *field.inner) if field.ragged else (rows, *field.shape)
     return Column(values.reshape(shape), lengths)
+
+
+def check_fits(values: np.ndarray, field: FieldSpec) -> None:
+    """Integers narrowed to the field's width (a pandas frame scored by the MLflow model holds
+    int64) must fit it: a wrapped id would be scored as another one."""
+    if field.kind != "int" or values.dtype.kind not in "iu" or not values.size:
+        return
+    info = np.iinfo(np.dtype(field.dtype))
+    low, high = values.min(), values.max()
+    if low < info.min or high > info.max:
+        raise DataError(f"{field.described} holds {low} to {high}, beyond the {field.dtype} "
+                        "the fit read it as")
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:

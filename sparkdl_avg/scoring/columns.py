@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparkdl_avg._errors import DataError
-from sparkdl_avg.data.arrow_columns import Column, pad, read_column, starts_of
+from sparkdl_avg.data.arrow_columns import Column, check_fits, pad, read_column, starts_of
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
 
 
@@ -73,6 +73,8 @@ def read_pandas(data, schema: DataSchema) -> list[Column]:
         else:
             lengths = None
             values = values.reshape(len(values), *f.shape)
+        if values.dtype != np.dtype(f.dtype):
+            check_fits(values, f)
         out.append(checked(Column(values.astype(f.dtype, copy=False), lengths), f))
     return out
 
@@ -92,7 +94,7 @@ def checked(column: Column, field: FieldSpec) -> Column:
     """`column`, or a DataError naming the field's column when a float input holds NaN or
     an infinity: scored, they would give an answer (a classifier's argmax returns a class for
     NaN too); training's validation refuses them as well."""
-    if field.kind != "float":
+    if field.kind != "float" or column.values.size == 0:
         return column
     values = column.values
     finite = np.isfinite(values.reshape(len(values), -1)).all(axis=1)

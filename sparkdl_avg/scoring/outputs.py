@@ -192,8 +192,10 @@ def _spec(name, head, mode, short, longer, ragged: bool) -> OutputSpec:
                       integer=not a.is_floating_point(), trim=trim)
 
 
-def convert(out, head: str, mode: str):
-    """One output tensor `[B, ...]` as written in `mode` (see the module's docstring)."""
+def convert(out, head: str, mode: str, squeeze: bool = True):
+    """One output tensor `[B, ...]` as written in `mode` (see the module's docstring); a
+    `[B, 1]` value is one scalar a row, unless `squeeze` is off (a per-token output of a
+    chunk whose rows are all one step long)."""
     import torch
 
     if head == "value" or mode == "raw":
@@ -202,7 +204,7 @@ def convert(out, head: str, mode: str):
         t = torch.softmax(out.double(), -1) if head == "class" else torch.sigmoid(out.double())
     else:
         t = out.argmax(-1) if head == "class" else (out > 0)
-    if head != "class" and t.dim() == 2 and t.shape[1] == 1:
+    if squeeze and head != "class" and t.dim() == 2 and t.shape[1] == 1:
         t = t[:, 0]
     return t.long() if not t.is_floating_point() else t.double()
 

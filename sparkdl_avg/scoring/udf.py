@@ -106,7 +106,8 @@ class Scorer:
                 out = tuple(out) if self.outputs.several else (out,)
                 for mode_parts, specs in zip(parts, self.outputs.specs, strict=True):
                     for part, spec, o in zip(mode_parts, specs, out, strict=True):
-                        part.append(to_arrow(convert(o, spec.head, spec.mode),
+                        part.append(to_arrow(convert(o, spec.head, spec.mode,
+                                                     squeeze=not spec.trim),
                                              lengths if spec.trim else None))
         return self.outputs.assemble([[_concat(p) for p in mode_parts] for mode_parts in parts])
 

@@ -125,9 +125,10 @@ def signature(schema):
             for f in schema.inputs]), params=params)
     columns = []
     for f in schema.inputs:
-        kind = {"int8": DataType.integer, "int16": DataType.integer,
-                "int32": DataType.integer, "int64": DataType.long, "bool": DataType.boolean,
-                "float32": DataType.float, "float64": DataType.double}[f.dtype]
+        # the widest of each kind: MLflow's check refuses to narrow, and a DataFrame built by
+        # hand holds Python ints and floats (int64, float64); reading casts them as the fit did
+        kind = {"int": DataType.long, "bool": DataType.boolean,
+                "float": DataType.double}[f.kind]
         for _ in f.shape:
             kind = Array(kind)
         columns.append(ColSpec(kind, f.key))
