@@ -134,7 +134,7 @@ def test_empty_arrays_are_refused_and_an_empty_ragged_row_is_not(spark):
     dtype = T.ArrayType(T.ArrayType(T.IntegerType()))
     df = spark.createDataFrame([([[], []], 0)] * 3,
                                _schema(("x", dtype), ("label", T.IntegerType())))
-    with pytest.raises(DataError, match="features .'x'. holds empty arrays at depth 2"):
+    with pytest.raises(DataError, match="features .'x'. holds only empty arrays at depth 2"):
         _prepare(df, features_col="x", num_workers=1)
     df = spark.createDataFrame([([[1, 2]], 0), ([], 0)], _schema(("x", dtype),
                                                               ("label", T.IntegerType())))

@@ -103,7 +103,7 @@ def _expected(globals_: np.ndarray, float_dtype=torch.float32) -> list:
         else:
             want = torch.from_numpy(np.array(values).astype(
                 {"int": np.int64, "bool": np.bool_, "float": np.float32}[f.kind]))
-            out.append(want.to(float_dtype) if f.kind == "float" else want)
+            out.append(want.to(f.torch_dtype(float_dtype)) if f.kind == "float" else want)
     return out
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
-from sparkdl_avg import ModelError, TrainConfig, fit
+from sparkdl_avg import DataError, ModelError, TrainConfig, fit
 
 pytestmark = pytest.mark.spark
 
@@ -230,3 +230,11 @@ def test_accumulated_micro_batches_weigh_their_kept_tokens_and_weights(ratings):
     assert (one.model.out.weight - PerToken().out.weight).abs().max().item() > 1e-2
     for a, b in zip(one.model.parameters(), two.model.parameters(), strict=True):
         assert (a - b).abs().max().item() < 1e-10
+
+
+def test_a_ragged_label_with_a_loss_that_cannot_mask_its_pads_is_refused(spark):
+    df = spark.createDataFrame(pd.DataFrame({"x": [[1.0, 2.0], [3.0]] * 4,
+                                             "y": [[0.5, 1.5], [2.5]] * 4}))
+    with pytest.raises(DataError, match=r"column 'y' \(label\) is ragged.*count in 'mse'"):
+        fit(df, MaskedSum, TrainConfig(**BASE, batch_size=2), features_col="x",
+            label_col="y", loss="mse")

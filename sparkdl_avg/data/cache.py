@@ -166,7 +166,7 @@ class MemoryWriter:
         float_dtype = float_dtype_of(self.schema, dtype)
         columns = []
         for field, store in zip(self.schema.fields, self.stores, strict=True):
-            want = float_dtype if field.kind == "float" else None
+            want = field.torch_dtype(float_dtype) if field.kind == "float" else None
             columns.append(_DeviceRagged(store, device, want) if field.ragged
                            else _to_device(store, device, want))
         self.close()

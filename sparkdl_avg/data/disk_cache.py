@@ -83,9 +83,16 @@ class DiskColumns:
         self.float_dtype = float_dtype_of(schema, float_dtype)
         self.files = _row_files(name, schema)
         self.at = _field_files(schema)
-        self._fds = [os.open(folder.file(f), os.O_RDONLY) for f, _, _ in self.files]
-        self._values = {i: os.open(folder.file(_values_file(name, f)), os.O_RDONLY)
-                        for i, f in enumerate(schema.fields) if f.ragged}
+        self._fds, self._values = [], {}
+        try:  # a file that cannot be opened closes those that were
+            for f, _, _ in self.files:
+                self._fds.append(os.open(folder.file(f), os.O_RDONLY))
+            for i, f in enumerate(schema.fields):
+                if f.ragged:
+                    self._values[i] = os.open(folder.file(_values_file(name, f)), os.O_RDONLY)
+        except BaseException:
+            self.close()
+            raise
         self.assemble_s, self.assembled_bytes = 0.0, 0
         """Time spent, and bytes produced, assembling minibatches (`batches`)."""
 

@@ -13,11 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-ROLES = ("input", "label", "weight")
-BINDINGS = ("single", "positional", "keyword")
-"""How the inputs reach the model: model(x), model(*xs) or model(**xs)."""
 INT_DTYPES = ("int8", "int16", "int32", "int64")
-DTYPES = (*INT_DTYPES, "bool", "float32", "float64")
 IGNORE_INDEX = -100
 """The pad of a ragged integer label: the built-in cross-entropy ignores it."""
 
@@ -37,7 +33,8 @@ class FieldSpec:
     """Its column in the prepared frame and the tasks' Arrow batches."""
     dtype: str
     """The numpy dtype it is carried and cached in: integers keep their width (int32 ids stay
-    4 bytes), floats take the model's float dtype."""
+    4 bytes), floats the model's float32 or float64 (a bfloat16 model's floats travel as
+    float32; its memory cache converts them once)."""
     shape: tuple[int, ...]
     """A row's shape; -1 first: ragged."""
     source: str = ""
@@ -84,9 +81,11 @@ class FieldSpec:
 
     def torch_dtype(self, float_dtype):
         """The dtype the model gets: int64 for integers (what nn.Embedding and the losses
-        index with), bool, else `float_dtype` (the model's)."""
+        index with), bool, else `float_dtype` (the model's; a weight at least float32)."""
         import torch
 
+        if self.role == "weight":  # never rounded to a half type: w must count as w copies
+            return torch.promote_types(float_dtype, torch.float32)
         return {"int": torch.int64, "bool": torch.bool}.get(self.kind, float_dtype)
 
     def to_dict(self) -> dict:
@@ -108,6 +107,8 @@ class DataSchema:
 
     inputs: tuple[FieldSpec, ...]
     binding: str
+    """How the inputs reach the model: "single" model(x), "positional" model(*xs), or
+    "keyword" model(**xs)."""
     labels: tuple[FieldSpec, ...]
     label_list: bool
     """label_col was a list: the model returns a tuple, one output per label."""

@@ -49,7 +49,9 @@ def bad_values(source: Source, element: T.DataType) -> Column:
         found = (F.array_contains(col, nan) | F.array_contains(col, inf)
                  | F.array_contains(col, -inf))
         return F.coalesce(found, F.lit(True))
-    return F.coalesce(F.size(col) != F.size(F.array_compact(col)), F.lit(True))
+    # isNull first: with ANSI mode off, Spark's size(null) is -1 on both sides
+    return F.coalesce(col.isNull() | (F.size(col) != F.size(F.array_compact(col))),
+                      F.lit(True))
 
 
 def bad_features(element: T.DataType) -> Column:
@@ -172,9 +174,9 @@ def field_specs(rows: list, sources: list[Source], dtypes: dict[str, str]) -> di
             elif level == 0 and low != high:
                 shape.append(-1)
             elif high == 0:
-                raise DataError(f"{_what(s)} holds empty arrays"
+                raise DataError(f"{_what(s)} holds only empty arrays"
                                 + (f" at depth {level + 1}" if level else "")
-                                + "; every row needs values")
+                                + ": no row has a value")
             else:
                 raise DataError(
                     f"{_what(s)}: arrays at depth {level + 1} have from {low} to {high} "

@@ -118,6 +118,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
                    label_col=label_col, weight_col=weight_col, num_workers=config.num_workers,
                    double_precision=dtype == torch.float64,
                    class_labels=[loss == "cross_entropy" for loss in objective.losses])
+    check_ragged_labels(data.schema, objective)
     check_model_takes_data(model, data.schema, objective, dtype=dtype, ranges=data.ranges,
                            longest=data.longest)
     smallest = min(data.train_sizes)
@@ -143,6 +144,22 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,
                    objective=objective, pickled=pickled, params=params, resume=resume,
                    on_round=on_round)
+
+
+def check_ragged_labels(schema, objective) -> None:
+    """A ragged label is padded per minibatch, and only cross_entropy knows its padding
+    (integer labels padded with -100, ignored): any other built-in loss would train towards
+    the pads. DataError naming the column."""
+    if objective.joint:
+        return
+    for label, loss in zip(schema.labels, objective.losses, strict=True):
+        if label.ragged and isinstance(loss, str) and loss != "cross_entropy":
+            raise DataError(
+                f"{label.described} is ragged (its rows' lengths differ): padded per "
+                f"minibatch, its pads would count in {loss!r}, which cannot tell them from "
+                "labels. Use cross_entropy with integer labels (padded with -100, ignored), "
+                "or a callable loss that masks the pads by the rows' lengths (an input "
+                "column of F.size(...))")
 
 
 def describe_params(schema) -> dict[str, object]:

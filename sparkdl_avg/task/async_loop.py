@@ -38,7 +38,7 @@ class ServerLost(ConnectionError):
 
 
 def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition,
-                device) -> list[str]:
+                device) -> dict:
     """Train to the end; returns `Replica.outcome()` for the task's report."""
     from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
     from sparkdl_avg.task.device import final_on_device_errors

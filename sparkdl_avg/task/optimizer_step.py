@@ -87,7 +87,7 @@ class OptimizerSteps:
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.zero_grad(set_to_none=True)
         micro = self.schedule.micro_batches(step)
-        loss_sum, rows, unit, total = None, 0, None, None
+        loss_sum, rows, first, total = None, 0, None, None
         for _ in range(micro):
             batch = next_batch()
             with self._autocast():
@@ -100,9 +100,10 @@ class OptimizerSteps:
                 # divided by the step's total of those below. On the device: no host sync.
                 weight = torch.as_tensor(weigh(batch) if weigh is not None else batch.rows,
                                          dtype=torch.float64, device=loss.device)
-                if unit is None:
-                    unit = torch.where(weight > 0, weight, torch.ones_like(weight))
-                share = weight / unit
+                # the first micro-batch that keeps anything sets the unit (before it, 1: those
+                # keep nothing, so their share is 0 whatever the unit)
+                first = weight if first is None else torch.where(first > 0, first, weight)
+                share = weight / torch.where(first > 0, first, torch.ones_like(first))
                 total = share if total is None else total + share
                 scaled = loss * share.to(loss.dtype)
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()

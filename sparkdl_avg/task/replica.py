@@ -152,20 +152,22 @@ class Replica:
         return self.objective.step_weight(batch.labels, batch.weights)
 
     def _forward_loss(self, batch):
-        return self.objective(self.forward(batch), batch.labels, batch.weights)
+        return self.objective(self.call(self.model, batch.inputs), batch.labels,
+                              batch.weights)
 
-    def forward(self, batch):
-        """The model's output on `batch`; an index out of an embedding's range is a final
-        ModelError naming the integer inputs and the largest id each held."""
+    def call(self, model, inputs):
+        """The model's output on a batch's inputs; an index out of an embedding's range (on
+        the CPU: CUDA's device-side assert leaves no error to catch) is a final ModelError
+        naming the integer inputs and the largest id each held."""
         try:
-            return self.schema.call(self.model, batch.inputs)
+            return self.schema.call(model, inputs)
         except IndexError as exc:
             if "out of range" not in str(exc):
                 raise
             from sparkdl_avg._model import index_error
 
-            raise index_error(self.schema, batch.inputs, exc) from exc
+            raise index_error(self.schema, inputs, exc) from exc
 
     def evaluate(self) -> dict:
         return evaluate_batches(self.model, self.data.eval.chunks(self._eval_rows),
-                                self.objective, self.schema.call)
+                                self.objective, self.call)

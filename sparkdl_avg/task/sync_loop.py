@@ -16,7 +16,7 @@ from sparkdl_avg.task.spec import WorkerSpec
 
 
 def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition, device,
-               transport: Transport, hello: msg.WorkerHello) -> list[str]:
+               transport: Transport, hello: msg.WorkerHello) -> dict:
     """Train to the end; returns `Replica.outcome()` for the task's report."""
     from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
     from sparkdl_avg.averaging.optimizer_state import averaged_state_tensors
