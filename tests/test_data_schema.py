@@ -160,3 +160,10 @@ def test_eval_df_of_another_kind_is_refused(spark, typed):
     with pytest.raises(DataError, match="column 'tokens' is smallint in eval_df but "
                                         "array<int> in train_df"):
         _prepare(typed, other, inputs=["tokens"])
+
+
+def test_an_eval_df_without_the_weight_column_weighs_its_rows_1(typed):
+    data = _prepare(typed, typed.drop("w"), features_col="vec", label_col="label",
+                    weight_col="w")
+    weights = data.frame.filter("_split = 1").select(data.schema.weight.wire).distinct()
+    assert [r[0] for r in weights.collect()] == [1.0]

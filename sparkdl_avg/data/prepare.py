@@ -130,7 +130,12 @@ def prepare(
 
 def _carried(df: DataFrame, frame_name: str, sources: list[Source],
              element: T.DataType) -> DataFrame:
-    return df.select(*[carry(df, s, element, frame_name) for s in sources])
+    """`df`'s fields in their carried types; an eval_df without the weight column weighs
+    each of its rows 1."""
+    return df.select(*[
+        F.lit(1).cast(carried_type(s, element)).alias(s.wire)
+        if s.role == "weight" and frame_name == "eval_df" and s.column not in df.columns
+        else carry(df, s, element, frame_name) for s in sources])
 
 
 def _as_classes(source: Source) -> Source:
