@@ -244,9 +244,10 @@ def _report_workers(outcome: TrainOutcome, run: RunLogger) -> None:
     peaks = [w["peak_rss_mb"] for w in outcome.workers if w["peak_rss_mb"] is not None]
     if peaks:
         run.log_metrics({"peak_rss_mb_max": max(peaks)}, step=0)
-    padding = [w["pad_fraction"] for w in outcome.workers if w["pad_fraction"] is not None]
-    if padding:  # ragged inputs: the share of their positions that were padding
-        run.log_metrics({"pad_fraction": sum(padding) / len(padding)}, step=0)
+    positions = sum(w["ragged_positions"] or 0 for w in outcome.workers)
+    if positions:  # ragged inputs: the share of all their positions that were padding
+        padded = sum(w["pad_positions"] or 0 for w in outcome.workers)
+        run.log_metrics({"pad_fraction": padded / positions}, step=0)
 
 
 _WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_s",

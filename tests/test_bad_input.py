@@ -128,7 +128,7 @@ def test_nan_label(spark):
         fit(df, model, CFG, loss="mse")
 
 
-def test_ragged_features_are_padded_not_refused(spark):
+def test_ragged_features_are_padded_not_refused(spark, mlflow_client):
     """Rows of 2 and 3 features: a ragged input (issue 29), padded per minibatch to its
     longest row, which the run reports as padding; arrays whose inner lengths vary are
     refused (tests/test_data_schema.py)."""
@@ -137,6 +137,11 @@ def test_ragged_features_are_padded_not_refused(spark):
     result = fit(df, model, CFG)
     padding = [w["pad_fraction"] for w in result.workers]
     assert all(p is not None for p in padding) and 0 < sum(padding) / 2 < 1 / 3
+    padded = sum(w["pad_positions"] for w in result.workers)
+    positions = sum(w["ragged_positions"] for w in result.workers)
+    assert positions >= 24 * 2 and 0 < padded < positions  # every row, 2 or 3 wide
+    metrics = mlflow_client.get_run(result.run_id).data.metrics
+    assert metrics["pad_fraction"] == pytest.approx(padded / positions, rel=1e-12)
 
 
 def test_labels_out_of_range_for_the_model(spark):

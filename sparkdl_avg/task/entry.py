@@ -113,6 +113,8 @@ def _run(spec: WorkerSpec, batches: Iterator):
             "device": choice.device, "gpu": choice.gpu_address,
             "warning": "; ".join(w for w in (choice.warning, *outcome["warnings"]) if w)
             or None, "pad_fraction": outcome["pad_fraction"],
+            "pad_positions": outcome["pad_positions"],
+            "ragged_positions": outcome["ragged_positions"],
             "train_rows": data.rows[0], "eval_rows": data.rows[1], "load_s": data.load_s,
             "version": _version.__version__, "library": os.path.dirname(_version.__file__),
             "cache": cache, "start_rss_mb": _mb(start_rss), "peak_rss_mb": _mb(peak),

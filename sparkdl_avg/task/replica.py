@@ -121,7 +121,8 @@ class Replica:
         """For the task's report: its warnings, and the share of the ragged inputs'
         positions that were padding (None without ragged inputs)."""
         return {"warnings": self.warnings,
-                "pad_fraction": self.padded / self.positions if self.positions else None}
+                "pad_fraction": self.padded / self.positions if self.positions else None,
+                "pad_positions": self.padded, "ragged_positions": self.positions}
 
     def run_steps(self, count: int) -> tuple[float, int, float]:
         """`count` local optimizer steps; returns (summed loss x rows, rows, mean lr)."""
