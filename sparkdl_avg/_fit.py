@@ -195,7 +195,7 @@ def fit(
                          workers=outcome.workers, timings=timings, failures=outcome.failures,
                          features_col=features_col, num_features=plan.data.num_features or 0,
                          classify=plan.objective.classify, score_rows=config.eval_rows(
-                             plan.data.schema.row_bytes(plan.data.ragged_values)),
+                             plan.data.schema.padded_row_bytes(plan.data.longest)),
                          schema=plan.data.schema, heads=heads_of(plan.objective))
 
 

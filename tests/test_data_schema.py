@@ -167,3 +167,15 @@ def test_an_eval_df_without_the_weight_column_weighs_its_rows_1(typed):
                     weight_col="w")
     weights = data.frame.filter("_split = 1").select(data.schema.weight.wire).distinct()
     assert [r[0] for r in weights.collect()] == [1.0]
+
+
+def test_chunks_are_sized_by_rows_padded_to_the_longest():
+    """A ragged field's mean sizes its cache; its longest row sizes a chunk to evaluate or
+    score (rows pad to their longest), so a long tail cannot take a chunk past its budget."""
+    from sparkdl_avg.data.schema import FieldSpec
+
+    tokens = FieldSpec("input", "t", "t", "_x0", "int32", (-1, 2))
+    label = FieldSpec("label", "y", "y", "_y0", "int64", ())
+    s = DataSchema((tokens,), "single", (label,), False)
+    assert s.row_bytes({"_x0": 4.0}) == 16 + 4 * 4 + 8  # start and length, values, label
+    assert s.padded_row_bytes({"_x0": 100}) == 16 + 100 * 2 * 4 + 8

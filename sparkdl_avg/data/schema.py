@@ -152,6 +152,13 @@ class DataSchema:
                 total += f.values_per_row * size
         return max(1, math.ceil(total))
 
+    def padded_row_bytes(self, longest: dict[str, int]) -> int:
+        """Bytes a row takes padded to the longest row of each ragged field (`longest`, by
+        wire): what sizes a chunk of rows to evaluate or score, whose rows pad to their
+        longest, so a long tail of lengths cannot take a chunk past its budget."""
+        return self.row_bytes({f.wire: longest.get(f.wire, 1) * math.prod(f.inner)
+                               for f in self.fields if f.ragged})
+
     def to_dict(self) -> dict:
         return {"inputs": [f.to_dict() for f in self.inputs], "binding": self.binding,
                 "labels": [f.to_dict() for f in self.labels], "label_list": self.label_list,

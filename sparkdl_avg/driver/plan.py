@@ -68,7 +68,8 @@ class FitPlan:
             address=address, secret=secret, config=self.pickled["config"],
             model_fn=self.pickled["model_fn"], loss=self.pickled["loss"],
             schedule=self.schedule, schema=self.data.schema,
-            ragged_values=self.data.ragged_values, train_rows=self.data.train_sizes,
+            ragged_values=self.data.ragged_values, longest=self.data.longest,
+            train_rows=self.data.train_sizes,
             eval_rows=self.data.eval_sizes, num_workers=self.config.num_workers,
             model_dtype=str(self.dtype).removeprefix("torch."),
             tls_ca_pem=tls_ca_pem)

@@ -68,7 +68,7 @@ class Replica:
         self.data, self.schema = data, spec.schema
         row_bytes = spec.schema.row_bytes(spec.ragged_values)
         # the same rows a chunk as the returned model scores (FitResult.score_rows)
-        self._eval_rows = config.eval_rows(row_bytes)
+        self._eval_rows = config.eval_rows(spec.schema.padded_row_bytes(spec.longest))
         self.batches = TrainBatches(
             data.train, cut=make_cut(row_bytes, config.shuffle_buffer_mb),
             seed=config.seed, worker=rank, shuffle=config.shuffle,
@@ -78,7 +78,8 @@ class Replica:
             epoch_rows=epoch_length(spec.train_rows))
         self.wire_dtype = wire_dtype(self.dtype)
         if device.type == "cuda":
-            _check_device_memory(self.model, config, row_bytes, device)
+            _check_device_memory(self.model, config,
+                                 spec.schema.padded_row_bytes(spec.longest), device)
         self.objective = cloudpickle.loads(spec.loss)
         self.optimizer = self.steps = None
         self.config, self.schedule = config, spec.schedule

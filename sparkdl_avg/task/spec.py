@@ -28,6 +28,8 @@ class WorkerSpec:
     num_workers: int = 1
     ragged_values: dict[str, float] = field(default_factory=dict)
     """Per ragged field (by wire): values per row on average, for sizing the cache."""
+    longest: dict[str, int] = field(default_factory=dict)
+    """Per ragged field (by wire): its longest row, for sizing evaluation chunks."""
     model_dtype: str = "float32"
     """The model's parameter dtype (a torch dtype's name): the memory cache holds features in
     it, so the device keeps one copy of the partition."""
