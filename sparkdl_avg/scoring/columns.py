@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparkdl_avg._errors import DataError
-from sparkdl_avg.data.arrow_columns import Column, check_fits, pad, read_column, starts_of
+from sparkdl_avg.data.arrow_columns import Column, check_fits, pad, read_column
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
 
 
@@ -127,11 +127,13 @@ def chunk(columns: list[Column], schema: DataSchema, start: int, stop: int, floa
         if column.lengths is None:
             inputs.append(_tensor(column.values[start:stop], device, dtype))
             continue
-        starts = starts_of(column.lengths)
-        begin = int(starts[start]) if start < len(starts) else 0
-        rows = torch.from_numpy(column.lengths[start:stop]).to(device)
-        values = _tensor(column.values[begin:begin + int(rows.sum())], device, dtype)
-        inputs.append(pad(values, rows, field.pad_value))
+        # from the host's lengths: no device sync a chunk, no starts of the whole column
+        host = column.lengths[start:stop]
+        begin, count = int(column.lengths[:start].sum()), int(host.sum())
+        rows = torch.from_numpy(host).to(device)
+        values = _tensor(column.values[begin:begin + count], device, dtype)
+        inputs.append(pad(values, rows, field.pad_value,
+                          longest=int(host.max()) if len(host) else 0))
         lengths = rows if lengths is None else lengths
     return tuple(inputs), lengths
 
