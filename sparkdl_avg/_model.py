@@ -171,8 +171,8 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
 def _forward_failed(schema, batch, exc: BaseException) -> ModelError:
     shapes = ", ".join(f"{f.name}: {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
                        for f, x in zip(schema.inputs, batch.inputs, strict=True))
-    per_row = f"; {schema.inputs[0].shape[0]} features per row" \
-        if len(schema.inputs) == 1 and len(schema.inputs[0].shape) == 1 else ""
+    per_row = f"; {schema.num_features} features per row" \
+        if schema.num_features is not None else ""
     return ModelError(f"the model's forward failed on a probe batch of the data's "
                       f"shapes ({shapes}{per_row}): {exc!r}")
 

@@ -121,14 +121,20 @@ def _source(df: DataFrame, role: str, name: str, column, wire: str, argument: st
     if role != "input" or not isinstance(column, Sequence) or not column:
         raise ConfigError(f"{argument} must be a column name or a non-empty list, got "
                           f"{column!r}")
-    for part in column:  # numeric scalar columns assembled into one vector
-        field = find_column(df, part, argument, "train_df")
-        if not isinstance(field.dataType, (*_FLOATS, *_INTS)):
-            raise DataError(f"train_df feature column {part!r} has type "
-                            f"{field.dataType.simpleString()}; feature columns must be "
-                            "numeric")
+    check_numeric(df, column, argument, "train_df")  # assembled into one vector
     return Source(role, name, tuple(column), wire, "float", None, 1,
                   f"{len(column)} numeric columns")
+
+
+def check_numeric(df: DataFrame, columns, argument: str, frame_name: str) -> None:
+    """DataError naming the first of `columns` (numeric scalars to assemble into one vector)
+    that is missing or not numeric."""
+    for part in columns:
+        field = find_column(df, part, argument, frame_name)
+        if not isinstance(field.dataType, (*_FLOATS, *_INTS)):
+            raise DataError(f"{frame_name} feature column {part!r} has type "
+                            f"{field.dataType.simpleString()}; feature columns must be "
+                            "numeric")
 
 
 def find_column(df: DataFrame, name: object, argument: str, frame_name: str) -> T.StructField:
@@ -177,14 +183,8 @@ def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str
     """`source`'s column of `df` (train_df or eval_df) in its carried type, as `source.wire`.
     DataError when eval_df's column is of another kind than train_df's."""
     if isinstance(source.column, tuple):
-        parts = []
-        for part in source.column:
-            field = find_column(df, part, "features_col", frame_name)
-            if not isinstance(field.dataType, (*_FLOATS, *_INTS)):
-                raise DataError(f"{frame_name} feature column {part!r} has type "
-                                f"{field.dataType.simpleString()}; feature columns must be "
-                                "numeric")
-            parts.append(F.col(f"`{part}`").cast(float_type))
+        check_numeric(df, source.column, "features_col", frame_name)
+        parts = [F.col(f"`{part}`").cast(float_type) for part in source.column]
         return F.array(*parts).alias(source.wire)
     field = find_column(df, source.column, source.role, frame_name)
     kind, _, depth, vector = classify_type(field.dataType, source.column, frame_name,

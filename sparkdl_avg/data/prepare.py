@@ -44,9 +44,7 @@ class PreparedData:
     @property
     def num_features(self) -> int | None:
         """The width of a single vector input (what a fit of one vector reports)."""
-        x = self.schema.inputs[0]
-        return x.shape[0] if len(self.schema.inputs) == 1 and len(x.shape) == 1 \
-            and not x.ragged else None
+        return self.schema.num_features
 
 
 def prepare(

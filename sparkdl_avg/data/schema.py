@@ -132,6 +132,14 @@ class DataSchema:
     def ragged(self) -> bool:
         return any(f.ragged for f in self.fields)
 
+    @property
+    def num_features(self) -> int | None:
+        """The width of a single fixed vector input (what a fit of one vector reports, as
+        before typed inputs); None for any other inputs."""
+        x = self.inputs[0]
+        return x.shape[0] if len(self.inputs) == 1 and len(x.shape) == 1 and not x.ragged \
+            else None
+
     def call(self, model, inputs):
         """The model's output on a batch's input tensors, bound as the fit said."""
         if self.binding == "keyword":

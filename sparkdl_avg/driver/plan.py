@@ -174,9 +174,8 @@ def describe_params(schema) -> dict[str, object]:
     params.update({f"label.{f.name}": text(f) for f in schema.labels})
     if schema.weight is not None:
         params["weight"] = text(schema.weight)
-    x = schema.inputs[0]
-    if len(schema.inputs) == 1 and len(x.shape) == 1 and not x.ragged:
-        params["num_features"] = x.shape[0]
+    if schema.num_features is not None:
+        params["num_features"] = schema.num_features
     return params
 
 
