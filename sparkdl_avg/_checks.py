@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from sparkdl_avg._errors import ConfigError
@@ -102,3 +103,32 @@ def check_cache(config, caches: tuple[str, ...]) -> None:
             f"shuffle_buffer_mb={config.shuffle_buffer_mb} is more than cache_budget_mb="
             f"{config.cache_budget_mb}: a task reading its partition from disk holds one "
             "shuffle window in memory; lower shuffle_buffer_mb or raise cache_budget_mb")
+
+
+def check_flags(config, names: tuple[str, ...]) -> None:
+    """Booleans that must be booleans, `log_model` (True, False or "adapters") and
+    `driver_model` ("full" or "meta")."""
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(f"{name} must be True or False, got {getattr(config, name)!r}")
+    if not isinstance(config.log_model, bool) and config.log_model != "adapters":
+        raise ConfigError(f"log_model must be True, False or 'adapters', got "
+                          f"{config.log_model!r}")
+    if config.driver_model not in ("full", "meta"):
+        raise ConfigError(f"driver_model must be 'full' or 'meta', got "
+                          f"{config.driver_model!r}")
+
+
+def check_mode(config, modes: tuple[str, ...], *, sync_only: tuple[str, ...],
+               async_only: tuple[str, ...]) -> None:
+    """A known mode, and no field of the other mode set to anything but its default."""
+    if config.mode not in modes:
+        raise ConfigError(f"mode={config.mode!r} is not supported; use one of {modes}")
+    other = async_only if config.mode == "sync" else sync_only
+    for f in dataclasses.fields(config):
+        if f.name in other and getattr(config, f.name) != f.default:
+            raise ConfigError(
+                f"{f.name}={getattr(config, f.name)!r} applies to "
+                f"mode={'async' if config.mode == 'sync' else 'sync'!r} only, and this "
+                f"config has mode={config.mode!r}; leave {f.name} at its default "
+                f"({f.default!r})")

@@ -11,6 +11,8 @@ from typing import Any, Literal
 from sparkdl_avg._checks import (
     check_async,
     check_cache,
+    check_flags,
+    check_mode,
     check_registered_model,
     check_sync_transport,
     require_float,
@@ -222,8 +224,14 @@ class TrainConfig:
     """MLflow run name; None: one that says what the fit is ("sync-2w-k8",
     "async-dcasgd-4w")."""
 
-    log_model: bool = True
-    """Log the final model with `mlflow.pytorch.log_model` so `mlflow.pyfunc` can load it."""
+    log_model: bool | Literal["adapters"] = True
+    """Log the final model so `mlflow.pyfunc` can load it: True the whole model (a PEFT model
+    merged into its base), "adapters" only what trained (a PEFT model's adapters), False none."""
+
+    driver_model: Literal["full", "meta"] = "full"
+    """"meta": the driver builds `model_fn` on the meta device (shapes and the trainable set,
+    no frozen weights) and takes the initial trainable state from an executor's build;
+    `FitResult.model` is then built on request. For a backbone too large for the driver."""
 
     registered_model_name: str | None = None
     """Register the logged model as a new version of this MLflow model (needs log_model);
@@ -287,16 +295,7 @@ class TrainConfig:
     parameters; workers push and pull the slices in parallel. 1: one server, as before."""
 
     def __post_init__(self) -> None:
-        if self.mode not in _MODES:
-            raise ConfigError(f"mode={self.mode!r} is not supported; use one of {_MODES}")
-        other = ASYNC_ONLY if self.mode == "sync" else SYNC_ONLY
-        for f in dataclasses.fields(self):
-            if f.name in other and getattr(self, f.name) != f.default:
-                raise ConfigError(
-                    f"{f.name}={getattr(self, f.name)!r} applies to "
-                    f"mode={'async' if self.mode == 'sync' else 'sync'!r} only, and this "
-                    f"config has mode={self.mode!r}; leave {f.name} at its default "
-                    f"({f.default!r})")
+        check_mode(self, _MODES, sync_only=SYNC_ONLY, async_only=ASYNC_ONLY)
         for name in ("num_workers", "epochs", "batch_size", "averaging_frequency",
                      "push_every"):
             require_int(name, getattr(self, name), minimum=1)
@@ -343,10 +342,8 @@ class TrainConfig:
         check_controls(self)
         check_sync_transport(self)
         check_registered_model(self)
-        for name in ("average_optimizer_state", "overlap_averaging", "shuffle", "log_model",
-                     "deterministic"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_flags(self, ("average_optimizer_state", "overlap_averaging", "shuffle",
+                           "deterministic"))
 
     def default_run_name(self) -> str:
         """What the fit is, for the MLflow runs table."""
