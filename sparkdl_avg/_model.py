@@ -3,6 +3,7 @@ and the callables pickled for the executors. Used on the driver and in the tasks
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -30,7 +31,22 @@ def build_model(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         raise ModelError(f"model_fn() failed to build the model: {exc!r}") from exc
     if not isinstance(model, torch.nn.Module):
         raise ModelError(f"model_fn() must return a torch.nn.Module, got {type(model).__name__}")
+    if not any(m.training for m in model.modules()):
+        model.train()  # wholly in eval mode, as from_pretrained returns one: train it all
     return model
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module):
+    """The model in eval mode, and then each module back in the mode it was in (a frozen
+    part model_fn put in eval mode stays so; `model.train()` would flip it)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def pickle_for_executors(name: str, value: object) -> bytes:
@@ -152,10 +168,8 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
     known = {wire: r for wire, r in ranges.items() if r is not None}
     batch = probe_batch(schema, dtype, low={w: int(r[0]) for w, r in known.items()},
                         high={w: int(r[1]) for w, r in known.items()}, lengths=longest)
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
+        with evaluating(model), torch.no_grad():
             out = schema.call(model, batch.inputs)
     except IndexError as exc:
         if "out of range" not in str(exc):
@@ -163,8 +177,6 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
         raise index_error(schema, batch.inputs, exc) from exc
     except Exception as exc:
         raise _forward_failed(schema, batch, exc) from exc
-    finally:
-        model.train(was_training)
     check_outputs(objective, out, batch.labels, [f.described for f in schema.labels])
 
 

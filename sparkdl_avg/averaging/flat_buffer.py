@@ -7,10 +7,33 @@ import torch
 
 
 def averaged_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters and floating buffers (e.g. BatchNorm statistics), in a fixed order."""
-    tensors = [p for p in model.parameters()]
-    tensors += [b for b in model.buffers() if b.is_floating_point()]
-    return tensors
+    """What trains, so what is averaged, in a fixed order: the parameters that require
+    gradients, then the floating buffers of the modules in training mode (BatchNorm's
+    statistics; a frozen backbone in eval mode keeps its own). Everything else is frozen:
+    each replica builds it with `model_fn` and it never travels (`averaging.frozen`)."""
+    tensors = [p for p in model.parameters() if p.requires_grad]
+    return tensors + [b for _, b in _training_buffers(model) if b.is_floating_point()]
+
+
+def counted_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The integer buffers of the modules in training mode, by name (BatchNorm's
+    `num_batches_tracked`): they change in training but are not averaged, so checkpoints
+    carry them. Boolean buffers (attention masks) are constants and stay."""
+    return {name: b for name, b in _training_buffers(model)
+            if not b.is_floating_point() and b.dtype != torch.bool}
+
+
+def _training_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of the modules in training mode, each buffer once, in
+    `named_buffers()` order."""
+    seen: set[int] = set()
+    found = []
+    for prefix, module in model.named_modules():
+        for name, b in module.named_buffers(prefix=prefix, recurse=False):
+            if b is not None and module.training and id(b) not in seen:
+                seen.add(id(b))
+                found.append((name, b))
+    return found
 
 
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:

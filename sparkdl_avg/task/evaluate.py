@@ -12,22 +12,18 @@ def evaluate_batches(model, batches, objective, call) -> dict:
     classifies), "count" (rows)} over `batches`: items with `.inputs`, `.labels`, `.weights`
     and `.rows`, run as `call(model, inputs)`. The sums add up across chunks and workers:
     sum(loss_sum) / sum(loss_weight) is the eval loss, sum(correct) / sum(scored) the
-    accuracy. The model's training mode is left as it was."""
+    accuracy. Each module's training mode is left as it was."""
     import torch
+
+    from sparkdl_avg._model import evaluating
 
     totals = None  # summed on the device: one host sync at the end, not one a chunk
     count = 0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                sums = objective.evaluate(call(model, batch.inputs), batch.labels,
-                                          batch.weights)
-                totals = sums if totals is None else totals + sums
-                count += int(batch.rows)
-    finally:
-        model.train(was_training)
+    with evaluating(model), torch.no_grad():
+        for batch in batches:
+            sums = objective.evaluate(call(model, batch.inputs), batch.labels, batch.weights)
+            totals = sums if totals is None else totals + sums
+            count += int(batch.rows)
     if totals is None:  # no evaluation rows: the worker still answers
         scored = 0 if objective.classify else None
         return {"loss_sum": 0.0, "loss_weight": 0.0, "correct": scored, "scored": scored,

@@ -21,7 +21,7 @@ def check_schedule(config, model) -> None:
         return
     from sparkdl_avg._model import make_optimizer
 
-    _scheduler(config, make_optimizer(config, model.parameters()))
+    _scheduler(config, make_optimizer(config, [p for p in model.parameters() if p.requires_grad]))
 
 
 def _scheduler(config, optimizer):

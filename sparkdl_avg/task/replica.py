@@ -15,7 +15,7 @@ from sparkdl_avg.task.spec import WorkerSpec
 
 
 def step_seed(seed: int, rank: int, step: int) -> int:
-    """The torch seed of worker `rank` from local step `step` on (-1: building the model)."""
+    """The torch seed of worker `rank` from local step `step` on."""
     return int(np.random.SeedSequence([seed, rank, step + 1]).generate_state(1, np.uint64)[0]
                >> 1)
 
@@ -56,12 +56,13 @@ class Replica:
         import cloudpickle
         import torch
 
-        from sparkdl_avg._model import model_dtype
+        from sparkdl_avg._model import build_model, model_dtype
         from sparkdl_avg.averaging.flat_buffer import wire_dtype
         from sparkdl_avg.task.device import final_on_device_errors
 
-        torch.manual_seed(step_seed(config.seed, rank, -1))
-        model = cloudpickle.loads(spec.model_fn)()
+        # as the driver builds it: what is frozen (never sent) comes out the same everywhere
+        torch.manual_seed(config.seed)
+        model = build_model(cloudpickle.loads(spec.model_fn))
         with final_on_device_errors("move the model to", str(device)):
             self.model = model.to(device)
         self.dtype = model_dtype(self.model)
@@ -94,13 +95,14 @@ class Replica:
         positions (`pad_fraction`)."""
 
     def start(self, step: int = 0) -> None:
-        """After the initial parameters are in: build the optimizer, enter training mode, and
-        take up the data at `step` (a restart continues where its checkpoint left off)."""
+        """After the initial parameters are in: build the optimizer over what trains, and
+        take up the data at `step` (a restart continues where its checkpoint left off). Each
+        module trains in the mode `build_model` left it in."""
         from sparkdl_avg._model import make_optimizer
         from sparkdl_avg.task.optimizer_step import OptimizerSteps
 
-        self.model.train()
-        self.optimizer = make_optimizer(self.config, self.model.parameters())
+        self.optimizer = make_optimizer(
+            self.config, [p for p in self.model.parameters() if p.requires_grad])
         slower = unfused_adam(self.config, self.optimizer, self.dtype, self.device)
         if slower and slower not in self.warnings:
             self.warnings.append(slower)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from sparkdl_avg._errors import ModelError, ProtocolError
+from sparkdl_avg.averaging.flat_buffer import counted_buffers
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,
@@ -23,7 +24,7 @@ _SCALER = -2
 
 def pack(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module,
          scaler=None) -> tuple[list, np.ndarray]:
-    """`optimizer.state_dict()["state"]` (None: none) and the model's non-floating buffers as
+    """`optimizer.state_dict()["state"]` (None: none) and the model's counted buffers as
     a JSON-able layout and one uint8 array.
 
     Layout entries: [param index, key, "tensor", dtype, shape, offset, nbytes] or
@@ -31,7 +32,7 @@ def pack(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module,
     layout: list = []
     chunks: list[np.ndarray] = []
     offset = 0
-    buffers = {name: b for name, b in model.named_buffers() if not b.is_floating_point()}
+    buffers = counted_buffers(model)
     state_items = sorted(optimizer.state_dict()["state"].items()) if optimizer else []
     scaler_state = scaler.state_dict() if scaler is not None else {}
     for index, state in ([(_BUFFERS, buffers)] if buffers else []) + \
