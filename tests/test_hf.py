@@ -218,6 +218,23 @@ def test_the_probe_refuses_a_model_loss_the_model_cannot_compute():
                                ranges=ranges, longest={})
 
 
+def test_a_ragged_label_is_the_models_to_mask_only_when_it_is_padded_with_minus_100():
+    """Ragged integer labels pad with -100, which a Hugging Face loss ignores; float ones pad
+    with 0, which the model's loss would train towards."""
+    from sparkdl_avg import DataError
+    from sparkdl_avg.data.schema import DataSchema, FieldSpec
+    from sparkdl_avg.driver.plan import check_ragged_labels
+
+    def schema(dtype):
+        return DataSchema(inputs=(FieldSpec("input", "input_ids", "t", "_x0", "int32", (-1,)),),
+                          binding="keyword", label_list=False,
+                          labels=(FieldSpec("label", "labels", "y", "_y0", dtype, (-1,)),))
+
+    check_ragged_labels(schema("int32"), make_objective("model", inputs=INPUTS))
+    with pytest.raises(DataError, match="ragged"):
+        check_ragged_labels(schema("float32"), make_objective("model", inputs=INPUTS))
+
+
 def test_adapters_are_refused_a_registered_model():
     with pytest.raises(ConfigError, match="'adapters' logs files"):
         TrainConfig(log_model="adapters", registered_model_name="lm")
