@@ -336,6 +336,11 @@ def test_a_built_in_loss_on_the_logits_trains_the_adapters_the_models_loss_does(
     assert np.array_equal(np.stack(predicted), expected.numpy())
     merged = mlflow.pytorch.load_model(f"runs:/{result.run_id}/model")
     assert "lora" not in " ".join(n for n, _ in merged.named_parameters())
+    ids = torch.as_tensor(windows, dtype=torch.int64)
+    out = merged(ids, torch.ones_like(ids))  # the inputs in the fit's order; logits out
+    assert isinstance(out, torch.Tensor)
+    assert torch.allclose(out, logits(result.model, np.pad(windows, ((0, 0), (0, 1)))),
+                          atol=1e-9)
 
 
 @pytest.mark.spark
