@@ -41,13 +41,15 @@ def _check_device_memory(model, config: TrainConfig, row_bytes: int, device) -> 
     import torch
 
     from sparkdl_avg._errors import ClusterError
+    from sparkdl_avg.averaging.flat_buffer import averaged_tensors
     from sparkdl_avg.task.device import device_shortfall
 
     slots = 2 if config.optimizer == "adam" else (1 if config.momentum else 0)
     if config.overlap_averaging:  # the exchange's two copies of the averaged buffer
         slots += 2 * (1 + (slots if config.average_optimizer_state else 0))
     problem = device_shortfall(
-        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        # what trains: only it has gradients, optimizer state and a place in the flat buffer
+        param_bytes=sum(t.numel() * t.element_size() for t in averaged_tensors(model)),
         optimizer_slots=slots, batch_bytes=config.batch_size * row_bytes,
         free_bytes=torch.cuda.mem_get_info(device)[0])
     if problem:
