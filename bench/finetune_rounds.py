@@ -1,5 +1,5 @@
 """Fine-tuning's averaging rounds: round time and bytes through the driver a round for a
-frozen backbone of 25.2M parameters under a trainable adapter of 266k (1.06%), sync mode,
+frozen backbone of 25.2M parameters under a trainable adapter of 266k (1.05% of all), sync mode,
 2 workers on local[2], averaging **only what trains** (this code) against **averaging
 everything** (the code before issue 30, commit 923ce8f, from its own checkout and venv).
 
@@ -16,19 +16,24 @@ Each side runs in fresh processes of its own Python (`--old-python` for the old 
 from the old checkout so that its executors import the old package: every worker's
 `library` is checked against the side's), one fresh local[2] session per side and
 `--sessions`, the sides' order alternating from session to session; a session runs
-`--repeats` fits. Per fit, from `FitResult.history`: each round's `time_round_s` (the
+`--repeats` fits of each transport, the transports alternating, their order rotating from
+session to session. Per fit, from `FitResult.history`: each round's `time_round_s` (the
 driver's wall time from one round's end to the next: the workers' steps, the transfer and
 the average) and `driver_mb` (bytes the driver's sockets moved that round, both ways,
-all workers; the last round's, which also brings the final average, is given apart). The
-**cold** round is a session's first fit's first round; the **warm**
-rounds are every fit's rounds after its first. Medians; the ratios are of medians measured
-in this one run. `--transports driver collective` adds the collective transport (the tasks
-all-reduce among themselves; `driver_mb` is then the control plane only, so each side also
-reports what its rule averages: `averaged_mb`, the bytes of one replica's averaged tensors).
+all workers; the last round's is given apart: it ends with a checkpoint, which brings each
+worker's optimizer state, and with the collective worker 0's average, to the driver). A
+session's first fit is **cold**, the others warm; a fit's first round (the workers' first
+steps and exchange) is given apart from its later rounds (`warm_*`). Medians; the ratios
+are of medians measured in this one run. `--transports driver collective` adds the
+collective transport (the tasks all-reduce among themselves; `driver_mb` is then the control
+plane only, so each side also reports what its rule averages: `averaged_mb`, the bytes of one
+replica's averaged tensors).
 
+    git worktree add /work/wt/old 923ce8f
+    (cd /work/wt/old && python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e .)
     python bench/finetune_rounds.py --old-python /work/wt/old/.venv/bin/python
         [--old-repo /work/wt/old] [--sessions 2] [--repeats 3] [--rounds 6]
-        [--transports driver]
+        [--transports driver [collective]]
 """
 
 from __future__ import annotations
@@ -146,7 +151,7 @@ def summarize(sessions: list[dict], transport: str) -> dict:
     """Medians of one side's fits with `transport`. Cold: the sessions' first fits (those
     where this transport went first); warm: the rest. Per fit, its first round (the initial
     state reaches the workers, their first steps) and its later rounds (`warm_*`); bytes
-    through the driver a round (the last round apart: it also brings the final average)."""
+    through the driver a round (the last round apart: it ends with a checkpoint)."""
     cold = [s["fits"][transport][0] for s in sessions if s["order"][0] == transport]
     warm = [f for s in sessions for f in s["fits"][transport][s["order"][0] == transport:]]
     fits = cold + warm
