@@ -45,7 +45,7 @@ class _BuiltOnRequest:
         obj._model = value
 
 
-@dataclass
+@dataclass(eq=False)
 class FitResult:
     """What `fit` returns."""
 
@@ -83,6 +83,13 @@ class FitResult:
     heads: tuple[str, ...] = ()
     """Each model output's head, from the fit's loss (`scoring.outputs.output_heads`): "class",
     "multilabel" or "value". Empty: from `classify`."""
+
+    def __repr__(self) -> str:  # never builds a model not yet built
+        model = self._model if isinstance(self._model, torch.nn.Module) else \
+            "built on request"
+        model = type(model).__name__ if isinstance(model, torch.nn.Module) else model
+        return (f"FitResult(model={model}, run_id={self.run_id!r}, "
+                f"rounds={len(self.history)}, workers={len(self.workers)})")
 
     def scoring(self) -> tuple[DataSchema, tuple[str, ...]]:
         """The schema and heads scoring works from (built from `num_features` and
@@ -197,10 +204,7 @@ def fit(
         _report_workers(outcome, run)
         run.log_figure(lambda: learning_curves(outcome.history, "round"),
                        "plots/learning_curves.png")
-        # a trained result predicts: dropout and batch stats off. "meta": the whole model is
-        # assembled once, for the logged model or when FitResult.model is first read
-        model = plan.trained_model() if config.driver_model == "full" or \
-            config.log_model is True else plan.trained_model
+        model = _result_model(plan, run)
         timings = {"validate_s": validate_s, "first_step_s": outcome.first_step_at - t_start,
                    "train_s": outcome.train_s}
         if config.log_model:
@@ -274,12 +278,32 @@ _WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_
                    "pad_fraction")
 
 
-def _log_model(run: RunLogger, plan: FitPlan, model: torch.nn.Module) -> None:
+def _result_model(plan: FitPlan, run: RunLogger):
+    """FitResult.model: the trained model in eval mode (dropout and batch statistics off).
+    With driver_model="meta" it is assembled once, now if log_model=True needs it, else
+    when first read; if it cannot be assembled here (the driver cannot read model_fn's
+    weights, or hold them), the training is kept: the adapters are logged instead, and
+    reading FitResult.model raises the error."""
+    if plan.config.driver_model == "full" or plan.config.log_model is not True:
+        return plan.trained_model() if plan.config.driver_model == "full" \
+            else plan.trained_model
+    try:
+        return plan.trained_model()
+    except Exception as exc:  # noqa: BLE001 - the fit keeps what it trained
+        log.warning("driver_model='meta': the whole model could not be assembled on the "
+                    "driver (%r); logging what trained as adapters instead", exc)
+        run.log_adapters(plan.model)
+        return plan.trained_model
+
+
+def _log_model(run: RunLogger, plan: FitPlan, model) -> None:
     """The trained model to the run, scoring the fit's inputs as `transform` does
     (`tracking/model`; a PEFT model merged into its base); with log_model="adapters", only
     what trained, as files (`tracking/adapters`)."""
     if plan.config.log_model == "adapters":
         run.log_adapters(plan.model)
+        return
+    if not isinstance(model, torch.nn.Module):  # "meta", not assembled: adapters went instead
         return
     schema, heads = plan.data.schema, heads_of(plan.objective)
     names = output_names(schema, len(heads)) if schema.label_list else None
