@@ -100,6 +100,8 @@ def check_cache(config, caches: tuple[str, ...]) -> None:
                           f"{caches}")
     require_int("cache_budget_mb", config.cache_budget_mb, minimum=1)
     require_int("shuffle_buffer_mb", config.shuffle_buffer_mb, minimum=1)
+    require_int("preprocess_threads", config.preprocess_threads, minimum=1)
+    require_int("prefetch_batches", config.prefetch_batches, minimum=1)
     if config.data_cache != "memory" and config.shuffle_buffer_mb > config.cache_budget_mb:
         raise ConfigError(
             f"shuffle_buffer_mb={config.shuffle_buffer_mb} is more than cache_budget_mb="

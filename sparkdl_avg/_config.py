@@ -158,6 +158,12 @@ class TrainConfig:
     """Under data_cache="auto": the largest partition (training plus evaluation rows, as
     tensors) a task keeps in memory."""
 
+    preprocess_threads: int = 2
+    """With fit(preprocess=): the threads that run it, off the training thread."""
+
+    prefetch_batches: int = 4
+    """With fit(preprocess=): minibatches preprocessed ahead of training, taken in order."""
+
     seed: int = 0
     """Seeds model initialisation, shuffling and dropout: same seed and data, same parameters."""
 

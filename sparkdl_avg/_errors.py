@@ -16,6 +16,11 @@ class DataError(SparkdlAvgError, ValueError):
     """The training or evaluation DataFrame cannot be used as given."""
 
 
+class PreprocessError(DataError):
+    """`fit(preprocess=)` raised on a batch: final, since a corrupt record fails the same way
+    on a retry."""
+
+
 class ModelError(SparkdlAvgError, ValueError):
     """`model_fn` failed to build, to pickle, or builds a model that does not fit the data."""
 

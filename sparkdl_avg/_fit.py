@@ -83,6 +83,8 @@ class FitResult:
     heads: tuple[str, ...] = ()
     """Each model output's head, from the fit's loss (`scoring.outputs.output_heads`): "class",
     "multilabel" or "value". Empty: from `classify`."""
+    preprocessed: bool = False
+    """The fit had a `preprocess`: scoring it is not supported yet (issue 31, slice 2)."""
 
     def __repr__(self) -> str:  # never builds a model not yet built
         model = self._model if isinstance(self._model, torch.nn.Module) else \
@@ -94,6 +96,9 @@ class FitResult:
     def scoring(self) -> tuple[DataSchema, tuple[str, ...]]:
         """The schema and heads scoring works from (built from `num_features` and
         `classify` for a result made without them)."""
+        if self.preprocessed:
+            raise ConfigError("scoring a fit made with preprocess= is not supported yet: "
+                              "preprocess the rows and call FitResult.model on them")
         schema = self.schema
         if schema is None:
             dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
@@ -160,6 +165,7 @@ def fit(
     eval_df=None,
     resume_from: str | None = None,
     on_round: Callable[[dict], bool] | None = None,
+    preprocess: Callable[..., dict] | None = None,
 ) -> FitResult:
     """Train `model_fn()` on `train_df` across `config.num_workers` Spark tasks by periodic
     parameter averaging, logging the run to MLflow. The model takes `features_col` (one column
@@ -170,7 +176,9 @@ def fit(
     per row; the loss is the weighted mean of the rows' losses. `resume_from` (sync mode): a
     checkpoint directory or the MLflow run id of a fit whose driver died; it continues from
     that fit's newest checkpoint. `on_round`: called with each logged round's metrics (and "round");
-    True stops the fit there. See README for the full contract."""
+    True stops the fit there. `preprocess`: fn(batch, *, training, rng) -> dict, run on each
+    minibatch's raw columns off the training thread (binary columns arrive as bytes); what it
+    returns is what the model gets. See README for the full contract."""
     config = TrainConfig() if config is None else config
     t_start = time.perf_counter()
     # The run opens before any check (on a thread of its own, while the checks run), so every
@@ -193,7 +201,8 @@ def fit(
         run.warm_up()  # in the wait for the first Spark job: cold executors import torch
         plan = make_plan(spark, train_df, eval_df, model_fn, config, features_col=features_col,
                          inputs=inputs, label_col=label_col, weight_col=weight_col, loss=loss,
-                         loss_weights=loss_weights, resume=resume, on_round=on_round)
+                         loss_weights=loss_weights, resume=resume, on_round=on_round,
+                         preprocess=preprocess)
         run.log_params(plan.params)
         run.opened()  # MLflow's schema modules imported, by one thread only
         log_datasets(run, train_df, sum(plan.data.train_sizes), eval_df,
@@ -220,7 +229,8 @@ def fit(
                          features_col=features_col, num_features=plan.data.num_features or 0,
                          classify=plan.objective.classify, score_rows=config.eval_rows(
                              plan.data.schema.padded_row_bytes(plan.data.longest)),
-                         schema=plan.data.schema, heads=heads_of(plan.objective))
+                         schema=plan.data.schema, heads=heads_of(plan.objective),
+                         preprocessed=preprocess is not None)
 
 
 def _data_params(features_col, inputs, label_col, weight_col, loss, loss_weights) -> dict:

@@ -175,18 +175,20 @@ def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
 
 
 def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: torch.dtype,
-                           ranges: dict, longest: dict) -> None:
+                           ranges: dict, longest: dict, batch=None) -> None:
     """Run the model once, on the driver, on a probe batch of two rows with the data's real
     dtypes and shapes: each integer field holds its least value in the first row and its
     largest in the second (an embedding too small fails here, not in a task), each ragged
-    field its longest row. Then check its outputs against the labels (`check_outputs`)."""
+    field its longest row; or on `batch` (real rows: `fit(preprocess=)`'s sample). Then check
+    its outputs against the labels (`check_outputs`)."""
     from sparkdl_avg._losses import check_outputs
     from sparkdl_avg.data.probe_batch import probe_batch
 
     _check_keywords(model, schema, objective.model_loss)
     known = {wire: r for wire, r in ranges.items() if r is not None}
-    batch = probe_batch(schema, dtype, low={w: int(r[0]) for w, r in known.items()},
-                        high={w: int(r[1]) for w, r in known.items()}, lengths=longest)
+    if batch is None:
+        batch = probe_batch(schema, dtype, low={w: int(r[0]) for w, r in known.items()},
+                            high={w: int(r[1]) for w, r in known.items()}, lengths=longest)
     try:
         with evaluating(model), torch.no_grad():
             out = schema.call(model, batch.inputs, objective.model_labels(batch.labels))

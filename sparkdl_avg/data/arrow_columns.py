@@ -30,6 +30,8 @@ def read_column(array: pa.Array, field: FieldSpec) -> Column:
     naming the column for a null, or for a row whose shape is not the field's."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
+    if field.encoded:
+        return _binary_column(array, field)
     rows = len(array)
     lengths = None
     dims = field.inner if field.ragged else field.shape
@@ -55,6 +57,20 @@ def read_column(array: pa.Array, field: FieldSpec) -> Column:
         values = values.astype(field.dtype)
     shape = (-1, *field.inner) if field.ragged else (rows, *field.shape)
     return Column(values.reshape(shape), lengths)
+
+
+def _binary_column(array: pa.Array, field: FieldSpec) -> Column:
+    """A binary column's rows as flat uint8 values and lengths, from its offsets and data
+    buffers as they are: no copy per row."""
+    if not pa.types.is_binary(array.type) and not pa.types.is_large_binary(array.type):
+        raise DataError(f"{field.described} is {array.type}, not binary")
+    if array.null_count:
+        raise DataError(f"{field.described} holds nulls: cannot use them")
+    _, offsets, data = array.buffers()
+    width = np.int64 if pa.types.is_large_binary(array.type) else np.int32
+    offsets = np.frombuffer(offsets, width)[array.offset:array.offset + len(array) + 1]
+    values = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+    return Column(values[offsets[0]:offsets[-1]], np.diff(offsets).astype(np.int64))
 
 
 def check_fits(values: np.ndarray, field: FieldSpec) -> None:

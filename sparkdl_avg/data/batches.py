@@ -7,6 +7,8 @@ disk, a background thread reads each shuffle window (its chunks, one contiguous 
 file, and a ragged field's values one read per run of rows stored one after another) into one
 reused `disk_cache.Window` and assembles the next `PREFETCH` minibatches from it; on CUDA they
 are pinned, copied on a side stream one step ahead and take the model's dtypes there.
+With `fit(preprocess=)` the cache is on the host, and `feed.PreprocessFeed` gathers the
+raw rows of either cache in the same order and preprocesses them on a pool of threads.
 Either way the batch at a step is a pure function of the step, so a restart at any step
 sees what the uninterrupted run saw, padding included (an epoch of `epoch_rows` positions,
 more than a short partition's rows).
@@ -23,6 +25,7 @@ import numpy as np
 
 from sparkdl_avg.data.cache import batch_of, tensors_of, typed
 from sparkdl_avg.data.disk_cache import assemble
+from sparkdl_avg.data.feed import PreprocessFeed
 from sparkdl_avg.data.order import Cut, EpochOrder, batch_positions
 
 PREFETCH = 4
@@ -33,8 +36,14 @@ _POLL_S = 1.0
 class TrainBatches:
     def __init__(self, columns, *, cut: Cut, seed: int, worker: int, shuffle: bool,
                  batch_size: int, steps_per_epoch: int, total_steps: int, device,
-                 epoch_rows: int | None = None) -> None:
+                 epoch_rows: int | None = None, preprocess=None, threads: int = 2,
+                 prefetch: int = PREFETCH) -> None:
         self.columns, self.cut, self.device = columns, cut, device
+        self.seed, self.preprocess = seed, preprocess
+        """`preprocess`: a `feed.Preprocessor`, run on `threads` threads `prefetch` batches
+        ahead; None: the cache's batches as they are."""
+        self._feed_args = {"threads": threads, "prefetch": prefetch}
+        self._feed: PreprocessFeed | None = None
         self.epoch_rows = columns.rows if epoch_rows is None else epoch_rows
         self._order_args = {"worker": worker, "seed": seed, "shuffle": shuffle, "cut": cut}
         self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
@@ -51,12 +60,16 @@ class TrainBatches:
         """Take up the data at `step`."""
         self.close()
         self.step = step
-        if not self.columns.in_memory:
+        if self.preprocess is not None:
+            self._feed = PreprocessFeed(self, step, self.preprocess, **self._feed_args).start()
+        elif not self.columns.in_memory:
             self._producer = _Producer(self, step).start()
 
     def next(self):
         """The minibatch at the current step (a `schema.Batch`), on the device."""
-        if self.columns.in_memory:
+        if self._feed is not None:
+            out = self._feed.get()
+        elif self.columns.in_memory:
             out = self._take(self.step)
         elif self.device.type == "cuda":
             out = self._next_cuda()
@@ -128,6 +141,9 @@ class TrainBatches:
         return out
 
     def close(self) -> None:
+        if self._feed is not None:
+            self._feed.stop()
+            self._feed = None
         if self._producer is not None:
             self._producer.stop()
             self._producer = None

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from sparkdl_avg.data.ragged import RaggedRows, longest, pad_counts
+from sparkdl_avg.data.ragged import RaggedRows, longest, pad_counts, value_index
 from sparkdl_avg.data.schema import Batch, DataSchema
 
 MIB = 1 << 20
@@ -132,6 +132,25 @@ class MemoryColumns:
     def chunks(self, size: int):
         for start in range(0, self.rows, size):
             yield self.take(np.arange(start, min(start + size, self.rows)))
+
+    def part(self, rows: np.ndarray) -> list:
+        """Rows `rows` as they are held (a cache on the host: `fit(preprocess=)`), copied, in
+        `disk_cache.Window.part`'s form: per field an array, or a ragged field's (values,
+        lengths)."""
+        out = []
+        for field, column in zip(self.schema.fields, self.columns, strict=True):
+            if field.ragged:
+                lengths = column.host_lengths[rows]
+                at = value_index(column.starts.numpy()[rows], lengths)
+                out.append((column.values.numpy()[at], lengths))
+            else:
+                out.append(column.numpy()[rows])
+        return out
+
+    def parts(self, size: int):
+        """`part`s of `size` rows in order (evaluation under `fit(preprocess=)`)."""
+        for start in range(0, self.rows, size):
+            yield self.part(np.arange(start, min(start + size, self.rows)))
 
     def close(self) -> None:
         self.columns = []

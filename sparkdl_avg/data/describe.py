@@ -23,8 +23,8 @@ _FLOATS = (T.FloatType, T.DoubleType, T.DecimalType)
 _REFUSED = {
     T.StringType: "decode strings on the Spark side first (token ids as array<int>, a "
                   "category as an int id)",
-    T.BinaryType: "binary columns (images, encoded records) are not read yet: decode them "
-                  "into arrays on the Spark side",
+    T.BinaryType: "a binary column (image files, encoded records) needs fit(preprocess=fn) "
+                  "to decode it, or decode it into arrays on the Spark side",
     T.MapType: "turn a map into arrays or separate columns",
     T.StructType: "select the struct's fields as columns of their own",
 }
@@ -39,7 +39,7 @@ class Source:
     column: str | tuple[str, ...]
     wire: str
     kind: str
-    """"int", "bool" or "float" (the elements)."""
+    """"int", "bool" or "float" (the elements), or "bytes" (a binary column, encoded)."""
     int_dtype: str | None
     """An integer field's carried width ("int32"...), from its Spark type."""
     depth: int
@@ -55,16 +55,19 @@ class Binding:
     label_list: bool
 
 
-def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col) -> Binding:
+def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col,
+         encoded: bool = False) -> Binding:
     """The fields `fit`'s arguments name in `df` (train_df). ConfigError for arguments that
-    do not fit together, DataError for a column that is missing or of a type no model takes."""
+    do not fit together, DataError for a column that is missing or of a type no model takes.
+    `encoded`: the fit has a preprocess, so binary inputs and labels are carried as bytes."""
     if not isinstance(df, DataFrame):
         raise DataError(f"train_df must be a pyspark DataFrame, got {type(df).__name__}")
     sources: list[Source] = []
     if inputs is None:
         binding = "single"
         name = features_col if isinstance(features_col, str) else DEFAULT_FEATURES
-        sources.append(_source(df, "input", name, features_col, "_x0", "features_col"))
+        sources.append(_source(df, "input", name, features_col, "_x0", "features_col",
+                               encoded))
     else:
         if features_col != DEFAULT_FEATURES:
             raise ConfigError("pass either inputs= or features_col=, not both: inputs names "
@@ -86,7 +89,7 @@ def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col) -> Bindi
         for i, (key, column) in enumerate(pairs):
             if not isinstance(column, str):
                 raise ConfigError(f"inputs: {column!r} is not a column name")
-            sources.append(_source(df, "input", key, column, f"_x{i}", "inputs"))
+            sources.append(_source(df, "input", key, column, f"_x{i}", "inputs", encoded))
     label_list = not isinstance(label_col, str)
     labels = [label_col] if not label_list else label_col
     if label_list and (not isinstance(labels, Sequence) or not labels
@@ -94,7 +97,7 @@ def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col) -> Bindi
         raise ConfigError(f"label_col must be a column name or a non-empty list of them, "
                           f"got {label_col!r}")
     for i, column in enumerate(labels):
-        sources.append(_source(df, "label", column, column, f"_y{i}", "label_col"))
+        sources.append(_source(df, "label", column, column, f"_y{i}", "label_col", encoded))
     if weight_col is not None:
         if not isinstance(weight_col, str):
             raise ConfigError(f"weight_col must be a column name, got {weight_col!r}")
@@ -111,11 +114,12 @@ def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col) -> Bindi
     return Binding(tuple(sources), binding, label_list)
 
 
-def _source(df: DataFrame, role: str, name: str, column, wire: str, argument: str) -> Source:
+def _source(df: DataFrame, role: str, name: str, column, wire: str, argument: str,
+            encoded: bool = False) -> Source:
     if isinstance(column, str):
         field = find_column(df, column, argument, "train_df")
         kind, int_dtype, depth, vector = classify_type(field.dataType, column, "train_df",
-                                                       role)
+                                                       role, encoded=encoded)
         return Source(role, name, column, wire, kind, int_dtype, depth,
                       field.dataType.simpleString(), vector)
     if role != "input" or not isinstance(column, Sequence) or not column:
@@ -149,11 +153,15 @@ def find_column(df: DataFrame, name: object, argument: str, frame_name: str) -> 
     return fields[name]
 
 
-def classify_type(dtype: T.DataType, column: str, frame_name: str, role: str = "input"):
+def classify_type(dtype: T.DataType, column: str, frame_name: str, role: str = "input", *,
+                  encoded: bool = False):
     """(kind, int width, array depth, is a vector) of a column's Spark type; DataError for a
-    type no model takes, saying what to do."""
+    type no model takes, saying what to do. `encoded`: a binary input or label is "bytes"
+    (a preprocess decodes it); nothing is decoded by guess."""
     if type(dtype).__name__ == "VectorUDT":
         return "float", None, 1, True
+    if encoded and role != "weight" and isinstance(dtype, T.BinaryType):
+        return "bytes", None, 0, False
     depth = 0
     while isinstance(dtype, T.ArrayType):
         dtype, depth = dtype.elementType, depth + 1
@@ -172,7 +180,8 @@ def classify_type(dtype: T.DataType, column: str, frame_name: str, role: str = "
 
 def carried_type(source: Source, float_type: T.DataType) -> T.DataType:
     """The Spark type a field travels in: its integer width, boolean, or the model's float."""
-    element = {"bool": T.BooleanType(), "float": float_type}.get(source.kind) or \
+    element = {"bool": T.BooleanType(), "float": float_type,
+               "bytes": T.BinaryType()}.get(source.kind) or \
         {v: k for k, v in _INTS.items()}[source.int_dtype]()
     for _ in range(source.depth):
         element = T.ArrayType(element)
@@ -188,7 +197,7 @@ def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str
         return F.array(*parts).alias(source.wire)
     field = find_column(df, source.column, source.role, frame_name)
     kind, _, depth, vector = classify_type(field.dataType, source.column, frame_name,
-                                           source.role)
+                                           source.role, encoded=source.kind == "bytes")
     if (kind, depth) != (source.kind, source.depth) and not \
             (kind == "int" and source.kind == "float" and depth == source.depth):
         raise DataError(f"column {source.column!r} is {field.dataType.simpleString()} in "
@@ -208,5 +217,6 @@ def input_columns(df: DataFrame, schema, frame_name: str = "df") -> list[Column]
     fit's."""
     float_type = T.DoubleType() if schema.float_dtype == "float64" else T.FloatType()
     return [carry(df, Source(f.role, f.name, f.column, f.wire, f.kind,
-                             f.dtype if f.kind == "int" else None, len(f.shape), f.source),
+                             f.dtype if f.kind == "int" else None,
+                             0 if f.encoded else len(f.shape), f.source),
                   float_type, frame_name) for f in schema.inputs]

@@ -136,6 +136,13 @@ class DiskColumns:
                 batch = batch.to(self.device)
             yield typed(batch, self.schema, self.float_dtype)
 
+    def parts(self, size: int):
+        """`Window.part`s of `size` rows in order, as stored (`fit(preprocess=)`)."""
+        window = self.empty(min(size, self.rows))
+        for start in range(0, self.rows, size):
+            n = self.read_into([(start, min(start + size, self.rows))], window)
+            yield window.part(np.arange(n))
+
     def close(self) -> None:
         for fd in (*self._fds, *self._values.values()):
             os.close(fd)

@@ -40,6 +40,9 @@ class PreparedData:
     """Per ragged wire: values per row, on average."""
     longest: dict[str, int] = field(default_factory=dict)
     """Per ragged wire: the longest row's outer length."""
+    sample: DataFrame | None = None
+    """train_df's fields as carried, before the shuffle: a few rows of it are cheap to read
+    (`fit(preprocess=)` learns the model's fields from them)."""
 
     @property
     def num_features(self) -> int | None:
@@ -58,14 +61,17 @@ def prepare(
     num_workers: int,
     double_precision: bool,
     class_labels: Sequence[bool] = (),
+    encoded: bool = False,
 ) -> PreparedData:
     """`class_labels[k]`: label k feeds a classifier's cross-entropy, so a float column of
-    whole numbers is carried as int64 class indices (a fractional one is a DataError)."""
+    whole numbers is carried as int64 class indices (a fractional one is a DataError).
+    `encoded`: the fit has a preprocess, so binary inputs and labels are carried as bytes."""
     element = T.DoubleType() if double_precision else T.FloatType()
     binding = bind(train_df, features_col=features_col, inputs=inputs, label_col=label_col,
-                   weight_col=weight_col)
+                   weight_col=weight_col, encoded=encoded)
     sources = list(binding.sources)
-    frames = [_carried(train_df, "train_df", sources, element)]
+    carried_train = _carried(train_df, "train_df", sources, element)
+    frames = [carried_train]
     if eval_df is not None:
         if not isinstance(eval_df, DataFrame):
             raise DataError(f"eval_df must be a pyspark DataFrame, got {type(eval_df).__name__}")
@@ -119,7 +125,7 @@ def prepare(
         .select(*carried, F.col(INDEX), F.col(SPLIT))
     )
     return PreparedData(
-        frame=frame, schema=schema,
+        frame=frame, schema=schema, sample=carried_train.select(*carried),
         train_sizes=partition_sizes(totals[TRAIN], num_workers),
         eval_sizes=partition_sizes(totals[EVAL], num_workers),
         ranges=learned["ranges"], ragged_values=learned["ragged_values"],
@@ -147,6 +153,8 @@ def _dtype(source: Source, element: T.DataType) -> str:
         return source.int_dtype
     if source.kind == "bool":
         return "bool"
+    if source.kind == "bytes":
+        return "uint8"
     return "float64" if isinstance(element, T.DoubleType) else "float32"
 
 

@@ -39,6 +39,9 @@ class FieldSpec:
     """A row's shape; -1 first: ragged."""
     source: str = ""
     """The Spark type, for messages."""
+    encoded: bool = False
+    """A binary column (an image file, an encoded record): carried and cached as a ragged
+    uint8 field, handed to `fit(preprocess=)` as `bytes`, never to the model itself."""
 
     @property
     def ragged(self) -> bool:
@@ -51,7 +54,9 @@ class FieldSpec:
 
     @property
     def kind(self) -> str:
-        """"int", "bool" or "float"."""
+        """"int", "bool", "float", or "bytes" (encoded)."""
+        if self.encoded:
+            return "bytes"
         return "int" if self.dtype in INT_DTYPES else ("bool" if self.dtype == "bool"
                                                        else "float")
 
@@ -86,19 +91,23 @@ class FieldSpec:
 
         if self.role == "weight":  # never rounded to a half type: w must count as w copies
             return torch.promote_types(float_dtype, torch.float32)
-        return {"int": torch.int64, "bool": torch.bool}.get(self.kind, float_dtype)
+        return {"int": torch.int64, "bool": torch.bool, "bytes": torch.uint8}.get(
+            self.kind, float_dtype)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["shape"] = list(self.shape)
         out["column"] = self.column if isinstance(self.column, str) else list(self.column)
+        if not self.encoded:  # the saved forms of fits without binary columns stay as they were
+            del out["encoded"]
         return out
 
     @classmethod
     def from_dict(cls, d: dict) -> FieldSpec:
         column = d["column"] if isinstance(d["column"], str) else tuple(d["column"])
         return cls(role=d["role"], name=d["name"], column=column, wire=d["wire"],
-                   dtype=d["dtype"], shape=tuple(d["shape"]), source=d.get("source", ""))
+                   dtype=d["dtype"], shape=tuple(d["shape"]), source=d.get("source", ""),
+                   encoded=d.get("encoded", False))
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,10 @@ def aggregations(sources: list[Source], element: T.DataType,
             out += [F.min(low).alias(f"{w}_min{level}"), F.max(high).alias(f"{w}_max{level}")]
         if s.depth:
             out.append(F.sum(F.size(flat(s)).cast(T.LongType())).alias(f"{w}_values"))
+        if s.kind == "bytes":  # carried as a ragged field of uint8: its lengths in bytes
+            size = F.length(F.col(w))
+            out += [F.min(size).alias(f"{w}_min0"), F.max(size).alias(f"{w}_max0"),
+                    F.sum(size.cast(T.LongType())).alias(f"{w}_values")]
         if s.kind == "int":
             values = _int_values(s)
             low, high = (values, values) if s.depth == 0 else \
@@ -182,8 +186,12 @@ def field_specs(rows: list, sources: list[Source], dtypes: dict[str, str]) -> di
                     f"{_what(s)}: arrays at depth {level + 1} have from {low} to {high} "
                     "values; only the outer length may vary by row (a ragged sequence), "
                     "every inner array needs the same length")
+        encoded = s.kind == "bytes"
+        if encoded:  # ragged whatever its lengths: a preprocess decodes each row
+            shape = [-1]
         spec = FieldSpec(role=s.role, name=s.name, column=s.column, wire=s.wire,
-                         dtype=dtypes[s.wire], shape=tuple(shape), source=s.source)
+                         dtype=dtypes[s.wire], shape=tuple(shape), source=s.source,
+                         encoded=encoded)
         specs[s.wire] = spec
         if spec.ragged:
             ragged_values[s.wire] = sum(r[f"{s.wire}_values"] or 0 for r in rows) / count

@@ -25,6 +25,7 @@ from sparkdl_avg.averaging.flat_buffer import averaged_tensors, wire_dtype
 from sparkdl_avg.averaging.frozen import Fingerprint
 from sparkdl_avg.data.order import epoch_length, padded_rows
 from sparkdl_avg.data.prepare import PreparedData, prepare
+from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
 from sparkdl_avg.driver.meta_model import assemble, build_on_meta, initial_state
@@ -64,6 +65,9 @@ class FitPlan:
     on_round: Callable[[dict], bool] | None = None
     """`fit(on_round=)`: sees each logged round's metrics; True stops the fit."""
     model_fn: Callable[[], torch.nn.Module] | None = None
+    model_schema: DataSchema | None = None
+    """With `fit(preprocess=)`: the fields the model gets (what preprocess returned for a
+    sample of train_df); `data.schema` stays what is carried and cached. None: the same."""
 
     def trained_model(self) -> torch.nn.Module:
         """The whole trained model, in eval mode: `model` itself, or with
@@ -85,7 +89,8 @@ class FitPlan:
             train_rows=self.data.train_sizes,
             eval_rows=self.data.eval_sizes, num_workers=self.config.num_workers,
             model_dtype=str(self.dtype).removeprefix("torch."),
-            tls_ca_pem=tls_ca_pem, frozen=self.frozen)
+            tls_ca_pem=tls_ca_pem, frozen=self.frozen,
+            preprocess=self.pickled.get("preprocess"), model_schema=self.model_schema)
 
 
 @dataclass(slots=True)
@@ -105,10 +110,11 @@ class TrainOutcome:
 def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, features_col,
               inputs=None, label_col, weight_col: str | None = None, loss,
               loss_weights=None, resume: Resume | None = None,
-              on_round: Callable[[dict], bool] | None = None) -> FitPlan:
+              on_round: Callable[[dict], bool] | None = None, preprocess=None) -> FitPlan:
     if on_round is not None and not callable(on_round):
         raise ConfigError(f"on_round must be a callable metrics -> bool, got "
                           f"{type(on_round).__name__}")
+    check_preprocess(preprocess, config)
     outputs = 1 if isinstance(label_col, str) else len(label_col) if \
         isinstance(label_col, (list, tuple)) else 1
     objective = make_objective(loss, loss_weights=loss_weights, num_outputs=outputs,
@@ -129,20 +135,26 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     pickled = {"model_fn": pickle_for_executors("model_fn", model_fn),
                "loss": pickle_for_executors("loss", objective),
                "config": pickle_for_executors("config", config)}
+    if preprocess is not None:
+        pickled["preprocess"] = pickle_for_executors("preprocess", preprocess)
     if config.checkpoint_dir is not None and (config.mode == "sync" or not config.ps_address):
         check_writable(config.checkpoint_dir)  # the driver (or its sidecar) writes there
     check_cluster(spark, config)  # the first Spark job: after every check that needs none
     data = prepare(train_df, eval_df, features_col=features_col, inputs=inputs,
                    label_col=label_col, weight_col=weight_col, num_workers=config.num_workers,
                    double_precision=dtype == torch.float64,
-                   class_labels=[loss == "cross_entropy" for loss in objective.losses])
-    check_ragged_labels(data.schema, objective)
+                   class_labels=[loss == "cross_entropy" for loss in objective.losses],
+                   encoded=preprocess is not None)
+    model_schema, sample = None, None
+    if preprocess is not None:
+        model_schema, sample = sample_schema(data, preprocess, dtype, config.seed)
+    check_ragged_labels(model_schema or data.schema, objective)
     if meta:  # what trains made real, from an executor's build (which takes the probe batch)
         frozen = initial_state(spark, model, pickled=pickled, seed=config.seed, data=data,
                                deadline_s=config.waits().connect)
     else:
-        check_model_takes_data(model, data.schema, objective, dtype=dtype, ranges=data.ranges,
-                               longest=data.longest)
+        check_model_takes_data(model, model_schema or data.schema, objective, dtype=dtype,
+                               ranges=data.ranges, longest=data.longest, batch=sample)
     smallest = min(data.train_sizes)
     if smallest < config.batch_size:
         raise DataError(
@@ -167,7 +179,47 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,
                    objective=objective, pickled=pickled, params=params, resume=resume,
                    frozen=frozen, on_round=on_round,
-                   model_fn=model_fn)
+                   model_fn=model_fn, model_schema=model_schema)
+
+
+def check_preprocess(preprocess, config: TrainConfig) -> None:
+    """ConfigError for a preprocess that is not a callable, or with what it does not work
+    with yet (issue 31's later slices: the logged model, driver_model="meta")."""
+    if preprocess is None:
+        return
+    if not callable(preprocess):
+        raise ConfigError(f"preprocess must be a callable (batch, *, training, rng) -> dict, "
+                          f"got {type(preprocess).__name__}")
+    if config.log_model:
+        raise ConfigError("log_model with preprocess is not supported yet (the MLflow model "
+                          "would need the preprocess too): pass log_model=False")
+    if config.driver_model == "meta":
+        raise ConfigError('driver_model="meta" with preprocess is not supported yet')
+
+
+def sample_schema(data: PreparedData, preprocess, dtype: torch.dtype, seed: int,
+                  rows: int = 4):
+    """What the model gets, learned from `preprocess` (training=False) on the first `rows`
+    rows of train_df, read as the tasks read them: (the model's `DataSchema`, that sample
+    as the model's `Batch`: the probe's forward runs on these real rows)."""
+    from sparkdl_avg.data.arrow_columns import read_column
+    from sparkdl_avg.data.feed import Preprocessor, model_schema, raw_batch, step_rng
+
+    table = data.sample.limit(rows).toArrow()
+    raw = data.schema
+    parts = []
+    for f in raw.fields:
+        column = read_column(table.column(f.wire), f)
+        parts.append((column.values, column.lengths) if f.ragged else column.values)
+    try:
+        out = preprocess(raw_batch(raw, parts), training=False,
+                         rng=step_rng(seed, 0, 0, 0))
+    except Exception as exc:
+        raise DataError(f"preprocess failed on a sample of {table.num_rows} rows of "
+                        f"train_df: {exc!r}") from exc
+    schema = model_schema(raw, out, table.num_rows)
+    prep = Preprocessor(preprocess, raw, schema, dtype, seed=seed, partition=0)
+    return schema, prep([parts], training=False, rng=step_rng(seed, 0, 0, 0))
 
 
 def warn_eval_mode_trainers(model: torch.nn.Module) -> None:

@@ -80,8 +80,12 @@ def _run(spec: WorkerSpec, batches: Iterator):
                                 shape.train_rows + shape.eval_rows, choice.cpu_fallback)
         with final_on_device_errors("load its partition onto", choice.device,
                                     choice.gpu_address, hint=LOAD_HINT):
-            data = load_partition(batches, shape, cache=cache, spill=spill, device=device,
-                                  dtype=getattr(torch, spec.model_dtype), progress=progress)
+            # with a preprocess the rows stay raw on the host: it decodes them per batch
+            raw = spec.preprocess is not None
+            data = load_partition(batches, shape, cache=cache, spill=spill,
+                                  device=torch.device("cpu") if raw else device,
+                                  dtype=None if raw else getattr(torch, spec.model_dtype),
+                                  progress=progress)
         cleanup.callback(data.close)
         hello = msg.WorkerHello(rank=rank, host=socket.gethostname(),
                                 device=device_identity(device))

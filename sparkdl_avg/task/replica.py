@@ -88,7 +88,8 @@ class Replica:
         with final_on_device_errors("move the model to", str(device)):
             self.model = model.to(device)
         self.dtype = model_dtype(self.model)
-        self.data, self.schema = data, spec.schema
+        self.data, self.schema = data, spec.model_schema or spec.schema
+        self.preprocessor = _preprocessor(spec, config, rank, self.dtype, device)
         row_bytes = spec.schema.row_bytes(spec.ragged_values)
         # the same rows a chunk as the returned model scores (FitResult.score_rows)
         self._eval_rows = config.eval_rows(spec.schema.padded_row_bytes(spec.longest))
@@ -98,7 +99,8 @@ class Replica:
             batch_size=config.batch_size,
             steps_per_epoch=spec.schedule.micro_batches_per_epoch,
             total_steps=spec.schedule.total_micro_batches, device=device,
-            epoch_rows=epoch_length(spec.train_rows))
+            epoch_rows=epoch_length(spec.train_rows), preprocess=self.preprocessor,
+            threads=config.preprocess_threads, prefetch=config.prefetch_batches)
         self.wire_dtype = wire_dtype(self.dtype)
         if device.type == "cuda":
             _check_device_memory(self.model, config,
@@ -196,5 +198,18 @@ class Replica:
             raise index_error(self.schema, inputs, exc) from exc
 
     def evaluate(self) -> dict:
-        return evaluate_batches(self.model, self.data.eval.chunks(self._eval_rows),
-                                self.objective, self.call)
+        chunks = self.data.eval.chunks(self._eval_rows) if self.preprocessor is None else \
+            self.preprocessor.eval_chunks(self.data.eval, self._eval_rows, self.device)
+        return evaluate_batches(self.model, chunks, self.objective, self.call)
+
+
+def _preprocessor(spec: WorkerSpec, config: TrainConfig, rank: int, dtype, device):
+    """`fit(preprocess=)` as a `feed.Preprocessor`, or None."""
+    if spec.preprocess is None:
+        return None
+    import cloudpickle
+
+    from sparkdl_avg.data.feed import Preprocessor
+
+    return Preprocessor(cloudpickle.loads(spec.preprocess), spec.schema, spec.model_schema,
+                        dtype, seed=config.seed, partition=rank, pin=device.type == "cuda")

@@ -48,6 +48,11 @@ class WorkerSpec:
     """The frozen tensors' fingerprint (`averaging.frozen.Fingerprint.to_dict`) of the
     driver's build, or of the executor's that gave the initial state: each replica's build
     must match it. None: not checked."""
+    preprocess: bytes | None = None
+    """`fit(preprocess=)`, cloudpickled; None: the cache's rows go to the model as they are."""
+    model_schema: DataSchema | None = None
+    """With `preprocess`: the fields the model gets (what preprocess returned for the
+    driver's sample); `schema` stays what is carried and cached."""
     ps_shards: tuple[tuple[str, int], ...] = ()
     """Async with several parameter-server shards: their addresses in shard order (the
     first is `address`); empty: one server at `address`."""

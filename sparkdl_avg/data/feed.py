@@ -1,0 +1,256 @@
+"""Minibatches through the user's `fit(preprocess=fn)`, off the training thread.
+
+The data cache holds the raw rows (an encoded column as bytes, numbers as carried) on the
+host. One producer thread gathers each step's raw rows in step order from either cache (the
+same pieces `batches.TrainBatches` would index) and submits `preprocess` and the conversion to
+tensors to a pool of `TrainConfig.preprocess_threads` threads; the training thread takes the
+results in order from a queue of at most `TrainConfig.prefetch_batches` futures, so the raw
+batches in flight stay bounded. Decoders that release the GIL (PIL, numpy, zlib) then run
+beside the training step.
+
+A step's `rng` is a pure function of (seed, epoch, partition, batch in the epoch): random
+augmentation is reproducible, and a restart replays it bit-identically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from sparkdl_avg._errors import DataError, PreprocessError
+from sparkdl_avg.data.arrow_columns import pad
+from sparkdl_avg.data.cache import batch_of
+from sparkdl_avg.data.schema import Batch, DataSchema, FieldSpec
+
+_POLL_S = 1.0
+EVAL_STREAM = 1 << 31
+"""The rng's second word in evaluation (no epoch reaches it): a chunk's rng differs from
+every training step's."""
+
+
+def step_rng(seed: int, epoch: int, partition: int, batch: int) -> np.random.Generator:
+    """The rng `preprocess` gets for a training minibatch (or an evaluation chunk: epoch
+    `EVAL_STREAM`)."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(
+        [seed, epoch, partition, batch])))
+
+
+def join_parts(schema: DataSchema, parts: list[list]) -> list:
+    """Pieces of rows (each `Window.part`'s or `MemoryColumns.part`'s form: per field an
+    array, or a ragged field's (values, lengths)) one after another, per field."""
+    if len(parts) == 1:
+        return parts[0]
+    out = []
+    for i, field in enumerate(schema.fields):
+        pieces = [p[i] for p in parts]
+        out.append(tuple(np.concatenate(c) for c in zip(*pieces, strict=True))
+                   if field.ragged else np.concatenate(pieces))
+    return out
+
+
+def raw_batch(schema: DataSchema, joined: list) -> dict:
+    """What `preprocess` gets, by column: an encoded field as a list of `bytes`, a ragged
+    numeric one as a list of arrays, a fixed-shape one as an array `[rows, *shape]`."""
+    out = {}
+    for field, value in zip(schema.fields, joined, strict=True):
+        if field.encoded:
+            values, lengths = value
+            buffer, ends = values.tobytes(), np.cumsum(lengths)
+            out[field.key] = [buffer[a:b] for a, b in zip((ends - lengths).tolist(),
+                                                            ends.tolist(), strict=True)]
+        elif field.ragged:
+            values, lengths = value
+            out[field.key] = np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
+        else:
+            out[field.key] = value
+    return out
+
+
+def _as_array(value, field: FieldSpec, rows: int) -> np.ndarray:
+    import torch
+
+    array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else \
+        np.asarray(value)
+    if array.ndim == 0 or array.shape[0] != rows or array.dtype == object:
+        raise DataError(f"preprocess returned {array.shape} {array.dtype} for "
+                        f"{field.described}: return an array or tensor with the batch's "
+                        f"{rows} rows first")
+    return array
+
+
+def _returned(schema: DataSchema, out, rows: int) -> dict:
+    """`preprocess`'s result checked: a dict of the fit's columns, encoded ones decoded."""
+    if not isinstance(out, dict):
+        raise DataError(f"preprocess must return a dict {{column: array}}, got "
+                        f"{type(out).__name__}")
+    keys = {f.key: f for f in schema.fields}
+    unknown = sorted(set(out) - set(keys), key=str)
+    if unknown:
+        raise DataError(f"preprocess returned {unknown}, which the fit does not name; it "
+                        f"returns values for {sorted(keys)}")
+    missing = [f.key for f in schema.fields if f.encoded and f.key not in out]
+    if missing:
+        raise DataError(f"preprocess must return {missing} decoded: an encoded column never "
+                        "reaches the model as bytes")
+    return {k: _as_array(v, keys[k], rows) for k, v in out.items()}
+
+
+def model_schema(schema: DataSchema, out: dict, rows: int) -> DataSchema:
+    """The fields the model gets, from what `preprocess` returned for a sample of rows
+    (`out`, by column): a returned field's row shape and kind (floats in the model's float
+    dtype, integers int64, booleans), the others as they were carried."""
+    out = _returned(schema, out, rows)
+
+    def spec(field: FieldSpec) -> FieldSpec:
+        if field.key not in out:
+            return field
+        array = out[field.key]
+        dtype = "bool" if array.dtype == np.bool_ else "int64" if array.dtype.kind in "iu" \
+            else schema.float_dtype if array.dtype.kind == "f" else None
+        if dtype is None:
+            raise DataError(f"preprocess returned {array.dtype} for {field.described}: "
+                            "return numbers or booleans")
+        from dataclasses import replace
+
+        return replace(field, dtype=dtype, shape=tuple(array.shape[1:]), encoded=False,
+                       source=f"preprocess: {array.dtype}")
+
+    return DataSchema(inputs=tuple(map(spec, schema.inputs)), binding=schema.binding,
+                      labels=tuple(map(spec, schema.labels)), label_list=schema.label_list,
+                      weight=spec(schema.weight) if schema.weight else None,
+                      float_dtype=schema.float_dtype)
+
+
+def _tensor(array: np.ndarray):
+    """A CPU tensor sharing `array` where torch may (a read-only array, such as one over an
+    Arrow buffer or `np.frombuffer`'s, is copied)."""
+    import torch
+
+    array = np.ascontiguousarray(array)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+class Preprocessor:
+    """`preprocess` and the conversion of its result to the model's tensors (CPU; pinned
+    when `pin`)."""
+
+    def __init__(self, fn, raw: DataSchema, model: DataSchema, float_dtype, *, seed: int,
+                 partition: int, pin: bool = False) -> None:
+        self.fn, self.raw, self.model, self.float_dtype = fn, raw, model, float_dtype
+        self.seed, self.partition, self.pin = seed, partition, pin
+
+    def __call__(self, parts: list[list], *, training: bool, rng) -> Batch:
+
+        joined = join_parts(self.raw, parts)
+        batch = raw_batch(self.raw, joined)
+        rows = len(next(iter(batch.values())))
+        try:
+            out = self.fn(batch, training=training, rng=rng)
+        except Exception as exc:
+            raise PreprocessError(f"preprocess failed on a batch of {rows} rows of partition "
+                                  f"{self.partition}: {exc!r}") from exc
+        out = _returned(self.raw, out, rows)
+        tensors, padded, positions = [], 0, 0
+        for raw, field, value in zip(self.raw.fields, self.model.fields, joined, strict=True):
+            if field.key in out:
+                array = out[field.key]
+                if tuple(array.shape[1:]) != field.shape:
+                    raise DataError(f"preprocess returned rows of shape {array.shape[1:]} for "
+                                    f"{field.described}; the fit's sample gave {field.shape}")
+                tensor = _tensor(array)
+            elif raw.ragged:  # passed through: padded to the batch's longest row
+                values, lengths = value
+                tensor = pad(_tensor(values), _tensor(lengths), raw.pad_value)
+                if raw.role == "input":
+                    padded += tensor.shape[0] * tensor.shape[1] - int(lengths.sum())
+                    positions += tensor.shape[0] * tensor.shape[1]
+            else:
+                tensor = _tensor(value)
+            tensor = tensor.to(field.torch_dtype(self.float_dtype))
+            tensors.append(tensor.pin_memory() if self.pin else tensor)
+        return batch_of(self.model, tensors, padded, positions)
+
+    def eval_chunks(self, columns, size: int, device):
+        """`columns`' rows in chunks of `size`, preprocessed with training=False, on
+        `device`."""
+        for k, parts in enumerate(columns.parts(size)):
+            rng = step_rng(self.seed, EVAL_STREAM, self.partition, k)
+            yield self([parts], training=False, rng=rng).to(device)
+
+
+class PreprocessFeed:
+    """The training batches from `step` on: raw rows gathered on a producer thread,
+    preprocessed on a pool, taken in order by `get` on the training thread."""
+
+    def __init__(self, batches, step: int, preprocessor: Preprocessor, *, threads: int,
+                 prefetch: int) -> None:
+        self.batches, self.prep = batches, preprocessor
+        self.queue: queue.Queue = queue.Queue(prefetch)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="sparkdl-avg-preprocess")
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(step,), daemon=True,
+                                       name="sparkdl-avg-preprocess-feed")
+
+    def start(self) -> PreprocessFeed:
+        self.thread.start()
+        return self
+
+    def get(self) -> Batch:
+        while True:
+            try:
+                future = self.queue.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self.thread.is_alive() and self.queue.empty():
+                    if self.error is not None:  # as raised, so is_final still sees it
+                        raise self.error from None
+                    raise RuntimeError("the preprocess feed stopped early") from None
+        return future.result().to(self.batches.device, non_blocking=True)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        while self.thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self.queue.get(timeout=0.05).cancel()
+        self.thread.join()
+        while not self.queue.empty():
+            self.queue.get_nowait().cancel()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self, step: int) -> None:
+        b = self.batches
+        cols = b.columns
+        window = None if cols.in_memory else cols.empty(min(b.cut.window_rows, cols.rows))
+        loaded = visit = None
+        try:
+            while step < b.total_steps and not self.stopped.is_set():
+                epoch, order, pieces = b.pieces(step)
+                parts = []
+                for k, a, c in pieces:
+                    if cols.in_memory:
+                        parts.append(cols.part(order.rows(k)[a:c]))
+                        continue
+                    if loaded != (epoch, k):  # one shuffle window read at a time
+                        cols.read_into(order.ranges(k), window)
+                        loaded, visit = (epoch, k), order.visit(k)
+                    parts.append(window.part(visit[a:c]))
+                if not parts:
+                    parts = [cols.part(np.zeros(0, np.int64)) if cols.in_memory
+                             else window.part(np.zeros(0, np.int64))]
+                rng = step_rng(b.seed, epoch, self.prep.partition, step % b.steps_per_epoch)
+                future = self.pool.submit(self.prep, parts, training=True, rng=rng)
+                while not self.stopped.is_set():
+                    try:
+                        self.queue.put(future, timeout=0.05)
+                        break
+                    except queue.Full:
+                        pass
+                step += 1
+        except BaseException as exc:  # handed to the training thread by get()
+            self.error = exc
+
