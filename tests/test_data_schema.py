@@ -102,7 +102,7 @@ def test_arguments_that_do_not_fit_are_refused(typed, kwargs, error, message):
 
 @pytest.mark.parametrize(("spark_type", "value", "message"), [
     (T.StringType(), "a", "column 'x' has type string.*token ids as array<int>"),
-    (T.BinaryType(), b"a", "column 'x' has type binary.*decode them"),
+    (T.BinaryType(), b"a", r"column 'x' has type binary.*needs fit\(preprocess=fn\)"),
     (T.MapType(T.StringType(), T.IntegerType()), {"a": 1}, "has type map<string,int>"),
     (T.ArrayType(T.StringType()), ["a"], "has type string"),
     (T.StructType([T.StructField("a", T.IntegerType())]), (1,), "struct's fields"),
