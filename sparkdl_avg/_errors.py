@@ -115,7 +115,7 @@ def is_final(exc: BaseException) -> bool:
 
 TASK_ERRORS = (ConfigError, DataError, ModelError, ClusterError)
 """The classes a task's final error keeps on the driver (`from_task`)."""
-_TASK_CLASSES = {cls.__name__: cls for cls in (*TASK_ERRORS, DataCacheError)}
+_TASK_CLASSES = {cls.__name__: cls for cls in (*TASK_ERRORS, DataCacheError, PreprocessError)}
 
 
 def from_task(where: str, text: str) -> SparkdlAvgError:

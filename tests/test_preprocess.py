@@ -16,7 +16,7 @@ import pytest
 import torch
 from faulty import same_parameters
 
-from sparkdl_avg import ConfigError, DataError, TrainConfig, fit
+from sparkdl_avg import ConfigError, DataError, PreprocessError, TrainConfig, fit
 from sparkdl_avg.data.arrow_columns import read_column
 from sparkdl_avg.data.feed import Preprocessor, model_schema, raw_batch, step_rng
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
@@ -32,7 +32,7 @@ def _decode(batch, *, training, rng):
     return {"content": x}
 
 
-def _augment(batch, *, training, rng):
+def _augment(batch, *, training, rng):  # evaluation sees the records as they are
     out = _decode(batch, training=training, rng=rng)
     if training:  # noise drawn from the step's rng: reproducible
         out["content"] = out["content"] + rng.normal(0, 0.5, out["content"].shape)
@@ -77,7 +77,7 @@ def records(spark):
 
 def _fit(df, model_fn=Net, preprocess=_decode, **fields):
     return fit(df, model_fn, TrainConfig(**{**COMMON, **fields}), features_col="content",
-               preprocess=preprocess)
+               preprocess=preprocess, eval_df=df)
 
 
 # --- without Spark ---------------------------------------------------------------------
@@ -128,7 +128,7 @@ def test_the_rng_is_a_function_of_seed_epoch_partition_and_batch():
 @pytest.fixture(scope="module")
 def decoded(records):
     """The reference: the same numbers as an array column, no preprocess."""
-    return fit(records, Net, TrainConfig(**COMMON), features_col="vector")
+    return fit(records, Net, TrainConfig(**COMMON), features_col="vector", eval_df=records)
 
 
 @pytest.mark.spark
@@ -138,6 +138,10 @@ def test_decoding_bytes_trains_as_the_numbers_do(records, decoded, cache):
     assert {w["cache"] for w in result.workers} == {cache}
     assert same_parameters(result.model, decoded.model)
     assert not same_parameters(result.model, Net())  # it trained
+    # evaluation decodes too (training=False): the same losses each round
+    losses = [h["eval_loss"] for h in result.history if "eval_loss" in h]
+    assert len(losses) == 2 and losses == [h["eval_loss"] for h in decoded.history
+                                           if "eval_loss" in h]
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +198,25 @@ def test_binary_columns_need_a_preprocess(records):
             features_col="content", preprocess=_decode)
     with pytest.raises(DataError, match="preprocess failed on a sample"):
         _fit(records, preprocess=lambda batch, **_: 1 / 0)
+
+
+def _fails_in_training(log: str, batch, *, training, rng):
+    first = step_rng(COMMON["seed"], 0, 0, 0).bit_generator.state
+    if training and rng.bit_generator.state == first:  # the first step: once an attempt
+        with open(log, "a") as f:
+            f.write("raised\n")
+        raise ValueError("corrupt record")
+    return _decode(batch, training=training, rng=rng)
+
+
+@pytest.mark.spark
+def test_a_preprocess_that_raises_fails_the_fit_once(records, tmp_path, mlflow_client):
+    log = tmp_path / "raised"
+    with pytest.raises(PreprocessError, match="corrupt record"):
+        _fit(records, preprocess=partial(_fails_in_training, str(log)), num_workers=1,
+             max_failures=2)
+    assert log.read_text() == "raised\n"  # final: not retried
+    exp = mlflow_client.get_experiment_by_name("preprocess")
+    run = mlflow_client.search_runs([exp.experiment_id],
+                                    order_by=["attributes.start_time DESC"])[0]
+    assert run.info.status == "FAILED" and "corrupt record" in run.data.tags["error"]

@@ -4,7 +4,7 @@ import sparkdl_avg
 def test_public_names_are_exactly_the_documented_surface():
     assert sorted(sparkdl_avg.__all__) == sorted([
         "ClusterError", "ConfigError", "DataCacheError", "DataError", "EarlyStopping",
-        "FitResult", "ModelError",
+        "FitResult", "ModelError", "PreprocessError",
         "ProtocolError", "SPARK_CONF",
         "SparkdlAvgError", "TrainConfig", "TrainingError", "__version__", "fit",
     ])
@@ -14,6 +14,6 @@ def test_public_names_are_exactly_the_documented_surface():
 
 def test_every_error_derives_from_the_base():
     for name in ("ClusterError", "ConfigError", "DataCacheError", "DataError", "ModelError",
-                 "ProtocolError",
+                 "PreprocessError", "ProtocolError",
                  "TrainingError"):
         assert issubclass(getattr(sparkdl_avg, name), sparkdl_avg.SparkdlAvgError)
