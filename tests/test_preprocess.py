@@ -23,7 +23,8 @@ from sparkdl_avg.data.schema import DataSchema, FieldSpec
 
 WIDTH, CLASSES, ROWS = 4, 3, 96
 COMMON = dict(num_workers=2, epochs=2, batch_size=8, optimizer="sgd", lr=0.1, shuffle=True,
-              seed=5, log_model=False, averaging_frequency=2, experiment_name="preprocess")
+              seed=5, log_model=False, experiment_name="preprocess")
+SYNC = dict(COMMON, averaging_frequency=2)
 
 
 def _decode(batch, *, training, rng):
@@ -76,7 +77,7 @@ def records(spark):
 
 
 def _fit(df, model_fn=Net, preprocess=_decode, **fields):
-    return fit(df, model_fn, TrainConfig(**{**COMMON, **fields}), features_col="content",
+    return fit(df, model_fn, TrainConfig(**{**SYNC, **fields}), features_col="content",
                preprocess=preprocess, eval_df=df)
 
 
@@ -128,7 +129,7 @@ def test_the_rng_is_a_function_of_seed_epoch_partition_and_batch():
 @pytest.fixture(scope="module")
 def decoded(records):
     """The reference: the same numbers as an array column, no preprocess."""
-    return fit(records, Net, TrainConfig(**COMMON), features_col="vector", eval_df=records)
+    return fit(records, Net, TrainConfig(**SYNC), features_col="vector", eval_df=records)
 
 
 @pytest.mark.spark
@@ -142,6 +143,15 @@ def test_decoding_bytes_trains_as_the_numbers_do(records, decoded, cache):
     losses = [h["eval_loss"] for h in result.history if "eval_loss" in h]
     assert len(losses) == 2 and losses == [h["eval_loss"] for h in decoded.history
                                            if "eval_loss" in h]
+
+
+@pytest.mark.spark
+def test_async_lockstep_decodes_as_sync_does(records, decoded):
+    lockstep = fit(records, Net, TrainConfig(**COMMON, mode="async", push_every=2,
+                                             staleness_bound=0),
+                   features_col="content", preprocess=_decode)
+    assert max((a - b).abs().max().item() for a, b in
+               zip(lockstep.model.parameters(), decoded.model.parameters(), strict=True)) < 1e-10
 
 
 @pytest.fixture(scope="module")
@@ -192,9 +202,9 @@ def test_preprocess_runs_beside_the_training_step(records):
 @pytest.mark.spark
 def test_binary_columns_need_a_preprocess(records):
     with pytest.raises(DataError, match="preprocess="):
-        fit(records, Net, TrainConfig(**COMMON), features_col="content")
+        fit(records, Net, TrainConfig(**SYNC), features_col="content")
     with pytest.raises(ConfigError, match="log_model"):
-        fit(records, Net, TrainConfig(**{**COMMON, "log_model": True}),
+        fit(records, Net, TrainConfig(**{**SYNC, "log_model": True}),
             features_col="content", preprocess=_decode)
     with pytest.raises(DataError, match="preprocess failed on a sample"):
         _fit(records, preprocess=lambda batch, **_: 1 / 0)
