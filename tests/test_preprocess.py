@@ -117,6 +117,25 @@ def test_the_model_schema_comes_from_what_preprocess_returns():
         model_schema(raw, {"content": np.zeros((3, 1))}, 2)
 
 
+def test_a_ragged_column_not_returned_reaches_the_model_padded():
+    tokens = FieldSpec("input", "tokens", "tokens", "_x1", "int32", (-1,))
+    raw = DataSchema(inputs=(ENCODED, tokens), binding="positional", labels=(LABEL,),
+                     label_list=False)
+    parts = [(np.frombuffer(b"ab", np.uint8), np.array([1, 1])),
+             (np.array([4, 5, 6], np.int32), np.array([1, 2])), np.array([0, 1])]
+
+    def decode(batch, *, training, rng):
+        assert [t.tolist() for t in batch["tokens"]][:2] == [[4], [5, 6]]
+        return {"content": np.array([[c[0]] for c in batch["content"]], np.float32)}
+
+    schema = model_schema(raw, decode(raw_batch(raw, parts), training=False, rng=None), 2)
+    out = Preprocessor(decode, raw, schema, torch.float32, seed=0, partition=0)(
+        [parts[:], parts], training=True, rng=None)  # two pieces, one after another
+    assert out.inputs[0][:, 0].tolist() == [97.0, 98.0, 97.0, 98.0]
+    assert out.inputs[1].tolist() == [[4, 0], [5, 6], [4, 0], [5, 6]]
+    assert out.inputs[1].dtype == torch.int64 and (out.padded, out.positions) == (2, 8)
+
+
 def test_the_rng_is_a_function_of_seed_epoch_partition_and_batch():
     draw = [step_rng(*key).random() for key in [(1, 0, 0, 0), (1, 0, 0, 0), (1, 0, 0, 1),
                                                 (1, 1, 0, 0), (1, 0, 1, 0), (2, 0, 0, 0)]]

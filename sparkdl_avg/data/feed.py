@@ -18,12 +18,14 @@ import contextlib
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 
 from sparkdl_avg._errors import DataError, PreprocessError
 from sparkdl_avg.data.arrow_columns import pad
 from sparkdl_avg.data.cache import batch_of
+from sparkdl_avg.data.ragged import longest, pad_counts
 from sparkdl_avg.data.schema import Batch, DataSchema, FieldSpec
 
 _POLL_S = 1.0
@@ -114,8 +116,6 @@ def model_schema(schema: DataSchema, out: dict, rows: int) -> DataSchema:
         if dtype is None:
             raise DataError(f"preprocess returned {array.dtype} for {field.described}: "
                             "return numbers or booleans")
-        from dataclasses import replace
-
         return replace(field, dtype=dtype, shape=tuple(array.shape[1:]), encoded=False,
                        source=f"preprocess: {array.dtype}")
 
@@ -144,7 +144,6 @@ class Preprocessor:
         self.seed, self.partition, self.pin = seed, partition, pin
 
     def __call__(self, parts: list[list], *, training: bool, rng) -> Batch:
-
         joined = join_parts(self.raw, parts)
         batch = raw_batch(self.raw, joined)
         rows = len(next(iter(batch.values())))
@@ -164,10 +163,11 @@ class Preprocessor:
                 tensor = _tensor(array)
             elif raw.ragged:  # passed through: padded to the batch's longest row
                 values, lengths = value
-                tensor = pad(_tensor(values), _tensor(lengths), raw.pad_value)
+                most = longest(lengths)
+                tensor = pad(_tensor(values), _tensor(lengths), raw.pad_value, most)
                 if raw.role == "input":
-                    padded += tensor.shape[0] * tensor.shape[1] - int(lengths.sum())
-                    positions += tensor.shape[0] * tensor.shape[1]
+                    pads, all_ = pad_counts(lengths, most)
+                    padded, positions = padded + pads, positions + all_
             else:
                 tensor = _tensor(value)
             tensor = tensor.to(field.torch_dtype(self.float_dtype))
