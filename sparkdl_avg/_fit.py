@@ -83,8 +83,10 @@ class FitResult:
     heads: tuple[str, ...] = ()
     """Each model output's head, from the fit's loss (`scoring.outputs.output_heads`): "class",
     "multilabel" or "value". Empty: from `classify`."""
-    preprocessed: bool = False
-    """The fit had a `preprocess`: scoring it is not supported yet (issue 31, slice 2)."""
+    preprocess: Callable[..., dict] | None = None
+    """`fit(preprocess=)`: scoring runs it (training=False) on the raw input columns."""
+    model_schema: DataSchema | None = None
+    """With `preprocess`: the inputs the model gets (what preprocess returns)."""
 
     def __repr__(self) -> str:  # never builds a model not yet built
         model = self._model if isinstance(self._model, torch.nn.Module) else \
@@ -96,9 +98,6 @@ class FitResult:
     def scoring(self) -> tuple[DataSchema, tuple[str, ...]]:
         """The schema and heads scoring works from (built from `num_features` and
         `classify` for a result made without them)."""
-        if self.preprocessed:
-            raise ConfigError("scoring a fit made with preprocess= is not supported yet: "
-                              "preprocess the rows and call FitResult.model on them")
         schema = self.schema
         if schema is None:
             dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
@@ -123,7 +122,8 @@ class FitResult:
         names = output_names(schema, len(heads)) if schema.label_list else None
         return make_predict_udf(self.model, schema=schema, heads=heads, output=output,
                                 names=names, device=device,
-                                batch_size=batch_size or self.score_rows)
+                                batch_size=batch_size or self.score_rows,
+                                preprocess=self.preprocess, model_schema=self.model_schema)
 
     def transform(self, df, *, output_col: str = "prediction",
                   output: str | Sequence[str] = "prediction",
@@ -145,6 +145,9 @@ class FitResult:
             raise DataError(f"df already has a column {output_col!r}; choose another "
                             "output_col")
         schema = self.scoring()[0]
+        if features_col is not None and self.preprocess is not None:
+            raise ConfigError("features_col= cannot rename the inputs of a fit with "
+                              "preprocess: it reads the columns it was fit on")
         if features_col is not None:
             schema = with_column(schema, features_col)
         udf = self._udf(schema, device, batch_size, output)
@@ -230,7 +233,7 @@ def fit(
                          classify=plan.objective.classify, score_rows=config.eval_rows(
                              plan.data.schema.padded_row_bytes(plan.data.longest)),
                          schema=plan.data.schema, heads=heads_of(plan.objective),
-                         preprocessed=preprocess is not None)
+                         preprocess=preprocess, model_schema=plan.model_schema)
 
 
 def _data_params(features_col, inputs, label_col, weight_col, loss, loss_weights) -> dict:

@@ -249,3 +249,14 @@ def test_a_preprocess_that_raises_fails_the_fit_once(records, tmp_path, mlflow_c
     run = mlflow_client.search_runs([exp.experiment_id],
                                     order_by=["attributes.start_time DESC"])[0]
     assert run.info.status == "FAILED" and "corrupt record" in run.data.tags["error"]
+
+
+@pytest.mark.spark
+def test_transform_preprocesses_the_raw_columns(records, augmented):
+    """training=False: the records decoded without noise, then the returned model."""
+    scored = augmented.transform(records).select("vector", "prediction").toPandas()
+    x = torch.tensor(np.stack(scored["vector"].to_numpy()))
+    with torch.no_grad():
+        expected = augmented.model(x).argmax(1)
+    assert scored["prediction"].tolist() == expected.tolist()
+    assert len(set(expected.tolist())) > 1  # not one class for every row

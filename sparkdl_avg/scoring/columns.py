@@ -138,6 +138,20 @@ def chunk(columns: list[Column], schema: DataSchema, start: int, stop: int, floa
     return tuple(inputs), lengths
 
 
+def raw_parts(columns: list[Column], start: int, stop: int) -> list:
+    """Rows [start, stop) as they were read, for `fit(preprocess=)`: per input an array, or
+    a ragged one's (values, lengths) (`disk_cache.Window.part`'s form)."""
+    out = []
+    for column in columns:
+        if column.lengths is None:
+            out.append(column.values[start:stop])
+            continue
+        host = column.lengths[start:stop]
+        begin = int(column.lengths[:start].sum())
+        out.append((column.values[begin:begin + int(host.sum())], host))
+    return out
+
+
 def _tensor(values: np.ndarray, device, dtype):
     import torch
 

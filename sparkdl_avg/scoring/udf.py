@@ -31,12 +31,15 @@ from sparkdl_avg.scoring.outputs import (
 
 def make_predict_udf(model: torch.nn.Module, *, schema: DataSchema, heads: tuple[str, ...],
                      output="prediction", names: tuple[str, ...] | None = None,
-                     device: str = "auto", batch_size: int = 8192) -> Callable:
+                     device: str = "auto", batch_size: int = 8192, preprocess=None,
+                     model_schema: DataSchema | None = None) -> Callable:
     """A column function of the model's inputs (`schema`'s, in order) giving its outputs as
     `output` says ("prediction", "probability" or "raw"; a tuple of them: a struct with a
     field per mode). `heads`: each output's head (`outputs.output_heads`); `names`: the
     struct fields of a model with several outputs. A batch with a null, NaN or infinite
-    input fails the task with a DataError naming the column."""
+    input fails the task with a DataError naming the column. `preprocess` (with
+    `model_schema`, the inputs it returns): run with training=False on each chunk's raw
+    input columns."""
     try:
         from pyspark.sql.functions import arrow_udf
     except ImportError:
@@ -44,14 +47,17 @@ def make_predict_udf(model: torch.nn.Module, *, schema: DataSchema, heads: tuple
                           "pyspark " + __import__("pyspark").__version__) from None
     check_scoring(device, batch_size)
     schema = schema.without_targets()
+    model_in = (model_schema or schema).without_targets()
     model = copy.deepcopy(model).cpu().eval()  # the caller's model stays where it is
-    outputs = describe_outputs(model, schema, tuple(heads), check_modes(output), names)
+    outputs = describe_outputs(model, model_in, tuple(heads), check_modes(output), names)
     payload = pickle_for_executors("model", model)
+    prep = None if preprocess is None else pickle_for_executors("preprocess", preprocess)
 
     def predict(batches: Iterator[tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
         try:
             yield from _predict_batches(payload, batches, schema=schema, outputs=outputs,
-                                        device=device, batch_size=batch_size)
+                                        device=device, batch_size=batch_size,
+                                        preprocess=prep, model_schema=model_in)
         finally:
             _release_gpu()
 
@@ -66,7 +72,8 @@ def check_scoring(device: str, batch_size: int) -> None:
 
 
 def _predict_batches(payload: bytes, batches: Iterator, *, schema: DataSchema,
-                     outputs: Outputs, device: str, batch_size: int) -> Iterator[pa.Array]:
+                     outputs: Outputs, device: str, batch_size: int, preprocess=None,
+                     model_schema: DataSchema | None = None) -> Iterator[pa.Array]:
     import cloudpickle
 
     from sparkdl_avg.task.device import task_device
@@ -75,7 +82,12 @@ def _predict_batches(payload: bytes, batches: Iterator, *, schema: DataSchema,
     if target.type == "cuda":  # as training does: model code that says .cuda() lands here
         torch.cuda.set_device(target)
     model = cloudpickle.loads(payload).to(target).eval()
-    scorer = Scorer(model, schema, outputs, target, batch_size)
+    scorer = Scorer(model, model_schema or schema, outputs, target, batch_size)
+    if preprocess is not None:
+        from sparkdl_avg.data.feed import Preprocessor
+
+        scorer.preprocessor = Preprocessor(cloudpickle.loads(preprocess), schema, model_schema,
+                                           scorer.float_dtype, seed=0, partition=0)
     for batch in batches:  # one argument: an array; several: a tuple of them
         arrays = batch if isinstance(batch, tuple) else (batch,)
         yield scorer.score(cols.read_arrow(arrays, schema))
@@ -91,6 +103,8 @@ class Scorer:
         self.schema, self.outputs = schema, outputs
         self.device, self.batch_size = device, batch_size
         self.float_dtype = float_dtype_of(self.model)
+        self.preprocessor = None
+        """A `data.feed.Preprocessor` (`fit(preprocess=)`): the columns are its raw ones."""
 
     def score(self, columns: list[Column]) -> pa.Array:
         rows = cols.rows_of(columns)
@@ -99,9 +113,8 @@ class Scorer:
         parts = [[[] for _ in specs] for specs in self.outputs.specs]
         with torch.no_grad():
             for start in range(0, rows, self.batch_size):
-                inputs, lengths = cols.chunk(columns, self.schema, start,
-                                             min(start + self.batch_size, rows),
-                                             self.float_dtype, self.device)
+                inputs, lengths = self._chunk(columns, start, min(start + self.batch_size,
+                                                                  rows))
                 out = self.schema.call(self.model, inputs)
                 out = tuple(out) if self.outputs.several else (out,)
                 for mode_parts, specs in zip(parts, self.outputs.specs, strict=True):
@@ -110,6 +123,17 @@ class Scorer:
                                                      squeeze=not spec.trim),
                                              lengths if spec.trim else None))
         return self.outputs.assemble([[_concat(p) for p in mode_parts] for mode_parts in parts])
+
+
+    def _chunk(self, columns: list[Column], start: int, stop: int):
+        if self.preprocessor is None:
+            return cols.chunk(columns, self.schema, start, stop, self.float_dtype, self.device)
+        from sparkdl_avg.data.feed import EVAL_STREAM, step_rng
+
+        prep = self.preprocessor
+        batch = prep([cols.raw_parts(columns, start, stop)], training=False,
+                     rng=step_rng(0, EVAL_STREAM, 0, start))
+        return tuple(t.to(self.device) for t in batch.inputs), None
 
 
 def _concat(arrays: list[pa.Array]) -> pa.Array:
