@@ -222,6 +222,9 @@ def test_preprocess_runs_beside_the_training_step(records):
 def test_binary_columns_need_a_preprocess(records):
     with pytest.raises(DataError, match="preprocess="):
         fit(records, Net, TrainConfig(**SYNC), features_col="content")
+    with pytest.raises(DataError, match="weight column 'content' is binary"):
+        fit(records, Net, TrainConfig(**SYNC), features_col="vector", weight_col="content",
+            preprocess=_decode)
     with pytest.raises(ConfigError, match="log_model"):
         fit(records, Net, TrainConfig(**{**SYNC, "log_model": True}),
             features_col="content", preprocess=_decode)

@@ -160,7 +160,10 @@ def classify_type(dtype: T.DataType, column: str, frame_name: str, role: str = "
     (a preprocess decodes it); nothing is decoded by guess."""
     if type(dtype).__name__ == "VectorUDT":
         return "float", None, 1, True
-    if encoded and role != "weight" and isinstance(dtype, T.BinaryType):
+    if encoded and isinstance(dtype, T.BinaryType):
+        if role == "weight":
+            raise DataError(f"{frame_name} weight column {column!r} is binary; a weight is "
+                            "one number >= 0 per row")
         return "bytes", None, 0, False
     depth = 0
     while isinstance(dtype, T.ArrayType):
