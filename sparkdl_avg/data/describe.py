@@ -101,7 +101,7 @@ def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col,
     if weight_col is not None:
         if not isinstance(weight_col, str):
             raise ConfigError(f"weight_col must be a column name, got {weight_col!r}")
-        weight = _source(df, "weight", weight_col, weight_col, "_w", "weight_col")
+        weight = _source(df, "weight", weight_col, weight_col, "_w", "weight_col", encoded)
         if weight.depth or weight.kind == "bool":
             raise DataError(f"weight column {weight_col!r} has type {weight.source}; a weight "
                             "is one number >= 0 per row")
