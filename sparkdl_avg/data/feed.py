@@ -232,13 +232,15 @@ class PreprocessFeed:
                 epoch, order, pieces = b.pieces(step)
                 parts = []
                 for k, a, c in pieces:
-                    if cols.in_memory:
-                        parts.append(cols.part(order.rows(k)[a:c]))
-                        continue
-                    if loaded != (epoch, k):  # one shuffle window read at a time
-                        cols.read_into(order.ranges(k), window)
-                        loaded, visit = (epoch, k), order.visit(k)
-                    parts.append(window.part(visit[a:c]))
+                    if loaded != (epoch, k):  # a window's order once, not once a step
+                        if cols.in_memory:
+                            visit = order.rows(k)
+                        else:  # one shuffle window read at a time
+                            cols.read_into(order.ranges(k), window)
+                            visit = order.visit(k)
+                        loaded = (epoch, k)
+                    parts.append(cols.part(visit[a:c]) if cols.in_memory
+                                 else window.part(visit[a:c]))
                 if not parts:
                     parts = [cols.part(np.zeros(0, np.int64)) if cols.in_memory
                              else window.part(np.zeros(0, np.int64))]
