@@ -1,8 +1,10 @@
-"""Records that need decoding (issue 31, slice 1): a binary column carried as bytes into the
-cache and through `fit(preprocess=fn)` off the training thread. A decode-only preprocess
-trains bit-identically to the same numbers given as an array column (memory and disk
-caches); random augmentation through `rng` is bit-identical across two fits and across a
-restart after a failure mid-fit; a 25 ms preprocess beside a 25 ms step overlaps it."""
+"""Records that need decoding (issue 31, slice 1 and part of 2): a binary column carried as
+bytes into the cache and through `fit(preprocess=fn)` off the training thread. A decode-only
+preprocess trains bit-identically to the same numbers given as an array column (memory and
+disk caches; evaluation too; async lockstep to 1e-10); random augmentation through `rng` is
+bit-identical across two fits and across a restart after a failure mid-fit; a 25 ms
+preprocess beside a 25 ms step overlaps it; a preprocess that raises fails the fit once;
+`transform` preprocesses the raw columns with training=False."""
 
 from __future__ import annotations
 
