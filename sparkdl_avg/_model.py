@@ -222,9 +222,9 @@ def _check_keywords(model: torch.nn.Module, schema, model_loss: bool) -> None:
     for name, what in bound:
         if name not in names:
             hint = difflib.get_close_matches(name, names, n=1)
-            fix = f"; did you mean {hint[0]!r}?" if hint else "."
+            fix = f" (did you mean {hint[0]!r}?)" if hint else ""
             use = ". Use a built-in or callable loss" if name == LABELS_PARAMETER else ""
-            raise ModelError(f"{what}, but {where} has no such parameter{fix} Its "
+            raise ModelError(f"{what}, but {where} has no such parameter{fix}; its "
                              f"parameters: {names}{use}"[:1000])
 
 

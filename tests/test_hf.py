@@ -347,8 +347,8 @@ def test_a_misspelled_input_is_refused_though_forward_takes_kwargs(wrapped):
     objective = make_objective("model", inputs=INPUTS)
     check_model_takes_data(model, _keyword_schema("input_ids", "attention_mask"), objective,
                            dtype=torch.float64, ranges=_RANGES, longest={})
-    with pytest.raises(ModelError, match=r"inputs binds 'attn_mask'.*did you mean "
-                                         r"'attention_mask'"):
+    with pytest.raises(ModelError, match=r"inputs binds 'attn_mask'.*\(did you mean "
+                                         r"'attention_mask'\?\); its parameters"):
         check_model_takes_data(model, _keyword_schema("input_ids", "attn_mask"), objective,
                                dtype=torch.float64, ranges=_RANGES, longest={})
 
