@@ -46,7 +46,7 @@ class _BuiltOnRequest:
         obj._model = value
 
 
-@dataclass
+@dataclass(eq=False)
 class FitResult:
     """What `fit` returns."""
 
@@ -85,6 +85,13 @@ class FitResult:
     """Each model output's head, from the fit's loss (`scoring.outputs.output_heads`), or
     under loss="model" from the model (`_model_output.model_head`): "class", "multilabel" or
     "value". Empty: from `classify`."""
+
+    def __repr__(self) -> str:  # never builds a model not yet built
+        model = self._model if isinstance(self._model, torch.nn.Module) else \
+            "built on request"
+        model = type(model).__name__ if isinstance(model, torch.nn.Module) else model
+        return (f"FitResult(model={model}, run_id={self.run_id!r}, "
+                f"rounds={len(self.history)}, workers={len(self.workers)})")
 
     def scoring(self) -> tuple[DataSchema, tuple[str, ...]]:
         """The schema and heads scoring works from (built from `num_features` and
@@ -205,12 +212,10 @@ def fit(
         _report_workers(outcome, run)
         run.log_figure(lambda: learning_curves(outcome.history, "round"),
                        "plots/learning_curves.png")
-        # what trained, named before eval() below hides the training modules' buffers
-        trained = trained_names(plan.model) if config.log_model == "adapters" else ()
-        # a trained result predicts: dropout and batch stats off. "meta": the whole model is
-        # assembled once, for the logged model or when FitResult.model is first read
-        model = plan.trained_model() if config.driver_model == "full" or \
-            config.log_model is True else plan.trained_model
+        # what trained, named before the result goes to eval mode (which hides the buffers of
+        # the modules that trained in training mode): log_model="adapters" saves them
+        trained = trained_names(plan.model) if config.log_model else ()
+        model = _result_model(plan, run, trained)
         timings = {"validate_s": validate_s, "first_step_s": outcome.first_step_at - t_start,
                    "train_s": outcome.train_s}
         if config.log_model:
@@ -284,13 +289,32 @@ _WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_
                    "pad_fraction")
 
 
-def _log_model(run: RunLogger, plan: FitPlan, model: torch.nn.Module,
-               trained: tuple[str, ...]) -> None:
+def _result_model(plan: FitPlan, run: RunLogger, trained: tuple[str, ...]):
+    """FitResult.model: the trained model in eval mode (dropout and batch statistics off).
+    With driver_model="meta" it is assembled once, now if log_model=True needs it, else
+    when first read; if it cannot be assembled here (the driver cannot read model_fn's
+    weights, or hold them), the training is kept: the adapters (the tensors named
+    `trained`) are logged instead, and reading FitResult.model raises the error."""
+    if plan.config.driver_model == "full" or plan.config.log_model is not True:
+        return plan.trained_model() if plan.config.driver_model == "full" \
+            else plan.trained_model
+    try:
+        return plan.trained_model()
+    except Exception as exc:  # noqa: BLE001 - the fit keeps what it trained
+        log.warning("driver_model='meta': the whole model could not be assembled on the "
+                    "driver (%r); logging what trained as adapters instead", exc)
+        run.log_adapters(plan.model, trained)
+        return plan.trained_model
+
+
+def _log_model(run: RunLogger, plan: FitPlan, model, trained: tuple[str, ...]) -> None:
     """The trained model to the run, scoring the fit's inputs as `transform` does
     (`tracking/model`; a PEFT model merged into its base); with log_model="adapters", only
     what trained (the tensors named `trained`), as files (`tracking/adapters`)."""
     if plan.config.log_model == "adapters":
         run.log_adapters(plan.model, trained)
+        return
+    if not isinstance(model, torch.nn.Module):  # "meta", not assembled: adapters went instead
         return
     schema, heads = plan.data.schema, plan.heads
     names = output_names(schema, len(heads)) if schema.label_list else None

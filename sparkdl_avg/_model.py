@@ -32,9 +32,28 @@ def build_model(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         raise ModelError(f"model_fn() failed to build the model: {exc!r}") from exc
     if not isinstance(model, torch.nn.Module):
         raise ModelError(f"model_fn() must return a torch.nn.Module, got {type(model).__name__}")
+    return settle_modes(model)
+
+
+def settle_modes(model: torch.nn.Module) -> torch.nn.Module:
+    """The modes `model` trains in: each module the one model_fn left it in, except that a
+    model wholly in eval mode (as `from_pretrained` returns one) trains wholly in training
+    mode. Applied on the driver and in every replica, so both average the same tensors."""
     if not any(m.training for m in model.modules()):
-        model.train()  # wholly in eval mode, as from_pretrained returns one: train it all
+        model.train()
     return model
+
+
+def eval_mode_trainers(model: torch.nn.Module) -> list[str]:
+    """The modules in eval mode that hold parameters which train (themselves or below):
+    they train with dropout off and BatchNorm statistics frozen. Outermost first."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if module.training or any(f == "" or name.startswith(f + ".") for f in found):
+            continue
+        if any(p.requires_grad for p in module.parameters()):
+            found.append(name)
+    return found
 
 
 @contextlib.contextmanager
