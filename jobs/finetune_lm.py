@@ -32,7 +32,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pretrain-epochs", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2, help="fine-tuning epochs")
     p.add_argument("--batch-size", type=int, default=32, help="windows per worker step")
-    p.add_argument("--pretrain-lr", type=float, default=3e-3)
+    p.add_argument("--pretrain-lr", type=float, default=1e-3)
     p.add_argument("--lr", type=float, default=3e-3, help="fine-tuning learning rate")
     p.add_argument("--averaging-frequency", type=int, default=8)
     p.add_argument("--d-model", type=int, default=128)
