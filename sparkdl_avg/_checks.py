@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 from sparkdl_avg._errors import ConfigError
@@ -86,9 +87,10 @@ def check_registered_model(config) -> None:
     """A registered model needs a name and a logged model (its version is that model)."""
     name = config.registered_model_name
     if name is not None and (not isinstance(name, str) or not name.strip()
-                             or not config.log_model):
+                             or config.log_model is not True):
         raise ConfigError(f"registered_model_name={name!r} must be a model name, with "
-                          "log_model=True (the version is the logged model)")
+                          "log_model=True (the version is the logged model; 'adapters' "
+                          "logs files)")
 
 
 def check_cache(config, caches: tuple[str, ...]) -> None:
@@ -114,6 +116,9 @@ def check_flags(config, names: tuple[str, ...]) -> None:
     if not isinstance(config.log_model, bool) and config.log_model != "adapters":
         raise ConfigError(f"log_model must be True, False or 'adapters', got "
                           f"{config.log_model!r}")
+    if config.log_model == "adapters" and importlib.util.find_spec("safetensors") is None:
+        raise ConfigError("log_model='adapters' writes safetensors files: pip install "
+                          "'sparkdl-avg[hf]' (or safetensors)")
     if config.driver_model not in ("full", "meta"):
         raise ConfigError(f"driver_model must be 'full' or 'meta', got "
                           f"{config.driver_model!r}")

@@ -256,7 +256,11 @@ _WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_
 
 def _log_model(run: RunLogger, plan: FitPlan) -> None:
     """The trained model to the run, scoring the fit's inputs as `transform` does
-    (`tracking/model`)."""
+    (`tracking/model`; a PEFT model merged into its base); with log_model="adapters", only
+    what trained, as files (`tracking/adapters`)."""
+    if plan.config.log_model == "adapters":
+        run.log_adapters(plan.model)
+        return
     schema, heads = plan.data.schema, heads_of(plan.objective)
     names = output_names(schema, len(heads)) if schema.label_list else None
     run.log_model(plan.model, schema=schema, heads=heads, names=names,

@@ -7,7 +7,7 @@ the kept elements (all of them, except cross_entropy's positions labelled -100).
 weight w counts exactly as w copies of it, a row of weight 0 not at all, and a token's loss
 weighs the same wherever it sits. A chunk that keeps nothing (all weights 0, every label -100)
 has loss 0, not NaN: its denominator counts as 1. Several outputs: the objective is
-sum_k loss_weights[k] * loss_k.
+sum_k loss_weights[k] * loss_k. `loss="model"` is the model's own loss (`_model_output`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from sparkdl_avg._errors import ConfigError, ModelError
+from sparkdl_avg._model_output import (
+    MODEL_LOSS,
+    as_tuple,
+    check_model_loss,
+    describe,
+    loss_of,
+    output_tensors,
+)
 from sparkdl_avg.data.schema import IGNORE_INDEX  # a label that counts for nothing
 
 LossFn = Callable[..., torch.Tensor]
@@ -152,6 +160,16 @@ class Objective:
         return len(self.losses) != self.num_outputs
 
     @property
+    def model_loss(self) -> bool:
+        """`loss="model"`: the model computes the loss from `labels=` (`_model_output`)."""
+        return self.losses == (MODEL_LOSS,)
+
+    def model_labels(self, labels: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """What forward gets as `labels=`: the label column under `loss="model"`, else
+        nothing."""
+        return labels[0] if self.model_loss else None
+
+    @property
     def classify(self) -> bool:
         """Some output is scored for accuracy."""
         return any(loss in CLASSIFYING for loss in self.losses if isinstance(loss, str))
@@ -183,7 +201,7 @@ class Objective:
         label = labels[0]
         rows = label.shape[0]
         loss = self.losses[0]
-        if isinstance(loss, str) and not self.joint:
+        if isinstance(loss, str) and loss != MODEL_LOSS and not self.joint:
             keep = (label != IGNORE_INDEX) if loss == "cross_entropy" else None
             per_row = label[0].numel() if rows else 1
             if weights is None:
@@ -214,7 +232,7 @@ class Objective:
             loss_sum = loss_sum + lw * mean.double() * weight
         correct = scored = None
         if self.classify:
-            for loss, out, label in zip(self.losses, _as_tuple(outputs), labels,
+            for loss, out, label in zip(self.losses, as_tuple(outputs), labels,
                                         strict=True):
                 if isinstance(loss, str) and loss in CLASSIFYING:
                     hits, count = _hits(loss, out, label)
@@ -223,11 +241,14 @@ class Objective:
         return EvalSums(loss_sum, weight, correct, scored)
 
     def _terms(self, outputs, labels, weights, exact: bool) -> list[tuple]:
-        """Per loss: (weighted sum, kept weight, mean); (None, None, value) for a callable."""
+        """Per loss: (weighted sum, kept weight, mean); (None, None, value) for a callable
+        or the model's own loss."""
+        if self.model_loss:
+            return [(None, None, loss_of(outputs))]
         if self.joint:
-            return [self._user(self.losses[0], _as_tuple(outputs), tuple(labels), weights)]
+            return [self._user(self.losses[0], as_tuple(outputs), tuple(labels), weights)]
         terms = []
-        for loss, out, label in zip(self.losses, _as_tuple(outputs), labels, strict=True):
+        for loss, out, label in zip(self.losses, as_tuple(outputs), labels, strict=True):
             if callable(loss):
                 terms.append(self._user(loss, out, label, weights))
             else:
@@ -239,12 +260,12 @@ class Objective:
         value = loss(output, label, weights) if self.weighted else loss(output, label)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise ModelError(f"the loss callable {getattr(loss, '__name__', loss)!r} must "
-                             f"return a scalar tensor, got {_describe(value)}")
+                             f"return a scalar tensor, got {describe(value)}")
         return None, None, value.reshape(())
 
 
 def make_objective(loss, *, loss_weights=None, num_outputs: int = 1,
-                   weighted: bool = False) -> Objective:
+                   weighted: bool = False, inputs=None) -> Objective:
     """The objective of `fit(loss=, loss_weights=)` for a model of `num_outputs` outputs (one
     per label column); `weighted`: the fit has a weight column.
 
@@ -252,10 +273,16 @@ def make_objective(loss, *, loss_weights=None, num_outputs: int = 1,
     is called as `loss(output, label)`, or `loss(output, label, weights)` (the rows' weights,
     `[B]`) when `weighted`, and returns a scalar tensor; a single callable for several outputs
     gets the tuple of outputs and the tuple of labels (and the weights), and weighs them
-    itself. `loss_weights`: one finite number >= 0 per output, default all 1.
+    itself. `loss_weights`: one finite number >= 0 per output, default all 1. "model": the
+    model's own loss, given the one label column as `labels=` (`inputs`: the fit's, which
+    must bind by name; `_model_output.check_model_loss`).
 
     Refuses (ConfigError, naming the argument) a name not in LOSSES, a single name for several
     outputs, a list of the wrong length, and bad loss_weights."""
+    if isinstance(loss, str) and loss == MODEL_LOSS:
+        check_model_loss(num_outputs=num_outputs, loss_weights=loss_weights,
+                         weighted=weighted, inputs=inputs)
+        return Objective((MODEL_LOSS,), (1.0,))
     if isinstance(loss, (list, tuple)):
         if len(loss) != num_outputs:
             raise ConfigError(f"loss lists {len(loss)} loss{'es' if len(loss) != 1 else ''} "
@@ -282,13 +309,18 @@ def make_loss(loss: str | LossFn) -> tuple[LossFn, bool]:
 def _checked_loss(loss, name: str) -> str | LossFn:
     if callable(loss):
         return loss
+    if isinstance(loss, str) and loss == MODEL_LOSS:
+        if name != "loss":
+            raise ConfigError(f"{name}='model': the model's own loss is the whole objective; "
+                              "it cannot be one of a list of losses")
+        return loss
     if isinstance(loss, str) and loss in _BUILT_IN:
         return loss
     if isinstance(loss, str):
         raise ConfigError(f"{name}={loss!r} is not supported; use one of "
-                          f"{', '.join(map(repr, LOSSES))} or a callable")
+                          f"{', '.join(map(repr, LOSSES))}, 'model' or a callable")
     raise ConfigError(f"{name} must be a loss name ({', '.join(map(repr, LOSSES))}), a "
-                      f"callable or a list of them (one per output), got {_describe(loss)}")
+                      f"callable or a list of them (one per output), got {describe(loss)}")
 
 
 def _checked_weights(loss_weights, num_outputs: int, joint: bool) -> tuple[float, ...]:
@@ -317,21 +349,13 @@ def check_outputs(objective: Objective, outputs, labels: Sequence[torch.Tensor],
                   label_names: Sequence[str]) -> None:
     """The driver's probe: the model's `outputs` on a probe batch against that batch's
     `labels` (integer ones holding their column's least and greatest value). A ModelError
-    names the label column and the shapes when they cannot pair, or when the loss fails."""
+    names the label column and the shapes when they cannot pair, or when the loss fails;
+    under `loss="model"`, when the output has no scalar `.loss`."""
     names = ", ".join(map(repr, label_names))
-    if objective.num_outputs == 1:
-        if not isinstance(outputs, torch.Tensor):
-            raise ModelError(f"the model returns {_describe(outputs)} but label column "
-                             f"{names} needs one tensor; give label_col a list of columns "
-                             "to train a model of several outputs")
-        outs = (outputs,)
-    else:
-        outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else ()
-        if len(outs) != objective.num_outputs or not all(isinstance(o, torch.Tensor)
-                                                         for o in outs):
-            raise ModelError(f"the model must return a tuple of {objective.num_outputs} "
-                             f"tensors, one per label column ({names}); it returns "
-                             f"{_describe(outputs)}")
+    if objective.model_loss:
+        loss_of(outputs)
+        return
+    outs = output_tensors(outputs, objective.num_outputs, names)
     if not objective.joint:
         for loss, out, label, name in zip(objective.losses, outs, labels, label_names,
                                           strict=True):
@@ -364,15 +388,3 @@ def _check_built_in(loss: str, output: torch.Tensor, label: torch.Tensor, name: 
             f"label column {name!r}: labels range from {int(kept.min())} to "
             f"{int(kept.max())} but the model outputs {classes} classes: cross_entropy needs "
             f"labels in [0, {classes - 1}] (or {IGNORE_INDEX} for a position to ignore)")
-
-
-def _as_tuple(outputs) -> tuple:
-    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return type(value).__name__

@@ -164,13 +164,13 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
     from sparkdl_avg._losses import check_outputs
     from sparkdl_avg.data.probe_batch import probe_batch
 
-    _check_keywords(model, schema)
+    _check_keywords(model, schema, objective.model_loss)
     known = {wire: r for wire, r in ranges.items() if r is not None}
     batch = probe_batch(schema, dtype, low={w: int(r[0]) for w, r in known.items()},
                         high={w: int(r[1]) for w, r in known.items()}, lengths=longest)
     try:
         with evaluating(model), torch.no_grad():
-            out = schema.call(model, batch.inputs)
+            out = schema.call(model, batch.inputs, objective.model_labels(batch.labels))
     except IndexError as exc:
         if "out of range" not in str(exc):
             raise _forward_failed(schema, batch, exc) from exc
@@ -200,15 +200,22 @@ def index_error(schema, inputs, exc: BaseException) -> ModelError:
                       "for the largest id its column holds (num_embeddings = largest + 1)")
 
 
-def _check_keywords(model: torch.nn.Module, schema) -> None:
-    """Inputs bound by name must be parameters of forward (unless it takes **kwargs)."""
-    if schema.binding != "keyword":
+def _check_keywords(model: torch.nn.Module, schema, model_loss: bool) -> None:
+    """Inputs bound by name must be parameters of forward, and so must `labels` under
+    loss="model" (unless forward takes **kwargs)."""
+    from sparkdl_avg._model_output import LABELS_PARAMETER
+
+    if schema.binding != "keyword" and not model_loss:
         return
     params = inspect.signature(model.forward).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    for f in schema.inputs:
+    for f in schema.inputs if schema.binding == "keyword" else ():
         if f.name not in params:
             raise ModelError(f"inputs binds {f.name!r} (column {f.column!r}), but "
                              f"{type(model).__name__}.forward has no such parameter; its "
                              f"parameters: {list(params)}")
+    if model_loss and LABELS_PARAMETER not in params:
+        raise ModelError(f"loss='model' gives the labels to forward as labels=, but "
+                         f"{type(model).__name__}.forward has no such parameter; its "
+                         f"parameters: {list(params)}. Use a built-in or callable loss")

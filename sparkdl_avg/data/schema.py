@@ -140,11 +140,21 @@ class DataSchema:
         return x.shape[0] if len(self.inputs) == 1 and len(x.shape) == 1 and not x.ragged \
             else None
 
-    def call(self, model, inputs):
-        """The model's output on a batch's input tensors, bound as the fit said."""
+    def call(self, model, inputs, labels=None):
+        """The model's output on a batch's input tensors, bound as the fit said: every
+        consumer (training, evaluation, the probe, scoring, the MLflow model) calls it here.
+        A Hugging Face `ModelOutput` comes back as its logits (`_model_output.logits_of`);
+        with `labels` (`loss="model"`) they go to forward as `labels=`, and the output comes
+        back whole, its `.loss` the loss."""
+        from sparkdl_avg._model_output import LABELS_PARAMETER, logits_of
+
+        extra = {} if labels is None else {LABELS_PARAMETER: labels}
         if self.binding == "keyword":
-            return model(**{f.name: x for f, x in zip(self.inputs, inputs, strict=True)})
-        return model(*inputs)
+            out = model(**{f.name: x for f, x in zip(self.inputs, inputs, strict=True)},
+                        **extra)
+        else:
+            out = model(*inputs, **extra)
+        return out if labels is not None else logits_of(out)
 
     def row_bytes(self, ragged_values: dict[str, float] | None = None) -> int:
         """Bytes a row takes as carried: a ragged field its values per row on average

@@ -99,7 +99,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     outputs = 1 if isinstance(label_col, str) else len(label_col) if \
         isinstance(label_col, (list, tuple)) else 1
     objective = make_objective(loss, loss_weights=loss_weights, num_outputs=outputs,
-                               weighted=weight_col is not None)
+                               weighted=weight_col is not None, inputs=inputs)
     check_early_stopping(config, has_eval=eval_df is not None, classify=objective.classify)
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     model = build_model(model_fn)
@@ -154,7 +154,8 @@ def check_ragged_labels(schema, objective) -> None:
     if objective.joint:
         return
     for label, loss in zip(schema.labels, objective.losses, strict=True):
-        if label.ragged and isinstance(loss, str) and loss != "cross_entropy":
+        ignored = loss == "cross_entropy" or (objective.model_loss and label.kind == "int")
+        if label.ragged and isinstance(loss, str) and not ignored:  # a model's loss: -100 too
             raise DataError(
                 f"{label.described} is ragged (its rows' lengths differ): padded per "
                 f"minibatch, its pads would count in {loss!r}, which cannot tell them from "

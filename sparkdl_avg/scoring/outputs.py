@@ -2,8 +2,9 @@
 is written for it (`OutputSpec`, decided on the driver from one run on the probe batch), and
 the conversion of an output tensor to an Arrow column without a loop over rows.
 
-A head is "class" (cross_entropy: logits, class last), "multilabel" (bce_with_logits: one
-logit per label) or "value" (anything else). What is written (`output=`):
+A head is "class" (cross_entropy, or loss="model": logits, class last, as a Hugging Face
+model's are), "multilabel" (bce_with_logits: one logit per label) or "value" (anything
+else). What is written (`output=`):
 - "prediction": a class head's argmax over its last dimension (long), a multilabel head's
   logits > 0 (long, 0 or 1), a value head's value (double);
 - "probability": softmax over the class dimension, the sigmoid of a multilabel head's logits;
@@ -27,7 +28,7 @@ from sparkdl_avg.data.schema import DataSchema
 
 HEADS = ("class", "multilabel", "value")
 OUTPUTS = ("prediction", "probability", "raw")
-_HEAD_OF_LOSS = {"cross_entropy": "class", "bce_with_logits": "multilabel"}
+_HEAD_OF_LOSS = {"cross_entropy": "class", "bce_with_logits": "multilabel", "model": "class"}
 
 
 def output_heads(loss) -> tuple[str, ...]:

@@ -10,7 +10,8 @@ import math
 def evaluate_batches(model, batches, objective, call) -> dict:
     """{"loss_sum", "loss_weight", "correct", "scored" (both None unless the objective
     classifies), "count" (rows)} over `batches`: items with `.inputs`, `.labels`, `.weights`
-    and `.rows`, run as `call(model, inputs)`. The sums add up across chunks and workers:
+    and `.rows`, run as `call(model, inputs)`, or `call(model, inputs, labels)` under
+    loss="model" (the objective's `model_labels`). The sums add up across chunks and workers:
     sum(loss_sum) / sum(loss_weight) is the eval loss, sum(correct) / sum(scored) the
     accuracy. Each module's training mode is left as it was."""
     import torch
@@ -21,7 +22,10 @@ def evaluate_batches(model, batches, objective, call) -> dict:
     count = 0
     with evaluating(model), torch.no_grad():
         for batch in batches:
-            sums = objective.evaluate(call(model, batch.inputs), batch.labels, batch.weights)
+            labels = objective.model_labels(batch.labels)
+            out = call(model, batch.inputs) if labels is None else \
+                call(model, batch.inputs, labels)
+            sums = objective.evaluate(out, batch.labels, batch.weights)
             totals = sums if totals is None else totals + sums
             count += int(batch.rows)
     if totals is None:  # no evaluation rows: the worker still answers

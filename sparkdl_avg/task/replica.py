@@ -156,15 +156,16 @@ class Replica:
         return self.objective.step_weight(batch.labels, batch.weights)
 
     def _forward_loss(self, batch):
-        return self.objective(self.call(self.model, batch.inputs), batch.labels,
-                              batch.weights)
+        out = self.call(self.model, batch.inputs, self.objective.model_labels(batch.labels))
+        return self.objective(out, batch.labels, batch.weights)
 
-    def call(self, model, inputs):
-        """The model's output on a batch's inputs; an index out of an embedding's range (on
-        the CPU: CUDA's device-side assert leaves no error to catch) is a final ModelError
-        naming the integer inputs and the largest id each held."""
+    def call(self, model, inputs, labels=None):
+        """The model's output on a batch's inputs (`labels`: to forward, under
+        loss="model"); an index out of an embedding's range (on the CPU: CUDA's device-side
+        assert leaves no error to catch) is a final ModelError naming the integer inputs and
+        the largest id each held."""
         try:
-            return self.schema.call(model, inputs)
+            return self.schema.call(model, inputs, labels)
         except IndexError as exc:
             if "out of range" not in str(exc):
                 raise

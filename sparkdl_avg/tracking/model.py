@@ -2,6 +2,11 @@
 module) with a pyfunc of our own, so `mlflow.pyfunc.load_model(uri).predict(...)` scores the
 fit's inputs as `FitResult.transform` does.
 
+A PEFT model is logged merged into its base (`merged`); a model returning a Hugging Face
+`ModelOutput` is logged returning its logits, as the fit's losses and scoring read it.
+`log_model="adapters"` logs what trained instead (`save_adapters`), as files, not an MLflow
+model.
+
 The torch module is saved by the pytorch flavor as a pt2 export (torch.export, taking the
 inputs positionally, the batch and ragged dimensions dynamic); a module torch.export cannot
 trace is pickled instead (its class must then be importable where it is loaded, and MLflow
@@ -37,10 +42,12 @@ SCHEMA_FILE = "sparkdl_avg.json"
 
 def log_model(model, *, schema, heads, names=None, pip_requirements=None,
               registered_model_name: str | None = None) -> None:
-    """Log `model` as "model" to the active run (a new registered version when named)."""
+    """Log `model` (`merged`) as "model" to the active run (a new registered version when
+    named)."""
     from mlflow.models import Model
 
-    Model.log(None, sys.modules[__name__], name="model", torch_model=model, schema=schema,
+    Model.log(None, sys.modules[__name__], name="model", torch_model=merged(model),
+              schema=schema,
               heads=tuple(heads), names=names, pip_requirements=pip_requirements,
               registered_model_name=registered_model_name)
 
@@ -58,9 +65,10 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
     module, dtype = torch_model, next(torch_model.parameters()).dtype
     if dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
         module, dtype = copy.deepcopy(module).float(), torch.float32
-    if inputs.binding == "keyword":
-        module = _Positional(module, inputs.input_names)
-    example = tuple(t.numpy() for t in probe_batch(inputs, dtype).inputs)
+    example = probe_batch(inputs, dtype).inputs
+    if inputs.binding == "keyword" or _returns_model_output(module, example):
+        module = _Positional(module, inputs)
+    example = tuple(t.numpy() for t in example)
     # the package travels with the model: the pyfunc's loader and scoring are ours
     common = {"mlflow_model": mlflow_model, "pip_requirements": pip_requirements,
               "code_paths": [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]}
@@ -135,21 +143,36 @@ def signature(schema):
     return ModelSignature(inputs=Schema(columns), params=params)
 
 
-class _Positional(torch.nn.Module):
-    """A model of keyword inputs called positionally: torch.export and the pyfunc pass the
-    inputs in order. Its forward names one parameter per input (`__signature__`), as
-    torch.export matches its dynamic shapes to the forward's parameters."""
+def merged(model):
+    """A PEFT model as the plain model its adapters merge into (`merge_and_unload()` on a
+    copy: the fit's result keeps its adapters); any other model as it is."""
+    if not callable(getattr(model, "merge_and_unload", None)):
+        return model
+    return copy.deepcopy(model).merge_and_unload()
 
-    def __init__(self, model, names) -> None:
+
+def _returns_model_output(module, inputs) -> bool:
+    """Whether `module` returns anything but tensors on the probe batch (a ModelOutput)."""
+    with torch.no_grad():
+        out = module.eval()(*inputs)
+    return not all(isinstance(o, torch.Tensor) for o in
+                   (out if isinstance(out, (tuple, list)) else (out,)))
+
+
+class _Positional(torch.nn.Module):
+    """A model called positionally, returning tensors: torch.export and the pyfunc pass the
+    inputs in order, and a ModelOutput's logits are what is scored (`DataSchema.call`).
+    Its forward names one parameter per input (`__signature__`), as torch.export matches its
+    dynamic shapes to the forward's parameters."""
+
+    def __init__(self, model, schema) -> None:
         import inspect
 
         super().__init__()
-        self.model, self.names = model, tuple(names)
-
-        names = self.names
+        self.model, self.names = model, tuple(schema.input_names)
 
         def forward(*inputs):  # closes over the model, not over self: no cycle to pickle
-            return model(**dict(zip(names, inputs, strict=True)))
+            return schema.call(model, inputs)
 
         forward.__signature__ = inspect.Signature([
             inspect.Parameter(f"x{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD)

@@ -65,7 +65,7 @@ class RunLogger:
     """Owns one MLflow run. Use as a context manager; the run ends when the block does."""
 
     def __init__(self, *, experiment_name: str | None, run_name: str | None,
-                 tags: dict[str, str], logs_model: bool = False) -> None:
+                 tags: dict[str, str], logs_model: bool | str = False) -> None:
         self._logs_model = logs_model
         self._warm: threading.Thread | None = None
         self._experiment_name = experiment_name
@@ -297,6 +297,12 @@ class RunLogger:
                       pip_requirements=requirements,
                       registered_model_name=registered_model_name)
 
+    def log_adapters(self, model) -> None:
+        """What trained (`tracking/adapters`), under the run's `adapters/` artifacts."""
+        from sparkdl_avg.tracking.adapters import log_adapters
+
+        log_adapters(self._client, self.run_id, model)
+
     def _flush_loop(self) -> None:
         while not self._stop.wait(_FLUSH_EVERY_S):
             try:
@@ -345,7 +351,7 @@ def _import_and_save(logs_model: bool) -> None:
 
     from sparkdl_avg.tracking import plots  # noqa: F401
 
-    if not logs_model or _saved_a_model:
+    if logs_model is not True or _saved_a_model:  # "adapters": files, not a model
         return
     import mlflow.pytorch
     import torch

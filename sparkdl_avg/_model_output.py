@@ -1,0 +1,105 @@
+"""What a model returns, as the objective and scoring read it: a tensor, a tuple of them (one
+per label column), or a Hugging Face `ModelOutput` (its `.logits`; under `loss="model"` its
+`.loss`). Duck-typed: transformers is never imported here.
+
+`loss="model"` takes the loss the model computes itself: the label column goes to forward as
+`labels=` and the loss is the output's `.loss`, as the Hugging Face Trainer does. That loss is
+a mean the model chose (a causal LM's: over the batch's tokens whose label is not -100, after
+shifting), so a batch weighs its rows among the micro-batches of a step and in evaluation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from sparkdl_avg._errors import ConfigError, ModelError
+
+MODEL_LOSS = "model"
+"""`fit(loss="model")`: the model's own loss, given the labels as `labels=`."""
+LABELS_PARAMETER = "labels"
+"""The forward parameter that takes the labels under `loss="model"` (Hugging Face's)."""
+
+
+def logits_of(output):
+    """A `ModelOutput` (anything with `.logits`, or a mapping holding "logits") as its logits;
+    anything else (a tensor, a tuple of them) as it is."""
+    if isinstance(output, Mapping):
+        return output.get("logits", output)
+    logits = getattr(output, "logits", None)
+    return output if logits is None else logits
+
+
+def loss_of(output):
+    """The scalar loss a model computed (`loss="model"`): its output's `.loss` (or a
+    mapping's "loss"). ModelError when there is none, or it is not a scalar tensor."""
+    import torch
+
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ModelError(
+            f"loss='model' takes the loss from the model's output's .loss, computed from "
+            f"labels=; the model returned {describe(output)} whose loss is "
+            f"{describe(loss)}. Return a ModelOutput (a transformers model given labels), "
+            "or use a built-in or callable loss on the model's outputs")
+    return loss.reshape(())
+
+
+def check_model_loss(*, num_outputs: int, loss_weights, weighted: bool, inputs) -> None:
+    """`loss="model"` gives one label column to forward as `labels=`: refuse (ConfigError,
+    naming why) what it cannot honour: several label columns, loss_weights, a weight column
+    (the model's loss knows no row weights), inputs bound by position (a Hugging Face
+    forward's second parameter is rarely the second column) or an input named `labels`."""
+    if num_outputs != 1:
+        raise ConfigError(f"loss='model' passes one label column to forward as labels=; "
+                          f"label_col names {num_outputs}: give one, or a list of losses")
+    if loss_weights is not None:
+        raise ConfigError("loss_weights weigh a list of losses; loss='model' is the model's "
+                          "one loss: drop loss_weights")
+    if weighted:
+        raise ConfigError("weight_col: the model's own loss (loss='model') takes no row "
+                          "weights; drop weight_col, or use a built-in loss on the logits "
+                          "(loss='cross_entropy'), which weighs rows")
+    if isinstance(inputs, Sequence) and not isinstance(inputs, str):
+        raise ConfigError(f"loss='model' needs inputs bound by name, e.g. inputs="
+                          f"{{'input_ids': {inputs[0]!r}, ...}} (a dict of forward parameter "
+                          f"to column): positionally, a Hugging Face model's parameters "
+                          f"after the first are not the columns listed; got inputs={inputs!r}")
+    if isinstance(inputs, Mapping) and LABELS_PARAMETER in inputs:
+        raise ConfigError("inputs binds 'labels', which loss='model' gives the label column "
+                          "to: bind the labels with label_col")
+
+
+def output_tensors(outputs, num_outputs: int, names: str) -> tuple:
+    """The model's `outputs` as a tuple of `num_outputs` tensors, one per label column
+    (`names`, for the message), or a ModelError saying what it returns instead."""
+    import torch
+
+    if num_outputs == 1:
+        if not isinstance(outputs, torch.Tensor):
+            raise ModelError(f"the model returns {describe(outputs)} but label column "
+                             f"{names} needs one tensor; give label_col a list of columns "
+                             "to train a model of several outputs")
+        return (outputs,)
+    outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else ()
+    if len(outs) != num_outputs or not all(isinstance(o, torch.Tensor) for o in outs):
+        raise ModelError(f"the model must return a tuple of {num_outputs} tensors, one per "
+                         f"label column ({names}); it returns {describe(outputs)}")
+    return outs
+
+
+def as_tuple(outputs) -> tuple:
+    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+
+
+def describe(value) -> str:
+    import torch
+
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} of {list(value)}"[:200]
+    return type(value).__name__

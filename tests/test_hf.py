@@ -1,0 +1,351 @@
+"""Hugging Face models as they are: a `transformers` GPT-2 built from a config (nothing is
+downloaded), wrapped in PEFT LoRA, trained on byte tokens of real text (the stdlib's own
+sources) with the model's own loss (`loss="model"`: labels= in, `.loss` out) or a built-in
+loss on its `.logits`; only the adapters train and travel, a restart is bit-identical, and
+the logged adapters load back with `PeftModel.from_pretrained`."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from sparkdl_avg import ConfigError, ModelError, TrainConfig, fit  # noqa: E402
+from sparkdl_avg._losses import make_objective  # noqa: E402
+
+WINDOW = 32
+VOCAB = 256  # byte tokens
+INPUTS = {"input_ids": "tokens", "attention_mask": "mask"}
+
+
+def gpt2(seed: int = 11):
+    """A 2-layer GPT-2 of 64 wide from its config: the "pretrained" backbone (its own seed, so
+    every replica builds the same one whatever seed the fit runs under)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB,
+                                      n_positions=WINDOW, bos_token_id=0, eos_token_id=0))
+
+
+def lora_gpt2(fault_marker: str = ""):
+    """The backbone with LoRA adapters on its attention and MLP projections, and its final
+    norm trained whole (PEFT's `modules_to_save`: a random backbone's logits need it); with
+    `fault_marker`, partition 1's 7th training forward raises once (the marker file says it
+    fired)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(gpt2(), LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0,
+                                              target_modules=["c_attn", "c_fc"],
+                                              fan_in_fan_out=True,
+                                              modules_to_save=["ln_f"]))
+    if fault_marker:
+        model.register_forward_pre_hook(_FaultOnce(fault_marker, at_call=7))
+    return model.double()
+
+
+class _FaultOnce:
+    """A forward pre-hook that raises in partition 1's `at_call`-th training forward, once
+    per `marker` file."""
+
+    def __init__(self, marker: str, at_call: int) -> None:
+        self.marker, self.at_call, self.calls = marker, at_call, 0
+
+    def __call__(self, module, args) -> None:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        if ctx is None or not module.training or ctx.partitionId() != 1:
+            return
+        self.calls += 1
+        if self.calls == self.at_call:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return
+            raise ValueError("injected failure in forward")
+
+
+def byte_windows(rows: int, offset: int = 0) -> np.ndarray:
+    """`rows` windows of WINDOW + 1 bytes of the stdlib's own source text."""
+    import email.message
+    import json.decoder
+    import textwrap
+
+    text = "".join(inspect.getsource(m) for m in (json.decoder, email.message, textwrap))
+    data = np.frombuffer(text.encode(), np.uint8).astype(np.int64)
+    starts = offset + np.arange(rows) * (WINDOW // 2)
+    assert starts[-1] + WINDOW + 1 <= len(data)
+    return data[starts[:, None] + np.arange(WINDOW + 1)]
+
+
+def text_frame(spark, rows: int, offset: int = 0):
+    """tokens (the window), mask (all 1), labels (the window itself: a causal LM shifts), and
+    next (the byte that follows each position, for a built-in loss on the logits; -100 at
+    the last, which a causal LM's own loss leaves out too)."""
+    import pandas as pd
+
+    w = byte_windows(rows, offset)
+    following = w[:, 1:].copy()
+    following[:, -1] = -100
+    return spark.createDataFrame(pd.DataFrame({
+        "tokens": list(w[:, :-1]), "mask": list(np.ones_like(w[:, :-1])),
+        "labels": list(w[:, :-1]), "next": list(following)}))
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def frozen(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+# ---- the objective on a ModelOutput, without Spark -------------------------------------
+
+
+def test_model_loss_is_the_outputs_loss_in_training_evaluation_and_step_weight():
+    model = lora_gpt2()
+    w = torch.as_tensor(byte_windows(6))[:, :-1]
+    out = model(input_ids=w, labels=w)
+    objective = make_objective("model", inputs=INPUTS)
+    assert objective.model_loss and not objective.classify
+    assert objective.model_labels((w,)) is w
+    assert torch.equal(objective(out, (w,)), out.loss)
+    sums = objective.evaluate(out, (w,))
+    assert sums.loss_weight.item() == 6 and sums.correct is None
+    assert sums.loss_sum.item() == pytest.approx(6 * out.loss.item(), rel=1e-12)
+    assert objective.step_weight((w,)).item() == 6  # rows, not tokens
+    with pytest.raises(ModelError, match=r"\.loss.*labels="):
+        objective(model(input_ids=w), (w,))  # no labels given: no .loss
+
+
+def test_a_built_in_loss_reads_a_model_outputs_logits_through_the_schema():
+    from sparkdl_avg.data.schema import DataSchema, FieldSpec
+
+    model = lora_gpt2().eval()
+    w = torch.as_tensor(byte_windows(4))
+    schema = DataSchema(inputs=(FieldSpec("input", "input_ids", "tokens", "_x0", "int64",
+                                          (WINDOW,)),),
+                        binding="keyword", labels=(), label_list=False)
+    with torch.no_grad():
+        logits = schema.call(model, (w[:, :-1],))
+        assert torch.equal(logits, model(input_ids=w[:, :-1]).logits)
+        loss = make_objective("cross_entropy")(logits, (w[:, 1:],))
+        by_hand = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                    w[:, 1:].reshape(-1))
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"num_outputs": 2}, "one label column"),
+    ({"loss_weights": [1.0]}, "drop loss_weights"),
+    ({"weighted": True}, "no row weights"),
+    ({"inputs": ["tokens", "mask"]}, "inputs bound by name"),
+    ({"inputs": {"input_ids": "tokens", "labels": "y"}}, "bind the labels with label_col"),
+])
+def test_model_loss_refuses_what_it_cannot_honour(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        make_objective("model", **kwargs)
+    with pytest.raises(ConfigError, match="cannot be one of a list"):
+        make_objective(["model", "mse"], num_outputs=2)
+
+
+def test_adapters_of_a_plain_model_are_its_trainable_parameters_by_name(tmp_path):
+    from safetensors.torch import load_file
+
+    from sparkdl_avg.tracking.adapters import TRAINABLE_FILE, save_adapters
+
+    def model_fn():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        net[0].requires_grad_(False)  # a frozen backbone under a head
+        return net
+
+    trained = model_fn()
+    with torch.no_grad():
+        trained[1].weight.add_(1.0)
+    info = save_adapters(trained, str(tmp_path))
+    tensors = load_file(str(tmp_path / TRAINABLE_FILE))
+    assert sorted(tensors) == ["1.bias", "1.weight"] and info["format"] == "safetensors"
+    assert info["trainable_parameters"] == 18
+    loaded = model_fn()
+    loaded.load_state_dict(tensors, strict=False)  # as sparkdl_avg.json says
+    x = torch.randn(3, 4)
+    assert torch.equal(loaded(x), trained(x))
+
+
+def test_the_probe_refuses_a_model_loss_the_model_cannot_compute():
+    from sparkdl_avg._model import check_model_takes_data
+    from sparkdl_avg.data.schema import DataSchema, FieldSpec
+
+    schema = DataSchema(inputs=(FieldSpec("input", "input_ids", "tokens", "_x0", "int32",
+                                          (WINDOW,)),),
+                        binding="keyword", labels=(FieldSpec("label", "labels", "labels", "_y0",
+                                                             "int32", (WINDOW,)),),
+                        label_list=False)
+    objective = make_objective("model", inputs=INPUTS)
+    ranges = {"_x0": (0, 255), "_y0": (0, 255)}
+    check_model_takes_data(lora_gpt2(), schema, objective, dtype=torch.float64, ranges=ranges,
+                           longest={})
+
+    class NoLabels(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(VOCAB, 4)
+
+        def forward(self, input_ids):
+            return self.emb(input_ids)
+
+    with pytest.raises(ModelError, match="labels=, but NoLabels.forward has no such"):
+        check_model_takes_data(NoLabels(), schema, objective, dtype=torch.float32,
+                               ranges=ranges, longest={})
+
+    class TensorOut(NoLabels):
+        def forward(self, input_ids, labels=None):
+            return self.emb(input_ids)
+
+    with pytest.raises(ModelError, match=r"\.loss.*a tensor of shape \(2, 32, 4\)"):
+        check_model_takes_data(TensorOut(), schema, objective, dtype=torch.float32,
+                               ranges=ranges, longest={})
+
+
+def test_a_ragged_label_is_the_models_to_mask_only_when_it_is_padded_with_minus_100():
+    """Ragged integer labels pad with -100, which a Hugging Face loss ignores; float ones pad
+    with 0, which the model's loss would train towards."""
+    from sparkdl_avg import DataError
+    from sparkdl_avg.data.schema import DataSchema, FieldSpec
+    from sparkdl_avg.driver.plan import check_ragged_labels
+
+    def schema(dtype):
+        return DataSchema(inputs=(FieldSpec("input", "input_ids", "t", "_x0", "int32", (-1,)),),
+                          binding="keyword", label_list=False,
+                          labels=(FieldSpec("label", "labels", "y", "_y0", dtype, (-1,)),))
+
+    check_ragged_labels(schema("int32"), make_objective("model", inputs=INPUTS))
+    with pytest.raises(DataError, match="ragged"):
+        check_ragged_labels(schema("float32"), make_objective("model", inputs=INPUTS))
+
+
+def test_adapters_are_refused_a_registered_model():
+    with pytest.raises(ConfigError, match="'adapters' logs files"):
+        TrainConfig(log_model="adapters", registered_model_name="lm")
+
+
+# ---- fits ----------------------------------------------------------------------------
+
+HELD_OUT = 192 * WINDOW // 2 + WINDOW  # past the training windows
+BASE = dict(num_workers=2, epochs=2, batch_size=16, averaging_frequency=2, optimizer="adam",
+            lr=0.03, seed=3, experiment_name="hf", checkpoint_every=2)
+
+
+@pytest.fixture(scope="module")
+def text(spark):
+    return text_frame(spark, 192).cache()
+
+
+@pytest.fixture(scope="module")
+def held_out(spark):
+    return text_frame(spark, 32, offset=HELD_OUT).cache()
+
+
+@pytest.fixture(scope="module")
+def own_loss(text, held_out):
+    """LoRA trained with the model's own loss, its adapters logged."""
+    return fit(text, lora_gpt2, TrainConfig(**BASE, log_model="adapters"), inputs=INPUTS,
+               label_col="labels", loss="model", eval_df=held_out)
+
+
+def held_out_loss(model, windows: np.ndarray) -> float:
+    """The model's own loss on `windows` (each WINDOW + 1 bytes), in one batch."""
+    w = torch.as_tensor(windows)[:, :-1]
+    with torch.no_grad():
+        return model.eval()(input_ids=w, attention_mask=torch.ones_like(w), labels=w).loss.item()
+
+
+def logits(model, windows: np.ndarray) -> torch.Tensor:
+    w = torch.as_tensor(windows)[:, :-1]
+    with torch.no_grad():
+        return model.eval()(input_ids=w, attention_mask=torch.ones_like(w)).logits
+
+
+@pytest.mark.spark
+def test_lora_trains_with_the_models_own_loss_and_only_its_adapters_move(own_loss):
+    windows = byte_windows(32, offset=HELD_OUT)
+    before, after = held_out_loss(lora_gpt2(), windows), own_loss.history[-1]["eval_loss"]
+    assert after < before - 0.3, (before, after)
+    # evaluation's loss is the model's own, on the held-out rows of both workers
+    assert after == pytest.approx(held_out_loss(own_loss.model, windows), abs=1e-6)
+    start = lora_gpt2()
+    assert all(torch.equal(t, frozen(own_loss.model)[n]) for n, t in frozen(start).items())
+    moved = trainable(own_loss.model)
+    assert set(moved) == set(trainable(start))
+    assert all("lora_" in n or ".modules_to_save." in n for n in moved)
+    assert all(not torch.equal(t, moved[n]) for n, t in trainable(start).items())
+    # what travels a round is the adapters (and the trained norm): less than half a copy of
+    # the model, where averaging everything would send four (2 workers, both ways)
+    whole = sum(p.numel() for p in start.parameters()) * 8 / 1e6  # float64
+    assert max(h["driver_mb"] for h in own_loss.history) < whole / 2
+
+
+@pytest.mark.spark
+def test_logged_adapters_load_onto_the_base_with_peft_and_predict_alike(own_loss,
+                                                                         mlflow_client):
+    from peft import PeftModel
+
+    folder = mlflow_client.download_artifacts(own_loss.run_id, "adapters")
+    with open(os.path.join(folder, "sparkdl_avg.json")) as f:
+        info = json.load(f)
+    assert info["format"] == "peft" and "PeftModel.from_pretrained" in info["load"]
+    loaded = PeftModel.from_pretrained(gpt2().double(), folder)
+    windows = byte_windows(4, offset=HELD_OUT)
+    assert torch.equal(logits(loaded, windows), logits(own_loss.model, windows))
+    assert "model" not in {a.path for a in mlflow_client.list_artifacts(own_loss.run_id)}
+
+
+@pytest.mark.spark
+def test_a_built_in_loss_on_the_logits_trains_the_adapters_the_models_loss_does(
+        own_loss, text, held_out):
+    """cross_entropy on .logits against the next bytes (-100 at each row's end) is the causal
+    LM's own loss computed another way: the two fits agree (the model's loss casts the
+    logits to float32, so not bit for bit); and scoring reads the logits too."""
+    import mlflow
+
+    result = fit(text, lora_gpt2, TrainConfig(**BASE), inputs=INPUTS, label_col="next",
+                 loss="cross_entropy", eval_df=held_out)
+    a, b = trainable(own_loss.model), trainable(result.model)
+    assert all(torch.allclose(a[n], b[n], rtol=0, atol=1e-6) for n in a), \
+        max((a[n] - b[n]).abs().max().item() for n in a)
+    assert result.history[-1]["eval_loss"] == pytest.approx(
+        own_loss.history[-1]["eval_loss"], abs=1e-6)
+    scored = result.transform(held_out.limit(4), output="prediction").toPandas()
+    windows = np.stack(scored["tokens"].map(list).tolist())
+    expected = logits(result.model, np.pad(windows, ((0, 0), (0, 1)))).argmax(-1)
+    assert np.array_equal(np.stack(scored["prediction"].map(list).tolist()), expected.numpy())
+    # the logged model is the adapters merged into the base, scoring the logits as transform
+    logged = mlflow.pyfunc.load_model(f"runs:/{result.run_id}/model")
+    predicted = logged.predict(scored[["tokens", "mask"]], params={"output": "prediction"})
+    assert np.array_equal(np.stack(predicted), expected.numpy())
+    merged = mlflow.pytorch.load_model(f"runs:/{result.run_id}/model")
+    assert "lora" not in " ".join(n for n, _ in merged.named_parameters())
+
+
+@pytest.mark.spark
+def test_a_restart_after_a_fault_gives_bit_identical_adapters(own_loss, text, held_out,
+                                                             tmp_path):
+    marker = tmp_path / "fired"
+    result = fit(text, partial(lora_gpt2, str(marker)), TrainConfig(**BASE, log_model=False),
+                 inputs=INPUTS, label_col="labels", loss="model", eval_df=held_out)
+    assert marker.exists() and len(result.failures) == 1
+    assert "injected failure in forward" in result.failures[0]["error"]
+    assert result.failures[0]["restart_at"] == "round 2"  # mid-training: 6 rounds in all
+    a, b = trainable(own_loss.model), trainable(result.model)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
