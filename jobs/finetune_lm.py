@@ -44,6 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--work-dir", help="where the pretrained model is saved (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--experiment", default="sparkdl-avg-finetune-lm")
+    p.add_argument("--no-log-model", action="store_true", help="log no adapters")
     return p.parse_args(argv)
 
 
@@ -62,7 +63,8 @@ def session(args: argparse.Namespace):
 
 
 def corpora(spark, args: argparse.Namespace):
-    """(train A, train B, held-out B): windows of the stdlib's sources and of B."""
+    """(train A, train B, held-out B): windows of the stdlib's sources and of B, as
+    `char_lm.windows` cuts them (input_ids, labels: the next bytes)."""
     from sparkdl_avg.examples import char_lm, finetune_lm
 
     code = char_lm.read_files(spark, char_lm.stdlib_text_dirs(), "*.py")
@@ -85,31 +87,35 @@ def main(argv: list[str]) -> int:
     from sparkdl_avg.examples import char_lm
     from sparkdl_avg.examples import finetune_lm as ft
 
-    def config(epochs: int, lr: float) -> TrainConfig:
+    def config(epochs: int, lr: float, log_model: bool | str = False) -> TrainConfig:
         return TrainConfig(num_workers=args.num_workers, epochs=epochs, lr=lr, seed=args.seed,
-                           batch_size=args.batch_size, optimizer="adam", log_model=False,
+                           batch_size=args.batch_size, optimizer="adam", log_model=log_model,
                            averaging_frequency=args.averaging_frequency,
                            experiment_name=args.experiment)
 
-    data = dict(inputs={"input_ids": "input_ids"}, label_col="labels", loss="cross_entropy")
+    # the model's own loss: the window goes in as input_ids and labels, the model shifts it
+    data = dict(inputs={"input_ids": "input_ids"}, label_col="labels", loss="model")
     spark = session(args)
     mlflow.set_experiment(args.experiment)
     with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_name="finetune-lm") as run:
         try:
-            train_a, train_b, eval_b = corpora(spark, args)
-            unigram = char_lm.unigram_bits_per_byte(train_b)
+            windows = corpora(spark, args)
+            unigram = char_lm.unigram_bits_per_byte(windows[1])
+            train_a, train_b, eval_b = map(ft.causal_windows, windows)
             folder = args.work_dir or os.path.join(tmp, "pretrained")
-            gpt2 = ft.gpt2(args.d_model, args.heads, args.layers, args.seq_len)
+            gpt2 = ft.gpt2(args.d_model, args.heads, args.layers, args.seq_len + 1)
             # evaluated on held-out B: its last evaluation is the perplexity before fine-tuning
             pre = fit(train_a, gpt2, config(args.pretrain_epochs, args.pretrain_lr),
                       eval_df=eval_b, **data)
-            ft.save_pretrained(pre.model, folder)
-            model_fn = ft.lora(folder, args.rank, args.targets)
-            tuned = fit(train_b, model_fn, config(args.epochs, args.lr), eval_df=eval_b, **data)
+            pre.model.save_pretrained(folder)  # what every task's model_fn loads
+            tuned = fit(train_b, ft.lora(folder, args.rank, args.targets),
+                        config(args.epochs, args.lr, False if args.no_log_model else "adapters"),
+                        eval_df=eval_b, **data)
         finally:
             spark.stop()
         report = ft.report(pre, tuned, unigram)
         mlflow.log_metrics(report)
+        mlflow.log_artifacts(folder, "pretrained")
     logging.info("%s", report)
     print(f"perplexity before {report['perplexity_before']:.3f}  after "
           f"{report['perplexity_after']:.3f}  unigram {report['perplexity_unigram']:.3f}  "

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from sparkdl_avg.examples import finetune_lm  # noqa: E402
+from sparkdl_avg.examples import char_lm, finetune_lm  # noqa: E402
 
 
 def decoded(df) -> list[str]:
@@ -37,7 +37,15 @@ def test_every_escape_and_quote_decodes_as_python_reads_it(spark, tmp_path):
     path.write_text("# header\ntopics = " + pprint.pformat(texts, width=40) + "\n",
                     encoding="utf-8")
     assert path.read_text().count("\n") > 20  # the texts were split over lines
-    assert decoded(finetune_lm.english_docs(spark, str(path))) == list(texts.values())
+    docs = finetune_lm.english_docs(spark, str(path))
+    assert decoded(docs) == list(texts.values())
+    # as the job feeds the model its own loss: each whole window of T+1 bytes, twice
+    train, _ = char_lm.windows(docs, 8, eval_percent=0)
+    got = [(list(r.input_ids), list(r.labels)) for r in
+           finetune_lm.causal_windows(train).collect()]
+    expected = [list(t.encode()[k:k + 9]) for t in texts.values()
+                for k in range(0, len(t.encode()) - 1, 8) if len(t.encode()[k:k + 9]) == 9]
+    assert sorted(got) == sorted((w, w) for w in expected)
 
 
 def test_lora_starts_as_the_pretrained_model_and_trains_only_adapters(tmp_path):
@@ -49,11 +57,11 @@ def test_lora_starts_as_the_pretrained_model_and_trains_only_adapters(tmp_path):
     with torch.no_grad():  # a pretrained model is not an initial one: move every weight
         for p in pretrained.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    finetune_lm.save_pretrained(pretrained, str(tmp_path))
+    pretrained.save_pretrained(str(tmp_path))
     tuned = finetune_lm.lora(str(tmp_path), rank=4, targets=("c_attn",))()
     ids = torch.randint(0, 256, (3, 16))
     with torch.no_grad():
-        assert torch.equal(tuned(ids), pretrained(ids))
+        assert torch.equal(tuned(input_ids=ids).logits, pretrained(input_ids=ids).logits)
     trainable = [n for n, p in tuned.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert len(trainable) == 2 * 2  # A and B on each layer's c_attn

@@ -80,7 +80,8 @@ def test_finetune_lm_job_lowers_perplexity_moving_only_adapters(tmp_path, mlflow
     English lowers the held-out English perplexity, and the fine-tune's rounds move the
     adapters' bytes through the driver, not the model's: the ratio of the two fits' driver
     MB is about that of their trained parameters. Both fits are children of the job's run,
-    which holds the report."""
+    which holds the report and the pretrained model; the fine-tune's run holds the
+    adapters."""
     pytest.importorskip("peft")
     small = ["--pretrain-bytes", "40000", "--max-bytes", "40000", "--seq-len", "64",
              "--pretrain-epochs", "1", "--epochs", "2", "--lr", "1e-2", "--d-model", "64",
@@ -103,3 +104,9 @@ def test_finetune_lm_job_lowers_perplexity_moving_only_adapters(tmp_path, mlflow
     children = mlflow_client.search_runs(
         [run.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
     assert sorted(c.info.status for c in children) == ["FINISHED", "FINISHED"]
+    # the pretrained model beside the report, the adapters in the fine-tune's run
+    assert "pretrained/config.json" in {a.path for a in mlflow_client.list_artifacts(
+        run_id, "pretrained")}
+    logged = [[a.path for a in mlflow_client.list_artifacts(c.info.run_id, "adapters")]
+              for c in children]
+    assert sorted(map(bool, logged)) == [False, True]

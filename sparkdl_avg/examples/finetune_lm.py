@@ -5,7 +5,8 @@ The model is a Hugging Face `GPT2LMHeadModel` built from a config over byte toke
 tokenizer, nothing downloaded). It is pretrained by a fit on one corpus, saved with
 `save_pretrained` to a folder every executor reads, and fine-tuned by a second fit whose
 `model_fn` loads that folder and wraps it in PEFT LoRA: the base is frozen, so only the
-adapters travel each round. The second corpus is English: the Python reference
+adapters travel each round. Both fits take the model as it is, with its own loss
+(`loss="model"`). The second corpus is English: the Python reference
 documentation that ships with every Python (`pydoc_data/topics.py`), its string literals
 decoded in Spark SQL, one row per topic. Windows of bytes are `char_lm.windows`'.
 """
@@ -17,7 +18,6 @@ import os
 import statistics
 from functools import partial
 
-import torch
 from torch import nn
 
 from sparkdl_avg.examples.char_lm import VOCAB
@@ -59,16 +59,14 @@ def english_docs(spark, path: str | None = None):
         sf.concat_ws("#", "path", "i").alias("path"), text.alias("text"))
 
 
-class Logits(nn.Module):
-    """A causal LM as the fit takes it: input_ids [B, T] -> logits [B, T, 256], the
-    `ModelOutput`'s `.logits`; `lm` is the Hugging Face model (or its PEFT wrapper)."""
+def causal_windows(windows):
+    """`char_lm.windows`' rows as a Hugging Face causal LM takes them with its own loss:
+    `input_ids` and `labels` both the whole window of T+1 bytes (the model shifts the labels
+    itself, so it is scored on the same T next bytes as the built-in loss on `labels`)."""
+    from pyspark.sql import functions as sf
 
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids).logits
+    window = sf.concat("input_ids", sf.slice("labels", -1, 1))
+    return windows.select(window.alias("input_ids"), window.alias("labels"))
 
 
 def gpt2_config(d_model: int, heads: int, layers: int, max_len: int):
@@ -84,11 +82,12 @@ def gpt2_config(d_model: int, heads: int, layers: int, max_len: int):
 def _build_gpt2(d_model: int, heads: int, layers: int, max_len: int) -> nn.Module:
     from transformers import GPT2LMHeadModel
 
-    return Logits(GPT2LMHeadModel(gpt2_config(d_model, heads, layers, max_len)))
+    return GPT2LMHeadModel(gpt2_config(d_model, heads, layers, max_len))
 
 
 def gpt2(d_model: int = 128, heads: int = 4, layers: int = 4, max_len: int = 128):
-    """A picklable model factory: a fresh GPT-2 (the fit seeds it with `TrainConfig.seed`)."""
+    """A picklable model factory: a fresh GPT-2 taking `max_len` bytes (the fit seeds it
+    with `TrainConfig.seed`)."""
     return partial(_build_gpt2, d_model, heads, layers, max_len)
 
 
@@ -101,7 +100,7 @@ def _build_lora(pretrained: str, rank: int, targets: tuple[str, ...]) -> nn.Modu
     # LoRA's B starts at zero, so the wrapped model starts as the pretrained one.
     adapters = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, fan_in_fan_out=True,
                           target_modules=list(targets))
-    return Logits(get_peft_model(base, adapters)).train()
+    return get_peft_model(base, adapters).train()
 
 
 def lora(pretrained: str, rank: int = 8, targets: tuple[str, ...] = ("c_attn", "c_fc")):
@@ -109,12 +108,6 @@ def lora(pretrained: str, rank: int = 8, targets: tuple[str, ...] = ("c_attn", "
     executor must read: a shared path on a cluster, e.g. a Volume) with LoRA adapters of
     `rank` on the named projections, everything else frozen by PEFT."""
     return partial(_build_lora, pretrained, rank, tuple(targets))
-
-
-def save_pretrained(model: nn.Module, folder: str) -> None:
-    """A fitted `gpt2()` model to `folder` in Hugging Face's format (config and
-    safetensors), what `lora(folder)` loads."""
-    model.lm.save_pretrained(folder)
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
