@@ -41,6 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--targets", nargs="+", default=["c_attn", "c_fc"],
                    help="GPT-2 projections LoRA adapts")
+    p.add_argument("--full-finetune", action="store_true",
+                   help="train every weight on B, not adapters (LoRA's reference)")
     p.add_argument("--work-dir", help="where the pretrained model is saved (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--experiment", default="sparkdl-avg-finetune-lm")
@@ -108,7 +110,9 @@ def main(argv: list[str]) -> int:
             pre = fit(train_a, gpt2, config(args.pretrain_epochs, args.pretrain_lr),
                       eval_df=eval_b, **data)
             pre.model.save_pretrained(folder)  # what every task's model_fn loads
-            tuned = fit(train_b, ft.lora(folder, args.rank, args.targets),
+            model_fn = (ft.whole(folder) if args.full_finetune
+                        else ft.lora(folder, args.rank, args.targets))
+            tuned = fit(train_b, model_fn,
                         config(args.epochs, args.lr, False if args.no_log_model else "adapters"),
                         eval_df=eval_b, **data)
         finally:
@@ -120,7 +124,7 @@ def main(argv: list[str]) -> int:
     print(f"perplexity before {report['perplexity_before']:.3f}  after "
           f"{report['perplexity_after']:.3f}  unigram {report['perplexity_unigram']:.3f}  "
           f"driver MB a round {report['driver_mb_pretrain']:.3f} whole, "
-          f"{report['driver_mb_finetune']:.3f} adapters  MLflow run {run.info.run_id}")
+          f"{report['driver_mb_finetune']:.3f} fine-tuning  MLflow run {run.info.run_id}")
     return 0
 
 

@@ -84,8 +84,9 @@ def test_finetune_lm_job_lowers_perplexity_moving_only_adapters(tmp_path, mlflow
     adapters."""
     pytest.importorskip("peft")
     small = ["--pretrain-bytes", "40000", "--max-bytes", "40000", "--seq-len", "64",
-             "--pretrain-epochs", "1", "--epochs", "2", "--lr", "1e-2", "--d-model", "64",
-             "--heads", "2", "--layers", "2", "--rank", "4", "--averaging-frequency", "4"]
+             "--pretrain-epochs", "1", "--pretrain-lr", "3e-3", "--epochs", "2", "--lr", "1e-2",
+             "--d-model", "64", "--heads", "2", "--layers", "2", "--rank", "4",
+             "--averaging-frequency", "4"]
     stdout = run_job([sys.executable, str(JOBS / "finetune_lm.py")], tmp_path, mlflow_store,
                      small)
     match = re.search(r"perplexity before (\S+)  after (\S+) .* MLflow run (\w+)", stdout)

@@ -91,11 +91,22 @@ def gpt2(d_model: int = 128, heads: int = 4, layers: int = 4, max_len: int = 128
     return partial(_build_gpt2, d_model, heads, layers, max_len)
 
 
-def _build_lora(pretrained: str, rank: int, targets: tuple[str, ...]) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
+def _load(pretrained: str) -> nn.Module:
     from transformers import GPT2LMHeadModel
 
-    base = GPT2LMHeadModel.from_pretrained(pretrained)
+    return GPT2LMHeadModel.from_pretrained(pretrained).train()  # it loads in eval mode
+
+
+def whole(pretrained: str):
+    """A picklable model factory: the GPT-2 saved in the folder `pretrained`, every weight
+    trained (full fine-tuning, what LoRA is measured against)."""
+    return partial(_load, pretrained)
+
+
+def _build_lora(pretrained: str, rank: int, targets: tuple[str, ...]) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    base = _load(pretrained)
     # GPT-2's projections are Conv1D (weights stored in x out): fan_in_fan_out says so.
     # LoRA's B starts at zero, so the wrapped model starts as the pretrained one.
     adapters = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, fan_in_fan_out=True,
