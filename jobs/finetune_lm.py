@@ -98,9 +98,10 @@ def main(argv: list[str]) -> int:
     # the model's own loss: the window goes in as input_ids and labels, the model shifts it
     data = dict(inputs={"input_ids": "input_ids"}, label_col="labels", loss="model")
     spark = session(args)
-    mlflow.set_experiment(args.experiment)
-    with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_name="finetune-lm") as run:
-        try:
+    try:
+        mlflow.set_experiment(args.experiment)
+        with (tempfile.TemporaryDirectory() as tmp,
+              mlflow.start_run(run_name="finetune-lm") as run):
             windows = corpora(spark, args)
             unigram = char_lm.unigram_bits_per_byte(windows[1])
             train_a, train_b, eval_b = map(ft.causal_windows, windows)
@@ -115,11 +116,11 @@ def main(argv: list[str]) -> int:
             tuned = fit(train_b, model_fn,
                         config(args.epochs, args.lr, False if args.no_log_model else "adapters"),
                         eval_df=eval_b, **data)
-        finally:
-            spark.stop()
-        report = ft.report(pre, tuned, unigram)
-        mlflow.log_metrics(report)
-        mlflow.log_artifacts(folder, "pretrained")
+            report = ft.report(pre, tuned, unigram)
+            mlflow.log_metrics(report)
+            mlflow.log_artifacts(folder, "pretrained")
+    finally:
+        spark.stop()
     logging.info("%s", report)
     print(f"perplexity before {report['perplexity_before']:.3f}  after "
           f"{report['perplexity_after']:.3f}  unigram {report['perplexity_unigram']:.3f}  "
