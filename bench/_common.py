@@ -34,11 +34,14 @@ def local_session(workers: int = 2, **conf: str):
     return spark
 
 
-def in_fresh_process(script: str, *args: str, env: dict | None = None):
+def in_fresh_process(script: str, *args: str, env: dict | None = None,
+                     python: str | None = None, cwd: str | None = None):
     """`script` run again in a process of its own with `args` (a fresh Python, a fresh
-    session); what it printed last, as JSON."""
-    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
-                          check=True, env=env)
+    session; `python`, else this one, started in `cwd`); what it printed last, as JSON."""
+    done = subprocess.run([python or sys.executable, os.path.abspath(script), *args],
+                          capture_output=True, text=True, env=env, cwd=cwd)
+    if done.returncode:  # its own traceback, not only its exit status
+        raise RuntimeError(f"{script} {' '.join(args)} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -29,14 +29,31 @@ from sparkdl_avg.tracking.run import RunLogger
 log = logging.getLogger("sparkdl_avg")
 
 
-@dataclass(slots=True)
+class _BuiltOnRequest:
+    """`FitResult.model`: a module as given, or a zero-argument callable that builds it on
+    first access (`driver_model="meta"`: the whole model is assembled only if asked for)."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            raise AttributeError("model")  # for dataclass: the field has no default
+        value = obj._model
+        if not isinstance(value, torch.nn.Module):
+            value = obj._model = value()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj._model = value
+
+
+@dataclass
 class FitResult:
     """What `fit` returns."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module = _BuiltOnRequest()  # type: ignore[assignment]
     """The final averaged model, on the CPU, in eval mode. Integer buffers (BatchNorm's
     `num_batches_tracked`) are never averaged: sync mode returns worker 0's (every replica
-    takes the same steps); async mode keeps the initial ones."""
+    takes the same steps); async mode keeps the initial ones. With
+    `driver_model="meta"`, built on first access (`model_fn` again, and the trained state)."""
     run_id: str
     """The MLflow run that recorded this fit."""
     history: list[dict] = field(default_factory=list)
@@ -180,12 +197,15 @@ def fit(
         _report_workers(outcome, run)
         run.log_figure(lambda: learning_curves(outcome.history, "round"),
                        "plots/learning_curves.png")
-        model = plan.model.eval()  # a trained result predicts: dropout and batch stats off
+        # a trained result predicts: dropout and batch stats off. "meta": the whole model is
+        # assembled once, for the logged model or when FitResult.model is first read
+        model = plan.trained_model() if config.driver_model == "full" or \
+            config.log_model is True else plan.trained_model
         timings = {"validate_s": validate_s, "first_step_s": outcome.first_step_at - t_start,
                    "train_s": outcome.train_s}
         if config.log_model:
             t_log = time.perf_counter()
-            _log_model(run, plan)
+            _log_model(run, plan, model)
             timings["log_model_s"] = time.perf_counter() - t_log
         timings["total_s"] = time.perf_counter() - t_start
         run.log_metrics({f"time_{k}": v for k, v in timings.items()}, step=0)
@@ -254,7 +274,7 @@ _WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_
                    "pad_fraction")
 
 
-def _log_model(run: RunLogger, plan: FitPlan) -> None:
+def _log_model(run: RunLogger, plan: FitPlan, model: torch.nn.Module) -> None:
     """The trained model to the run, scoring the fit's inputs as `transform` does
     (`tracking/model`; a PEFT model merged into its base); with log_model="adapters", only
     what trained, as files (`tracking/adapters`)."""
@@ -263,5 +283,5 @@ def _log_model(run: RunLogger, plan: FitPlan) -> None:
         return
     schema, heads = plan.data.schema, heads_of(plan.objective)
     names = output_names(schema, len(heads)) if schema.label_list else None
-    run.log_model(plan.model, schema=schema, heads=heads, names=names,
+    run.log_model(model, schema=schema, heads=heads, names=names,
                   registered_model_name=plan.config.registered_model_name)

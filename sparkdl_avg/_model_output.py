@@ -60,10 +60,11 @@ def check_model_loss(*, num_outputs: int, loss_weights, weighted: bool, inputs) 
                           "weights; drop weight_col, or use a built-in loss on the logits "
                           "(loss='cross_entropy'), which weighs rows")
     if isinstance(inputs, Sequence) and not isinstance(inputs, str):
-        raise ConfigError(f"loss='model' needs inputs bound by name, e.g. inputs="
-                          f"{{'input_ids': {inputs[0]!r}, ...}} (a dict of forward parameter "
-                          f"to column): positionally, a Hugging Face model's parameters "
-                          f"after the first are not the columns listed; got inputs={inputs!r}")
+        raise ConfigError(f"loss='model' needs inputs bound by name, a dict of forward "
+                          f"parameter to column (inputs={{'input_ids': 'tokens', "
+                          f"'attention_mask': 'mask'}}): positionally, a Hugging Face model's "
+                          f"parameters after the first are not the columns listed; got "
+                          f"inputs={inputs!r}"[:400])
     if isinstance(inputs, Mapping) and LABELS_PARAMETER in inputs:
         raise ConfigError("inputs binds 'labels', which loss='model' gives the label column "
                           "to: bind the labels with label_col")

@@ -7,13 +7,8 @@ import numpy as np
 import pytest
 
 from sparkdl_avg import ClusterError, ConfigError
-from sparkdl_avg.driver.checkpoints import (
-    Checkpoint,
-    DirStore,
-    MlflowStore,
-    check_devices,
-    check_resumable,
-)
+from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
+from sparkdl_avg.driver.resume_checks import check_devices, check_resumable
 
 FINGERPRINT = {"averaging_frequency": 2, "lr": 0.1}
 

@@ -530,7 +530,7 @@ def test_out_of_memory_moving_the_model_is_final_in_either_mode():
     from sparkdl_avg._errors import is_final
     from sparkdl_avg.task.replica import Replica
 
-    spec = SimpleNamespace(model_fn=cloudpickle.dumps(lambda: _TooBigForItsGpu(2, 1)))
+    spec = SimpleNamespace(model_fn=cloudpickle.dumps(lambda: _TooBigForItsGpu(2, 1)), frozen=None)
     with pytest.raises(ClusterError, match="could not move the model to cuda:0: out of device "
                                            "memory") as info:
         Replica(spec, TrainConfig(), 0, None, torch.device("cuda:0"))

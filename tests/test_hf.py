@@ -183,6 +183,27 @@ def test_adapters_of_a_plain_model_are_its_trainable_parameters_by_name(tmp_path
     assert torch.equal(loaded(x), trained(x))
 
 
+def test_adapters_of_a_driver_without_the_frozen_weights_save_and_load(tmp_path):
+    """driver_model="meta": the driver's PEFT model holds only what trains (the rest on the
+    meta device); its adapters are saved from that, without assembling the whole model."""
+    from peft import PeftModel
+
+    from sparkdl_avg.driver.meta_model import _make_real, build_on_meta
+    from sparkdl_avg.tracking.adapters import save_adapters
+
+    driver = build_on_meta(lora_gpt2)
+    _make_real(driver)  # as the initial state from an executor's build does
+    with torch.no_grad():
+        for p in driver.parameters():
+            if p.requires_grad:
+                p.fill_(0.01)  # trained values
+    assert any(p.is_meta for p in driver.parameters())  # the frozen base is not there
+    save_adapters(driver, str(tmp_path))
+    loaded = PeftModel.from_pretrained(gpt2().double(), str(tmp_path))
+    assert all(torch.all(p == 0.01) for n, p in loaded.named_parameters()
+               if "lora_" in n or ".modules_to_save." in n)
+
+
 def test_the_probe_refuses_a_model_loss_the_model_cannot_compute():
     from sparkdl_avg._model import check_model_takes_data
     from sparkdl_avg.data.schema import DataSchema, FieldSpec
@@ -336,6 +357,11 @@ def test_a_built_in_loss_on_the_logits_trains_the_adapters_the_models_loss_does(
     assert np.array_equal(np.stack(predicted), expected.numpy())
     merged = mlflow.pytorch.load_model(f"runs:/{result.run_id}/model")
     assert "lora" not in " ".join(n for n, _ in merged.named_parameters())
+    ids = torch.as_tensor(windows, dtype=torch.int64)
+    out = merged(ids, torch.ones_like(ids))  # the inputs in the fit's order; logits out
+    assert isinstance(out, torch.Tensor)
+    assert torch.allclose(out, logits(result.model, np.pad(windows, ((0, 0), (0, 1)))),
+                          atol=1e-9)
 
 
 @pytest.mark.spark

@@ -25,10 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from sparkdl_avg._background import BackgroundWriter
-from sparkdl_avg._controls import FINGERPRINT_DEFAULTS
-from sparkdl_avg._controls import fingerprint as controls_fingerprint
-from sparkdl_avg._errors import ClusterError, ConfigError, TrainingError
-from sparkdl_avg.data.order import padded_rows
+from sparkdl_avg._errors import ConfigError, TrainingError
 
 log = logging.getLogger("sparkdl_avg")
 FORMAT = 1
@@ -58,61 +55,6 @@ class Checkpoint:
     stop: dict | None = None
     """A stop already decided at this point (early stopping or on_round): by, round,
     reason."""
-
-
-def fingerprint(config, *, train_rows: list[int], data: dict, model_numel: int,
-                dtype: str, total_steps: int) -> dict:
-    """The settings that decide the trajectory; epochs may grow (to train further), and the
-    data cache may change (it never changes the trajectory). `data`: each field's dtype and
-    row shape (`plan.describe_params`); a checkpoint of one vector written before typed
-    inputs recorded its `num_features` alone, which this holds too."""
-    optimizer = config.optimizer if isinstance(config.optimizer, str) else \
-        getattr(config.optimizer, "__qualname__", "callable")
-    return {"num_workers": config.num_workers, "batch_size": config.batch_size,
-            "averaging_frequency": config.averaging_frequency, "seed": config.seed,
-            "shuffle": config.shuffle, "shuffle_buffer_mb": config.shuffle_buffer_mb,
-            "optimizer": optimizer, "lr": config.lr,
-            "momentum": config.momentum, "weight_decay": config.weight_decay,
-            "average_optimizer_state": config.average_optimizer_state,
-            "train_rows": list(train_rows), "padded_rows": padded_rows(train_rows),
-            "num_features": data.get("num_features"), "data": data,
-            "model_numel": model_numel, "dtype": dtype, **controls_fingerprint(config, total_steps)}
-
-
-def check_resumable(checkpoint: Checkpoint, expected: dict, *, total_steps: int,
-                    source: str) -> None:
-    """Raise ConfigError, naming each difference, if this fit cannot continue `checkpoint`."""
-    # older checkpoints; before padding, an epoch left a longer partition's extra row out
-    recorded = {**FINGERPRINT_DEFAULTS, "padded_rows": 0, **checkpoint.fingerprint}
-    if "data" not in checkpoint.fingerprint:  # before typed inputs: one vector, its width
-        recorded["data"] = expected.get("data")
-    diffs = [f"{k}: checkpoint {recorded.get(k)!r}, this fit {v!r}"
-             for k, v in expected.items() if recorded.get(k) != v]
-    if diffs:
-        raise ConfigError(f"cannot resume from {source}: the fit differs from the one that "
-                          f"wrote the checkpoint ({'; '.join(diffs)})")
-    if checkpoint.steps >= total_steps:
-        raise ConfigError(f"cannot resume from {source}: it has all {checkpoint.steps} steps "
-                          f"of this fit's {total_steps}; raise epochs to train further")
-    if checkpoint.steps != checkpoint.round * expected["averaging_frequency"]:
-        raise ConfigError(f"cannot resume from {source}: it was taken after a partial last "
-                          "round, so more epochs would not line up with the original rounds")
-
-
-def check_devices(point: Checkpoint, devices: list[str], *, deterministic: bool) -> None:
-    """With `deterministic=True`, refuse (ClusterError, naming each partition that moved) to
-    take up `point` on devices other than those it recorded: another GPU model, or the CPU,
-    rounds differently, so the result would not be the one the checkpoint leads to."""
-    recorded = point.fingerprint.get("devices")
-    if not deterministic or recorded is None or recorded == devices:
-        return
-    moved = [f"partition {rank}: {before} then, {now} now"
-             for rank, (before, now) in enumerate(zip(recorded, devices, strict=True))
-             if before != now]
-    raise ClusterError(
-        f"deterministic=True, but the replicas would continue round {point.round} on other "
-        f"devices than those that trained it ({'; '.join(moved)}), so the result could not be "
-        f"bit-identical: run on the same devices, or set deterministic=False to continue anyway")
 
 
 # --- one checkpoint <-> one local folder -------------------------------------------------

@@ -21,11 +21,13 @@ from sparkdl_avg._model import (
     model_dtype,
     pickle_for_executors,
 )
-from sparkdl_avg.averaging.flat_buffer import averaged_tensors
+from sparkdl_avg.averaging.flat_buffer import averaged_tensors, wire_dtype
+from sparkdl_avg.averaging.frozen import Fingerprint
 from sparkdl_avg.data.order import epoch_length, padded_rows
 from sparkdl_avg.data.prepare import PreparedData, prepare
 from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
+from sparkdl_avg.driver.meta_model import assemble, build_on_meta, initial_state
 from sparkdl_avg.ps.shards import bounds as shard_bounds
 from sparkdl_avg.task.optimizer_step import check_schedule
 from sparkdl_avg.task.schedule import Schedule, make_schedule
@@ -56,8 +58,20 @@ class FitPlan:
     params: dict[str, object]
     """What the plan learned, for the MLflow run's params."""
     resume: Resume | None = None
+    frozen: dict | None = None
+    """The frozen tensors' fingerprint every replica must build (`Fingerprint.to_dict`);
+    None: the model has none."""
     on_round: Callable[[dict], bool] | None = None
     """`fit(on_round=)`: sees each logged round's metrics; True stops the fit."""
+    model_fn: Callable[[], torch.nn.Module] | None = None
+
+    def trained_model(self) -> torch.nn.Module:
+        """The whole trained model, in eval mode: `model` itself, or with
+        `driver_model="meta"` (whose `model` holds only what trained) one assembled from it."""
+        if self.config.driver_model != "meta":
+            return self.model.eval()
+        return assemble(self.model_fn, self.config.seed, self.model, self.frozen or
+                        {"tensors": []})
 
     def params_of_data(self) -> dict[str, object]:
         return describe_params(self.data.schema)
@@ -72,7 +86,7 @@ class FitPlan:
             train_rows=self.data.train_sizes,
             eval_rows=self.data.eval_sizes, num_workers=self.config.num_workers,
             model_dtype=str(self.dtype).removeprefix("torch."),
-            tls_ca_pem=tls_ca_pem)
+            tls_ca_pem=tls_ca_pem, frozen=self.frozen)
 
 
 @dataclass(slots=True)
@@ -102,7 +116,8 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
                                weighted=weight_col is not None, inputs=inputs)
     check_early_stopping(config, has_eval=eval_df is not None, classify=objective.classify)
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
-    model = build_model(model_fn)
+    meta = config.driver_model == "meta"
+    model = build_on_meta(model_fn) if meta else build_model(model_fn)
     dtype = model_dtype(model)
     check_schedule(config, model)
     if config.mode == "async":  # a model too small to shard: refused before any Spark job
@@ -120,8 +135,13 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
                    double_precision=dtype == torch.float64,
                    class_labels=[loss == "cross_entropy" for loss in objective.losses])
     check_ragged_labels(data.schema, objective)
-    check_model_takes_data(model, data.schema, objective, dtype=dtype, ranges=data.ranges,
-                           longest=data.longest)
+    if meta:  # what trains made real, from an executor's build (which takes the probe batch)
+        frozen = initial_state(spark, model, pickled=pickled, seed=config.seed, data=data,
+                               deadline_s=config.waits().connect)
+    else:
+        check_model_takes_data(model, data.schema, objective, dtype=dtype, ranges=data.ranges,
+                               longest=data.longest)
+        frozen = Fingerprint.of(model).to_dict()
     smallest = min(data.train_sizes)
     if smallest < config.batch_size:
         raise DataError(
@@ -141,10 +161,21 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
               "eval_rows": sum(data.eval_sizes), "steps_per_epoch": schedule.steps_per_epoch,
               "micro_batches_per_epoch": schedule.micro_batches_per_epoch,
               "num_rounds": schedule.num_rounds, "dtype": str(dtype),
-              "model_parameters": sum(p.numel() for p in model.parameters())}
+              "model_parameters": sum(p.numel() for p in model.parameters()),
+              **trained_sizes(model, dtype)}
     return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,
                    objective=objective, pickled=pickled, params=params, resume=resume,
-                   on_round=on_round)
+                   frozen=frozen if frozen["tensors"] else None, on_round=on_round,
+                   model_fn=model_fn)
+
+
+def trained_sizes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, float]:
+    """What trains, for the run's params: its parameter count, and the megabytes of the one
+    vector that is averaged (what a replica pushes or all-reduces a round, and what a
+    parameter server holds)."""
+    numel = sum(t.numel() for t in averaged_tensors(model))
+    return {"trained_parameters": numel,
+            "averaged_mb": numel * wire_dtype(dtype).itemsize / 1e6}
 
 
 def check_ragged_labels(schema, objective) -> None:

@@ -49,7 +49,7 @@ def probe_cluster(spark, config, profile, address, deadline_s: float, *,
         fn = partial(probe_task, server.reachable_at, server.secret)
         frame, schema = spark.range(n, numPartitions=n), struct_type(FIELDS)
         rows = run_past_lost_executors(
-            lambda timeout: _TaggedJob(spark, lambda: frame.mapInArrow(
+            lambda timeout: TaggedJob(spark, lambda: frame.mapInArrow(
                 fn, schema, barrier=True, profile=profile).collect()).run(timeout),
             deadline_s)
     finally:
@@ -94,18 +94,18 @@ def run_past_lost_executors(run_once, deadline_s: float, attempts: int = PROBE_A
                         "of %d)", exc, attempt, attempts)
 
 
-class _TaggedJob:
+class TaggedJob:
     """`action()` in a thread of its own whose Spark jobs carry a fresh tag, so a deadline can
     interrupt them on either kind of session (tags are per thread)."""
 
-    def __init__(self, spark, action) -> None:
-        self._spark, self._action = spark, action
+    def __init__(self, spark, action, what: str = "the probe job before training") -> None:
+        self._spark, self._action, self._what = spark, action, what
         self._tag = f"sparkdl-avg-probe-{uuid.uuid4().hex[:12]}"
         self._rows, self._error = None, None
 
     def _run(self) -> None:
         try:
-            session.tag_jobs(self._spark, self._tag, "sparkdl-avg: probe the cluster")
+            session.tag_jobs(self._spark, self._tag, f"sparkdl-avg: {self._what}")
             self._rows = [row.asDict() for row in self._action()]
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
             self._error = exc
@@ -133,7 +133,7 @@ class _TaggedJob:
         if self._error is not None:
             from sparkdl_avg.driver.barrier import _spark_reason
 
-            raise ClusterError(f"the probe job before training failed (is sparkdl-avg, with "
+            raise ClusterError(f"{self._what} failed (is sparkdl-avg, with "
                                f"this version, installed on the executors?): "
                                f"{_spark_reason(str(self._error))}") from self._error
         return self._rows

@@ -18,11 +18,8 @@ from sparkdl_avg.driver.barrier import BarrierJob
 from sparkdl_avg.driver.checkpoints import (
     Checkpoint,
     MlflowStore,
-    check_devices,
-    check_resumable,
     check_saved,
     end_source_run,
-    fingerprint,
     target_store,
     writing,
 )
@@ -30,6 +27,7 @@ from sparkdl_avg.driver.cluster import driver_address
 from sparkdl_avg.driver.early_stop import Stopping
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
+from sparkdl_avg.driver.resume_checks import check_devices, check_resumable, fingerprint
 from sparkdl_avg.net.auth import new_secret
 from sparkdl_avg.net.tls import read_certificates, server_context
 from sparkdl_avg.task import worker_state
@@ -51,7 +49,8 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
     flat = FlatBuffer(averaged_tensors(plan.model), wire_dtype(plan.dtype))
     expected = fingerprint(config, train_rows=plan.data.train_sizes,
                            data=plan.params_of_data(), model_numel=flat.array.size,
-                           dtype=str(plan.dtype), total_steps=plan.schedule.total_steps)
+                           dtype=str(plan.dtype), total_steps=plan.schedule.total_steps,
+                           frozen=plan.frozen)
     resume = plan.resume
     store = target_store(config, run.run_id, run.tracking_uri,
                          resume.source if resume is not None else None)

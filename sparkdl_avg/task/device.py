@@ -289,8 +289,9 @@ def _text(value) -> str:
 def device_shortfall(*, param_bytes: int, optimizer_slots: int, batch_bytes: int,
                      free_bytes: int) -> str | None:
     """What a replica still needs on its device once its parameters are there, at least:
-    gradients, optimizer state (`optimizer_slots` tensors a parameter), the flat buffer the
-    parameters travel in, and a few minibatches; a message if `free_bytes` is less (the
+    for the `param_bytes` that train, gradients, optimizer state (`optimizer_slots` tensors a
+    parameter) and the flat buffer they travel in; a few minibatches; a message if
+    `free_bytes` is less (the
     activations come on top and are not counted)."""
     needed = param_bytes * (2 + optimizer_slots) + 4 * batch_bytes
     if needed <= free_bytes:

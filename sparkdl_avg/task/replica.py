@@ -20,18 +20,36 @@ def step_seed(seed: int, rank: int, step: int) -> int:
                >> 1)
 
 
+def check_frozen(model, expected: dict, rank: int) -> None:
+    """Refuse (ModelError, final) a replica whose frozen tensors are not the driver's: they
+    never travel, so replicas that differ there would average heads trained on different
+    backbones."""
+    from sparkdl_avg._errors import ModelError
+    from sparkdl_avg.averaging.frozen import Fingerprint
+
+    where = Fingerprint.from_dict(expected).difference(Fingerprint.of(model))
+    if where is not None:
+        raise ModelError(
+            f"partition {rank} built other frozen weights than the driver's build of model_fn "
+            f"({where}): frozen tensors are never sent, so every replica must build the same "
+            "ones. Load them from a path every executor reads, and seed what model_fn draws "
+            "at random (it runs under torch.manual_seed(TrainConfig.seed))")
+
+
 def _check_device_memory(model, config: TrainConfig, row_bytes: int, device) -> None:
     """Fail before training, with the numbers, rather than out of memory in a round."""
     import torch
 
     from sparkdl_avg._errors import ClusterError
+    from sparkdl_avg.averaging.flat_buffer import averaged_tensors
     from sparkdl_avg.task.device import device_shortfall
 
     slots = 2 if config.optimizer == "adam" else (1 if config.momentum else 0)
     if config.overlap_averaging:  # the exchange's two copies of the averaged buffer
         slots += 2 * (1 + (slots if config.average_optimizer_state else 0))
     problem = device_shortfall(
-        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        # what trains: only it has gradients, optimizer state and a place in the flat buffer
+        param_bytes=sum(t.numel() * t.element_size() for t in averaged_tensors(model)),
         optimizer_slots=slots, batch_bytes=config.batch_size * row_bytes,
         free_bytes=torch.cuda.mem_get_info(device)[0])
     if problem:
@@ -63,6 +81,8 @@ class Replica:
         # as the driver builds it: what is frozen (never sent) comes out the same everywhere
         torch.manual_seed(config.seed)
         model = build_model(cloudpickle.loads(spec.model_fn))
+        if spec.frozen is not None:  # on the host, before a GPU holds it
+            check_frozen(model, spec.frozen, rank)
         with final_on_device_errors("move the model to", str(device)):
             self.model = model.to(device)
         self.dtype = model_dtype(self.model)

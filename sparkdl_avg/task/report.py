@@ -19,13 +19,13 @@ padding, and their share (None without ragged inputs)."""
 
 
 def struct_type(fields=FIELDS):
-    """The Spark schema of (name, kind) pairs, kind one of int, long, double, string, as a
-    type object: a DDL string would go through Spark's SQL parser, whose first use costs a
-    cold session's driver about 0.35 s."""
+    """The Spark schema of (name, kind) pairs, kind one of int, long, double, string,
+    binary, as a type object: a DDL string would go through Spark's SQL parser, whose first
+    use costs a cold session's driver about 0.35 s."""
     from pyspark.sql import types as T
 
     types = {"int": T.IntegerType(), "long": T.LongType(), "double": T.DoubleType(),
-             "string": T.StringType()}
+             "string": T.StringType(), "binary": T.BinaryType()}
     return T.StructType([T.StructField(name, types[kind]) for name, kind in fields])
 
 
@@ -34,7 +34,7 @@ def record_batch(values: dict, fields=FIELDS):
     import pyarrow as pa
 
     arrow = {"int": pa.int32(), "long": pa.int64(), "double": pa.float64(),
-             "string": pa.string()}
+             "string": pa.string(), "binary": pa.binary()}
     schema = pa.schema([(name, arrow[kind]) for name, kind in fields])
     return pa.RecordBatch.from_pydict({name: [values[name]] for name, _ in fields},
                                       schema=schema)

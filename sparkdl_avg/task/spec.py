@@ -44,6 +44,10 @@ class WorkerSpec:
     profile). Only then can two tasks be handed one GPU, and only then do they compare their
     GPUs with a barrier all-gather, which costs about a second: Spark polls its barrier once a
     second."""
+    frozen: dict | None = None
+    """The frozen tensors' fingerprint (`averaging.frozen.Fingerprint.to_dict`) of the
+    driver's build, or of the executor's that gave the initial state: each replica's build
+    must match it. None: not checked."""
     ps_shards: tuple[tuple[str, int], ...] = ()
     """Async with several parameter-server shards: their addresses in shard order (the
     first is `address`); empty: one server at `address`."""
