@@ -86,13 +86,13 @@ def test_finetune_lm_job_lowers_perplexity_moving_only_adapters(tmp_path, mlflow
     small = ["--pretrain-bytes", "40000", "--max-bytes", "40000", "--seq-len", "64",
              "--pretrain-epochs", "1", "--pretrain-lr", "3e-3", "--epochs", "2", "--lr", "1e-2",
              "--d-model", "64", "--heads", "2", "--layers", "2", "--rank", "4",
-             "--averaging-frequency", "4"]
+             "--averaging-frequency", "4", "--batch-size", "16"]
     stdout = run_job([sys.executable, str(JOBS / "finetune_lm.py")], tmp_path, mlflow_store,
                      small)
     match = re.search(r"perplexity before (\S+)  after (\S+) .* MLflow run (\w+)", stdout)
     assert match, stdout
     before, after, run_id = float(match.group(1)), float(match.group(2)), match.group(3)
-    assert after < before - 1.0
+    assert after < 0.95 * before  # 32.4 to 27.9 with torch 2.13 on the CPU
     run = mlflow_client.get_run(run_id)
     assert run.info.status == "FINISHED"
     report = run.data.metrics
