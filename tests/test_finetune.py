@@ -18,6 +18,8 @@ from pyspark.ml.linalg import Vectors, VectorUDT
 from pyspark.sql.types import DoubleType, StructField, StructType
 
 from sparkdl_avg import ConfigError, ModelError, TrainConfig, fit
+from sparkdl_avg.averaging.flat_buffer import averaged_tensors
+from sparkdl_avg.averaging.frozen import frozen_tensors
 
 pytestmark = pytest.mark.spark
 
@@ -97,7 +99,7 @@ def test_a_frozen_backbone_never_travels_and_stays_as_built(frame, rows, mode):
     config = TrainConfig(**SYNC, transport=mode) if mode != "async" else TrainConfig(
         **{k: v for k, v in SYNC.items() if k != "averaging_frequency"}, mode="async",
         push_every=2)
-    result = fit(frame, Tuned, config)
+    result = fit(frame, Tuned, config, eval_df=frame)
     built = _frozen_state(_built(Tuned))
     for name, value in _frozen_state(result.model).items():
         assert torch.equal(value, built[name]), name  # BatchNorm statistics included
@@ -111,6 +113,10 @@ def test_a_frozen_backbone_never_travels_and_stays_as_built(frame, rows, mode):
             return torch.nn.functional.cross_entropy(model.eval()(x.float()), y.long())
 
     assert loss(result.model) < loss(_built(Tuned)) - 0.05  # the head learned
+    # the workers' own evaluation of the final parameters, on their replicas' backbones
+    # (BatchNorm in eval mode, statistics as built), is the driver's on the result
+    final = [r["eval_loss"] for r in result.history if "eval_loss" in r][-1]
+    assert final == pytest.approx(loss(result.model).item(), abs=1e-5)
     history = result.history
     if mode != "async":
         # driver: two pushes and two averages of 80 kB; collective: the control plane, and
@@ -153,10 +159,13 @@ def test_replicas_with_other_frozen_weights_are_refused_before_training(frame):
 
 def test_a_resume_over_other_frozen_weights_is_refused(frame, tmp_path):
     config = TrainConfig(**SYNC, checkpoint_every=1, checkpoint_dir=str(tmp_path))
-    fit(frame, Tuned, config)
+    first = fit(frame, Tuned, config)
+    longer = TrainConfig(**{**SYNC, "epochs": 3})
     with pytest.raises(ConfigError, match=r"frozen weights.*'backbone\.0\.weight'"):
-        fit(frame, _other_backbone, TrainConfig(**{**SYNC, "epochs": 3}),
-            resume_from=str(tmp_path))
+        fit(frame, _other_backbone, longer, resume_from=str(tmp_path))
+    resumed = fit(frame, Tuned, longer, resume_from=str(tmp_path))  # the same ones: resumes
+    params = mlflow.get_run(resumed.run_id).data.params
+    assert params["resumed_at_round"] == str(len(first.history))
 
 
 BUILDS: list[str] = []
@@ -173,6 +182,9 @@ def test_a_meta_driver_holds_no_frozen_weights_and_trains_the_same(frame):
     BUILDS.clear()
     meta = fit(frame, _recorded, TrainConfig(**SYNC, driver_model="meta"))
     assert BUILDS == ["meta"]  # the replicas and the initial state: built on executors
+    held = meta._model.__self__.model  # the plan's model: what the driver held in the fit
+    assert all(t.is_meta for _, t in frozen_tensors(held))
+    assert not any(t.is_meta for t in averaged_tensors(held))
     model = meta.model  # assembled now: model_fn on the driver, the trained state copied in
     assert BUILDS == ["meta", "cpu"] and meta.model is model and not model.training
     for (name, a), b in zip(full.model.state_dict().items(), model.state_dict().values(),

@@ -25,14 +25,23 @@ def counted_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _training_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, buffer) of the modules in training mode, each buffer once, in
-    `named_buffers()` order."""
+    `named_buffers()` order; never a non-persistent one (`persistent_buffers`)."""
+    return [(name, b) for name, b, training in persistent_buffers(model) if training]
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """(name, buffer, its module's training mode) of the buffers a state dict holds, each
+    once. A non-persistent buffer (a rotary embedding's `inv_freq`, a causal mask) is a
+    constant the module derives when built: neither state that trains nor frozen weights,
+    and possibly uninitialised memory (`torch.empty`)."""
     seen: set[int] = set()
     found = []
     for prefix, module in model.named_modules():
+        skip = module._non_persistent_buffers_set
         for name, b in module.named_buffers(prefix=prefix, recurse=False):
-            if b is not None and module.training and id(b) not in seen:
+            if b is not None and name.rpartition(".")[2] not in skip and id(b) not in seen:
                 seen.add(id(b))
-                found.append((name, b))
+                found.append((name, b, module.training))
     return found
 
 

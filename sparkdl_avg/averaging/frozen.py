@@ -10,24 +10,18 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkdl_avg.averaging.flat_buffer import averaged_tensors
+from sparkdl_avg.averaging.flat_buffer import averaged_tensors, persistent_buffers
 
 
 def frozen_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor), in a fixed order: the parameters that do not require gradients, then
-    the buffers of the modules in eval mode (a frozen BatchNorm's statistics). Not among them:
-    what trains (`averaged_tensors`), and a training module's other buffers (its counters)."""
+    the persistent buffers of the modules in eval mode (a frozen BatchNorm's statistics).
+    Not among them: what trains (`averaged_tensors`), a training module's other buffers (its
+    counters), and constants a module derives (non-persistent buffers)."""
     trained = {id(t) for t in averaged_tensors(model)}
     found = [(name, p) for name, p in model.named_parameters() if id(p) not in trained]
-    seen = {id(p) for _, p in found}
-    for prefix, module in model.named_modules():
-        if module.training:
-            continue
-        for name, b in module.named_buffers(prefix=prefix, recurse=False):
-            if b is not None and id(b) not in seen:
-                seen.add(id(b))
-                found.append((name, b))
-    return found
+    return found + [(name, b) for name, b, training in persistent_buffers(model)
+                    if not training and id(b) not in trained]
 
 
 def _digest(t: torch.Tensor) -> str:

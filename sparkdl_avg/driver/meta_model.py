@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from sparkdl_avg._errors import ModelError
+from sparkdl_avg._errors import ClusterError, ModelError, from_task
 from sparkdl_avg._model import build_model
 from sparkdl_avg.averaging.flat_buffer import averaged_tensors, counted_buffers, wire_dtype
 from sparkdl_avg.averaging.frozen import Fingerprint
@@ -45,17 +45,32 @@ def initial_state(spark, model: torch.nn.Module, *, pickled: dict, seed: int, da
     rows = TaggedJob(spark, lambda: frame.mapInArrow(
         partial(build_task, payload), struct_type(FIELDS)).collect(), what).run(deadline_s)
     if rows is None:
-        raise ModelError(f"{what} did not finish within {deadline_s:.0f} s")
-    row = rows[0]
-    if row["error"]:
-        raise ModelError(f"{what} failed: {row['error']}")
+        raise ClusterError(f"{what} did not finish within {deadline_s:.0f} s")
+    rows.sort(key=lambda r: r["part"])
+    if rows[0]["error"]:
+        raise from_task(what, rows[0]["error"])
+    meta = json.loads(rows[0]["meta"])
+    _check_same_trained(model, meta["trained"])
     wire = str(wire_dtype(_trained_dtype(model))).removeprefix("torch.")
-    values = np.frombuffer(row["trained"], dtype=np.dtype(wire))
+    values = np.frombuffer(b"".join(r["values"] for r in rows), dtype=np.dtype(wire))
     _make_real(model)
     _fill(model, values)
-    worker_state.restore(None, model, json.loads(row["layout"]),
-                         np.frombuffer(row["counted"], np.uint8))
-    return json.loads(row["frozen"])
+    worker_state.restore(None, model, meta["layout"],
+                         np.frombuffer(bytes.fromhex(meta["counted"]), np.uint8))
+    return meta["frozen"]
+
+
+def _check_same_trained(model: torch.nn.Module, built: list) -> None:
+    """ModelError unless the executor's build trains the meta build's tensors, in its order,
+    by name and shape (`model_fn` branching on the meta device would misplace values)."""
+    names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    mine = [[names[id(t)], list(t.shape)] for t in averaged_tensors(model)]
+    if mine != built:
+        first = next((f"{a} here, {b} there" for a, b in zip(mine, built, strict=False)
+                      if a != b), f"{len(mine)} tensors here, {len(built)} there")
+        raise ModelError(f"model_fn trains other tensors built on the meta device than on an "
+                         f"executor (first difference, as [name, shape]: {first}); it must "
+                         "build the same model on both")
 
 
 def _trained_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -97,9 +112,11 @@ def _fill(model: torch.nn.Module, values: np.ndarray) -> None:
 def assemble(model_fn, seed: int, trained: torch.nn.Module, frozen: dict) -> torch.nn.Module:
     """The whole trained model, on the CPU, in eval mode: `model_fn` built under the fit's
     seed (its frozen tensors must be the fit's: ModelError naming the first that is not),
-    with `trained`'s trained tensors and counted buffers copied in."""
-    torch.manual_seed(seed)
-    model = build_model(model_fn).cpu()
+    with `trained`'s trained tensors and counted buffers copied in. The caller's random
+    state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_model(model_fn).cpu()
     where = Fingerprint.from_dict(frozen).difference(Fingerprint.of(model))
     if where is not None:
         raise ModelError(f"model_fn built other frozen weights on the driver than the fit "

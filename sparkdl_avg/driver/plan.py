@@ -21,6 +21,7 @@ from sparkdl_avg._model import (
     model_dtype,
     pickle_for_executors,
 )
+from sparkdl_avg._model_output import model_head
 from sparkdl_avg.averaging.flat_buffer import averaged_tensors, wire_dtype
 from sparkdl_avg.averaging.frozen import Fingerprint
 from sparkdl_avg.data.order import epoch_length, padded_rows
@@ -29,6 +30,7 @@ from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
 from sparkdl_avg.driver.meta_model import assemble, build_on_meta, initial_state
 from sparkdl_avg.ps.shards import bounds as shard_bounds
+from sparkdl_avg.scoring.outputs import heads_of
 from sparkdl_avg.task.optimizer_step import check_schedule
 from sparkdl_avg.task.schedule import Schedule, make_schedule
 from sparkdl_avg.task.spec import WorkerSpec
@@ -59,19 +61,21 @@ class FitPlan:
     """What the plan learned, for the MLflow run's params."""
     resume: Resume | None = None
     frozen: dict | None = None
-    """The frozen tensors' fingerprint every replica must build (`Fingerprint.to_dict`);
-    None: the model has none."""
+    """The frozen tensors' fingerprint every replica must build (`Fingerprint.to_dict`; no
+    tensors when nothing is frozen: a replica that freezes something is refused too)."""
     on_round: Callable[[dict], bool] | None = None
     """`fit(on_round=)`: sees each logged round's metrics; True stops the fit."""
     model_fn: Callable[[], torch.nn.Module] | None = None
+    heads: tuple[str, ...] = ()
+    """Each output's scoring head (`scoring.outputs`): from the loss, or under loss="model"
+    from the model and its probe output (`_model_output.model_head`)."""
 
     def trained_model(self) -> torch.nn.Module:
         """The whole trained model, in eval mode: `model` itself, or with
         `driver_model="meta"` (whose `model` holds only what trained) one assembled from it."""
         if self.config.driver_model != "meta":
             return self.model.eval()
-        return assemble(self.model_fn, self.config.seed, self.model, self.frozen or
-                        {"tensors": []})
+        return assemble(self.model_fn, self.config.seed, self.model, self.frozen)
 
     def params_of_data(self) -> dict[str, object]:
         return describe_params(self.data.schema)
@@ -118,6 +122,9 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     meta = config.driver_model == "meta"
     model = build_on_meta(model_fn) if meta else build_model(model_fn)
+    # as built: the probe's forward may change a buffer (a cache), the replicas' will not yet
+    frozen = None if meta else Fingerprint.of(model).to_dict()
+    warn_eval_mode_trainers(model)
     dtype = model_dtype(model)
     check_schedule(config, model)
     if config.mode == "async":  # a model too small to shard: refused before any Spark job
@@ -138,10 +145,11 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     if meta:  # what trains made real, from an executor's build (which takes the probe batch)
         frozen = initial_state(spark, model, pickled=pickled, seed=config.seed, data=data,
                                deadline_s=config.waits().connect)
+        probed = None  # the executor ran the probe: the driver's model has no outputs
     else:
-        check_model_takes_data(model, data.schema, objective, dtype=dtype, ranges=data.ranges,
-                               longest=data.longest)
-        frozen = Fingerprint.of(model).to_dict()
+        probed = check_model_takes_data(model, data.schema, objective, dtype=dtype,
+                                        ranges=data.ranges, longest=data.longest)
+    heads = (model_head(model, probed),) if objective.model_loss else heads_of(objective)
     smallest = min(data.train_sizes)
     if smallest < config.batch_size:
         raise DataError(
@@ -165,8 +173,22 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
               **trained_sizes(model, dtype)}
     return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,
                    objective=objective, pickled=pickled, params=params, resume=resume,
-                   frozen=frozen if frozen["tensors"] else None, on_round=on_round,
-                   model_fn=model_fn)
+                   frozen=frozen, on_round=on_round,
+                   model_fn=model_fn, heads=heads)
+
+
+def warn_eval_mode_trainers(model: torch.nn.Module) -> None:
+    """Say so when modules that train were left in eval mode by model_fn: a PEFT model over
+    `from_pretrained`'s base (which returns eval mode) trains the base's dropout off."""
+    from sparkdl_avg._model import eval_mode_trainers
+
+    names = eval_mode_trainers(model)
+    if names:
+        shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+        log.warning("%d module(s) in eval mode hold parameters that train (%s): they train "
+                    "as model_fn left them, with dropout off and BatchNorm statistics frozen; "
+                    "call model.train() in model_fn to train them in training mode "
+                    "(from_pretrained returns a model in eval mode)", len(names), shown)
 
 
 def trained_sizes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, float]:

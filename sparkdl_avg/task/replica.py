@@ -74,13 +74,15 @@ class Replica:
         import cloudpickle
         import torch
 
-        from sparkdl_avg._model import build_model, model_dtype
+        from sparkdl_avg._model import model_dtype, settle_modes
         from sparkdl_avg.averaging.flat_buffer import wire_dtype
         from sparkdl_avg.task.device import final_on_device_errors
 
         # as the driver builds it: what is frozen (never sent) comes out the same everywhere
         torch.manual_seed(config.seed)
-        model = build_model(cloudpickle.loads(spec.model_fn))
+        # model_fn's own error, not a ModelError: it built on the driver, so a failure here
+        # (a shared path unreadable a moment) may pass on a restart
+        model = settle_modes(cloudpickle.loads(spec.model_fn)())
         if spec.frozen is not None:  # on the host, before a GPU holds it
             check_frozen(model, spec.frozen, rank)
         with final_on_device_errors("move the model to", str(device)):
@@ -117,7 +119,7 @@ class Replica:
     def start(self, step: int = 0) -> None:
         """After the initial parameters are in: build the optimizer over what trains, and
         take up the data at `step` (a restart continues where its checkpoint left off). Each
-        module trains in the mode `build_model` left it in."""
+        module trains in the mode `settle_modes` left it in."""
         from sparkdl_avg._model import make_optimizer
         from sparkdl_avg.task.optimizer_step import OptimizerSteps
 
