@@ -20,8 +20,9 @@ from sparkdl_avg.driver.checkpoints import open_source
 from sparkdl_avg.driver.plan import FitPlan, Resume, TrainOutcome, make_plan
 from sparkdl_avg.driver.sync import train_sync
 from sparkdl_avg.scoring.columns import vector_schema, with_column
-from sparkdl_avg.scoring.outputs import heads_of, output_names
+from sparkdl_avg.scoring.outputs import output_names
 from sparkdl_avg.scoring.udf import make_predict_udf
+from sparkdl_avg.tracking.adapters import trained_names
 from sparkdl_avg.tracking.datasets import log_datasets
 from sparkdl_avg.tracking.plots import learning_curves
 from sparkdl_avg.tracking.run import RunLogger
@@ -81,8 +82,9 @@ class FitResult:
     """Every input and label of the fit (`data/schema`): what scoring reads and in which
     dtype and shape. None: one float vector of `num_features` values from `features_col`."""
     heads: tuple[str, ...] = ()
-    """Each model output's head, from the fit's loss (`scoring.outputs.output_heads`): "class",
-    "multilabel" or "value". Empty: from `classify`."""
+    """Each model output's head, from the fit's loss (`scoring.outputs.output_heads`), or
+    under loss="model" from the model (`_model_output.model_head`): "class", "multilabel" or
+    "value". Empty: from `classify`."""
     preprocess: Callable[..., dict] | None = None
     """`fit(preprocess=)`: scoring runs it (training=False) on the raw input columns."""
     model_schema: DataSchema | None = None
@@ -176,10 +178,16 @@ def fit(
     `inputs`: a list of columns as model(*tensors), a dict {forward parameter: column} as
     model(**tensors). `label_col`: one column, or a list when the model returns a tuple of
     outputs (with a list of losses, weighted by `loss_weights`). `weight_col`: a weight >= 0
-    per row; the loss is the weighted mean of the rows' losses. `resume_from` (sync mode): a
-    checkpoint directory or the MLflow run id of a fit whose driver died; it continues from
-    that fit's newest checkpoint. `on_round`: called with each logged round's metrics (and "round");
-    True stops the fit there. `preprocess`: fn(batch, *, training, rng) -> dict, run on each
+    per row; the loss is the weighted mean of the rows' losses. `loss`: a built-in name, a
+    callable, or "model": the model's own loss (a Hugging Face model's), the label column
+    passed to forward as `labels=` and the loss read from the output's `.loss` (a model
+    returning a `ModelOutput` is read as its `.logits` by every other loss and by scoring).
+    Only what trains is averaged (parameters with requires_grad, floating buffers of modules
+    in training mode); `config.log_model="adapters"` logs only that, as files (a PEFT model's
+    adapters), instead of the whole model. `resume_from` (sync mode): a checkpoint directory
+    or the MLflow run id of a fit whose driver died; it continues from that fit's newest
+    checkpoint. `on_round`: called with each logged round's metrics (and "round"); True stops
+    the fit there. `preprocess`: fn(batch, *, training, rng) -> dict, run on each
     minibatch's raw columns off the training thread (binary columns arrive as bytes); what it
     returns is what the model gets. See README for the full contract."""
     config = TrainConfig() if config is None else config
@@ -216,12 +224,15 @@ def fit(
         _report_workers(outcome, run)
         run.log_figure(lambda: learning_curves(outcome.history, "round"),
                        "plots/learning_curves.png")
-        model = _result_model(plan, run)
+        # what trained, named before the result goes to eval mode (which hides the buffers of
+        # the modules that trained in training mode): log_model="adapters" saves them
+        trained = trained_names(plan.model) if config.log_model else ()
+        model = _result_model(plan, run, trained)
         timings = {"validate_s": validate_s, "first_step_s": outcome.first_step_at - t_start,
                    "train_s": outcome.train_s}
         if config.log_model:
             t_log = time.perf_counter()
-            _log_model(run, plan, model)
+            _log_model(run, plan, model, trained)
             timings["log_model_s"] = time.perf_counter() - t_log
         timings["total_s"] = time.perf_counter() - t_start
         run.log_metrics({f"time_{k}": v for k, v in timings.items()}, step=0)
@@ -232,7 +243,7 @@ def fit(
                          features_col=features_col, num_features=plan.data.num_features or 0,
                          classify=plan.objective.classify, score_rows=config.eval_rows(
                              plan.data.schema.padded_row_bytes(plan.data.longest)),
-                         schema=plan.data.schema, heads=heads_of(plan.objective),
+                         schema=plan.data.schema, heads=plan.heads,
                          preprocess=preprocess, model_schema=plan.model_schema)
 
 
@@ -291,12 +302,12 @@ _WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_
                    "pad_fraction")
 
 
-def _result_model(plan: FitPlan, run: RunLogger):
+def _result_model(plan: FitPlan, run: RunLogger, trained: tuple[str, ...]):
     """FitResult.model: the trained model in eval mode (dropout and batch statistics off).
     With driver_model="meta" it is assembled once, now if log_model=True needs it, else
     when first read; if it cannot be assembled here (the driver cannot read model_fn's
-    weights, or hold them), the training is kept: the adapters are logged instead, and
-    reading FitResult.model raises the error."""
+    weights, or hold them), the training is kept: the adapters (the tensors named
+    `trained`) are logged instead, and reading FitResult.model raises the error."""
     if plan.config.driver_model == "full" or plan.config.log_model is not True:
         return plan.trained_model() if plan.config.driver_model == "full" \
             else plan.trained_model
@@ -305,20 +316,20 @@ def _result_model(plan: FitPlan, run: RunLogger):
     except Exception as exc:  # noqa: BLE001 - the fit keeps what it trained
         log.warning("driver_model='meta': the whole model could not be assembled on the "
                     "driver (%r); logging what trained as adapters instead", exc)
-        run.log_adapters(plan.model)
+        run.log_adapters(plan.model, trained)
         return plan.trained_model
 
 
-def _log_model(run: RunLogger, plan: FitPlan, model) -> None:
+def _log_model(run: RunLogger, plan: FitPlan, model, trained: tuple[str, ...]) -> None:
     """The trained model to the run, scoring the fit's inputs as `transform` does
     (`tracking/model`; a PEFT model merged into its base); with log_model="adapters", only
-    what trained, as files (`tracking/adapters`)."""
+    what trained (the tensors named `trained`), as files (`tracking/adapters`)."""
     if plan.config.log_model == "adapters":
-        run.log_adapters(plan.model)
+        run.log_adapters(plan.model, trained)
         return
     if not isinstance(model, torch.nn.Module):  # "meta", not assembled: adapters went instead
         return
-    schema, heads = plan.data.schema, heads_of(plan.objective)
+    schema, heads = plan.data.schema, plan.heads
     names = output_names(schema, len(heads)) if schema.label_list else None
     run.log_model(model, schema=schema, heads=heads, names=names,
                   registered_model_name=plan.config.registered_model_name)

@@ -27,6 +27,7 @@ from sparkdl_avg._model_output import (
     check_model_loss,
     describe,
     loss_of,
+    model_loss_term,
     output_tensors,
 )
 from sparkdl_avg.data.schema import IGNORE_INDEX  # a label that counts for nothing
@@ -222,10 +223,13 @@ class Objective:
         kept weight (a first built-in output's weighted loss sum exactly), in float64."""
         terms = self._terms(outputs, labels, weights, True)
         first_num, weight, first_mean = terms[0]
-        if first_num is None:  # a callable: its rows' weight
+        if first_num is None:  # a callable or the model's loss: its rows' weight
             rows = labels[0].shape[0]
+            empty = weight  # the model's loss: a chunk with nothing left weighs 0
             weight = weights.double().sum() if weights is not None else torch.full(
                 (), float(rows), dtype=torch.float64, device=first_mean.device)
+            if empty is not None:
+                weight = torch.where(empty, torch.zeros_like(weight), weight)
             first_num = first_mean.double() * weight
         loss_sum = self.loss_weights[0] * first_num
         for lw, (_, _, mean) in zip(self.loss_weights[1:], terms[1:], strict=True):
@@ -241,10 +245,10 @@ class Objective:
         return EvalSums(loss_sum, weight, correct, scored)
 
     def _terms(self, outputs, labels, weights, exact: bool) -> list[tuple]:
-        """Per loss: (weighted sum, kept weight, mean); (None, None, value) for a callable
-        or the model's own loss."""
+        """Per loss: (weighted sum, kept weight, mean); (None, None, value) for a callable;
+        (None, whether the chunk had nothing to learn, value) for the model's own loss."""
         if self.model_loss:
-            return [(None, None, loss_of(outputs))]
+            return [model_loss_term(outputs, labels[0])]
         if self.joint:
             return [self._user(self.losses[0], as_tuple(outputs), tuple(labels), weights)]
         terms = []

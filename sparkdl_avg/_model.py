@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import inspect
 import os
@@ -175,12 +176,12 @@ def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
 
 
 def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: torch.dtype,
-                           ranges: dict, longest: dict, batch=None) -> None:
+                           ranges: dict, longest: dict, batch=None):
     """Run the model once, on the driver, on a probe batch of two rows with the data's real
     dtypes and shapes: each integer field holds its least value in the first row and its
     largest in the second (an embedding too small fails here, not in a task), each ragged
     field its longest row; or on `batch` (real rows: `fit(preprocess=)`'s sample). Then check
-    its outputs against the labels (`check_outputs`)."""
+    its outputs against the labels (`check_outputs`), and return them."""
     from sparkdl_avg._losses import check_outputs
     from sparkdl_avg.data.probe_batch import probe_batch
 
@@ -199,6 +200,7 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
     except Exception as exc:
         raise _forward_failed(schema, batch, exc) from exc
     check_outputs(objective, out, batch.labels, [f.described for f in schema.labels])
+    return out
 
 
 def _forward_failed(schema, batch, exc: BaseException) -> ModelError:
@@ -223,20 +225,57 @@ def index_error(schema, inputs, exc: BaseException) -> ModelError:
 
 def _check_keywords(model: torch.nn.Module, schema, model_loss: bool) -> None:
     """Inputs bound by name must be parameters of forward, and so must `labels` under
-    loss="model" (unless forward takes **kwargs)."""
+    loss="model". A forward taking **kwargs (every transformers 5 model's, PEFT's) passes
+    them on, so a misspelled name would be swallowed: its names are those of every forward
+    along the wrapped chain (`_forward_names`); only a chain that names none is trusted."""
     from sparkdl_avg._model_output import LABELS_PARAMETER
 
     if schema.binding != "keyword" and not model_loss:
         return
-    params = inspect.signature(model.forward).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    names, where = _forward_names(model)
+    if names is None:
         return
-    for f in schema.inputs if schema.binding == "keyword" else ():
-        if f.name not in params:
-            raise ModelError(f"inputs binds {f.name!r} (column {f.column!r}), but "
-                             f"{type(model).__name__}.forward has no such parameter; its "
-                             f"parameters: {list(params)}")
-    if model_loss and LABELS_PARAMETER not in params:
-        raise ModelError(f"loss='model' gives the labels to forward as labels=, but "
-                         f"{type(model).__name__}.forward has no such parameter; its "
-                         f"parameters: {list(params)}. Use a built-in or callable loss")
+    bound = [(f.name, f"inputs binds {f.name!r} (column {f.column!r})")
+             for f in (schema.inputs if schema.binding == "keyword" else ())]
+    if model_loss:
+        bound.append((LABELS_PARAMETER, "loss='model' gives the labels to forward as labels="))
+    for name, what in bound:
+        if name not in names:
+            hint = difflib.get_close_matches(name, names, n=1)
+            fix = f" (did you mean {hint[0]!r}?)" if hint else ""
+            use = ". Use a built-in or callable loss" if name == LABELS_PARAMETER else ""
+            raise ModelError(f"{what}, but {where} has no such parameter{fix}; its "
+                             f"parameters: {names}{use}"[:1000])
+
+
+def _forward_names(model: torch.nn.Module) -> tuple[list[str] | None, str]:
+    """(the parameter names forward can take, what to call it in a message); None: any.
+
+    Without **kwargs, forward's own. With them, those of every forward along the chain of
+    wrapped models (PEFT's `get_base_model()`, a `base_model` or `model` attribute): a
+    PEFT model's forward is (*args, **kwargs), its base model's names the parameters."""
+    names: list[str] = []
+    chain, module = [], model
+    while isinstance(module, torch.nn.Module) and module not in chain and len(chain) < 8:
+        chain.append(module)
+        params = inspect.signature(module.forward).parameters.values()
+        names += [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                  and p.name not in names]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break  # this forward takes nothing more: what it names is all
+        module = _wrapped(module)
+    where = " or ".join(f"{type(m).__name__}.forward" for m in chain)
+    return (names or None), where
+
+
+def _wrapped(module: torch.nn.Module):
+    """The model `module` wraps and passes its keywords to, if it says: PEFT's base model,
+    else a `base_model` or `model` attribute; None."""
+    get_base = getattr(module, "get_base_model", None)
+    if callable(get_base):
+        return get_base()
+    for attribute in ("base_model", "model"):
+        inner = getattr(module, attribute, None)
+        if isinstance(inner, torch.nn.Module) and inner is not module:
+            return inner
+    return None

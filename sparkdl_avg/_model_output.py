@@ -29,6 +29,26 @@ def logits_of(output):
     return output if logits is None else logits
 
 
+_HEAD_OF_PROBLEM = {"regression": "value", "multi_label_classification": "multilabel",
+                    "single_label_classification": "class"}
+
+
+def model_head(model, output=None) -> str:
+    """How a model trained with its own loss (`loss="model"`) is scored (a head of
+    `scoring.outputs`): by its config's `problem_type` when it has one (a Hugging Face
+    classifier's, which its forward sets from the labels: "regression" a value,
+    "multi_label_classification" multilabel), else by its `output`'s logits: classes along a
+    last dimension of more than 1, a value for 1 (or none); "class" when neither is known."""
+    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    if problem in _HEAD_OF_PROBLEM:
+        return _HEAD_OF_PROBLEM[problem]
+    logits = logits_of(output)
+    shape = getattr(logits, "shape", None)
+    if shape is None:
+        return "class"
+    return "class" if len(shape) > 1 and shape[-1] > 1 else "value"
+
+
 def loss_of(output):
     """The scalar loss a model computed (`loss="model"`): its output's `.loss` (or a
     mapping's "loss"). ModelError when there is none, or it is not a scalar tensor."""
@@ -39,9 +59,28 @@ def loss_of(output):
         raise ModelError(
             f"loss='model' takes the loss from the model's output's .loss, computed from "
             f"labels=; the model returned {describe(output)} whose loss is "
-            f"{describe(loss)}. Return a ModelOutput (a transformers model given labels), "
-            "or use a built-in or callable loss on the model's outputs")
+            f"{describe(loss)}{tuple_hint(output)}. Return a ModelOutput (a transformers "
+            "model given labels), or use a built-in or callable loss on the model's outputs")
     return loss.reshape(())
+
+
+def model_loss_term(outputs, label) -> tuple:
+    """(None, empty, loss) of the model's own loss on a chunk of rows whose labels are
+    `label`: `empty` when it is NaN because no label was left to it (a causal LM shifts its
+    labels, so rows of one token keep none: no integer label past each row's first position,
+    or none at all in [B] labels); such a chunk's loss is 0, not NaN, and it weighs 0 in
+    evaluation, as a built-in loss's chunk that keeps nothing. A NaN loss with labels left
+    stays NaN (a diverged model); `empty` is None for float or boolean labels."""
+    import torch
+
+    from sparkdl_avg.data.schema import IGNORE_INDEX
+
+    loss = loss_of(outputs)
+    if label.is_floating_point() or label.dtype == torch.bool:
+        return None, None, loss
+    left = label[:, 1:] if label.dim() > 1 else label
+    empty = ~(left != IGNORE_INDEX).any() & loss.isnan()
+    return None, empty, torch.where(empty, torch.zeros_like(loss), loss)
 
 
 def check_model_loss(*, num_outputs: int, loss_weights, weighted: bool, inputs) -> None:
@@ -78,14 +117,24 @@ def output_tensors(outputs, num_outputs: int, names: str) -> tuple:
     if num_outputs == 1:
         if not isinstance(outputs, torch.Tensor):
             raise ModelError(f"the model returns {describe(outputs)} but label column "
-                             f"{names} needs one tensor; give label_col a list of columns "
-                             "to train a model of several outputs")
+                             f"{names} needs one tensor{tuple_hint(outputs)}; give label_col "
+                             "a list of columns to train a model of several outputs")
         return (outputs,)
     outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else ()
     if len(outs) != num_outputs or not all(isinstance(o, torch.Tensor) for o in outs):
         raise ModelError(f"the model must return a tuple of {num_outputs} tensors, one per "
                          f"label column ({names}); it returns {describe(outputs)}")
     return outs
+
+
+def tuple_hint(outputs) -> str:
+    """For a tuple output: that a transformers model built with return_dict=False returns
+    one (its loss and logits by position), and what to do."""
+    if not isinstance(outputs, (tuple, list)):
+        return ""
+    return (" (a transformers model with return_dict=False returns a tuple: build it with "
+            "return_dict=True, e.g. config.return_dict = True, so that its .logits and .loss "
+            "are read by name)")
 
 
 def as_tuple(outputs) -> tuple:

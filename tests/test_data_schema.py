@@ -88,6 +88,8 @@ def test_one_vector_as_before_and_assembled_columns(typed):
     ({"inputs": []}, ConfigError, "inputs is empty"),
     ({"inputs": "tokens"}, ConfigError, "inputs must be a list"),
     ({"inputs": ["tokens", "tokens"]}, ConfigError, r"\['tokens'\] are bound more than once"),
+    ({"inputs": {"input_ids": "tokens"}, "label_col": "tokens"}, ConfigError,  # a causal LM's
+     r"once.*copy it: train_df.withColumn\('labels', F.col\('tokens'\)\)"),  # labels
     ({"inputs": ["tokens"], "label_col": []}, ConfigError, "label_col must be"),
     ({"inputs": ["tokens"], "weight_col": "tags"}, DataError,
      "weight column 'tags' has type array<int>"),

@@ -6,6 +6,7 @@ the logged adapters load back with `PeftModel.from_pretrained`."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
@@ -15,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+from sparkdl_avg import ConfigError, ModelError, TrainConfig, fit
+from sparkdl_avg._losses import make_objective
 
-from sparkdl_avg import ConfigError, ModelError, TrainConfig, fit  # noqa: E402
-from sparkdl_avg._losses import make_objective  # noqa: E402
+needs_hf = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("peft") is None,
+    reason="needs the hf extra (transformers, peft)")
 
 WINDOW = 32
 VOCAB = 256  # byte tokens
@@ -109,40 +111,7 @@ def frozen(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
 
 
-# ---- the objective on a ModelOutput, without Spark -------------------------------------
-
-
-def test_model_loss_is_the_outputs_loss_in_training_evaluation_and_step_weight():
-    model = lora_gpt2()
-    w = torch.as_tensor(byte_windows(6))[:, :-1]
-    out = model(input_ids=w, labels=w)
-    objective = make_objective("model", inputs=INPUTS)
-    assert objective.model_loss and not objective.classify
-    assert objective.model_labels((w,)) is w
-    assert torch.equal(objective(out, (w,)), out.loss)
-    sums = objective.evaluate(out, (w,))
-    assert sums.loss_weight.item() == 6 and sums.correct is None
-    assert sums.loss_sum.item() == pytest.approx(6 * out.loss.item(), rel=1e-12)
-    assert objective.step_weight((w,)).item() == 6  # rows, not tokens
-    with pytest.raises(ModelError, match=r"\.loss.*labels="):
-        objective(model(input_ids=w), (w,))  # no labels given: no .loss
-
-
-def test_a_built_in_loss_reads_a_model_outputs_logits_through_the_schema():
-    from sparkdl_avg.data.schema import DataSchema, FieldSpec
-
-    model = lora_gpt2().eval()
-    w = torch.as_tensor(byte_windows(4))
-    schema = DataSchema(inputs=(FieldSpec("input", "input_ids", "tokens", "_x0", "int64",
-                                          (WINDOW,)),),
-                        binding="keyword", labels=(), label_list=False)
-    with torch.no_grad():
-        logits = schema.call(model, (w[:, :-1],))
-        assert torch.equal(logits, model(input_ids=w[:, :-1]).logits)
-        loss = make_objective("cross_entropy")(logits, (w[:, 1:],))
-        by_hand = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                                    w[:, 1:].reshape(-1))
-    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-6)
+# ---- without Spark or Hugging Face --------------------------------------------------
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -155,88 +124,147 @@ def test_a_built_in_loss_reads_a_model_outputs_logits_through_the_schema():
 def test_model_loss_refuses_what_it_cannot_honour(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         make_objective("model", **kwargs)
+
+
+def test_model_loss_cannot_be_one_of_a_list_of_losses():
     with pytest.raises(ConfigError, match="cannot be one of a list"):
         make_objective(["model", "mse"], num_outputs=2)
 
 
-def test_adapters_of_a_plain_model_are_its_trainable_parameters_by_name(tmp_path):
-    from safetensors.torch import load_file
+def _keyword_schema(*names: str, label_dtype: str = "int32"):
+    from sparkdl_avg.data.schema import DataSchema, FieldSpec
 
-    from sparkdl_avg.tracking.adapters import TRAINABLE_FILE, save_adapters
-
-    def model_fn():
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        net[0].requires_grad_(False)  # a frozen backbone under a head
-        return net
-
-    trained = model_fn()
-    with torch.no_grad():
-        trained[1].weight.add_(1.0)
-    info = save_adapters(trained, str(tmp_path))
-    tensors = load_file(str(tmp_path / TRAINABLE_FILE))
-    assert sorted(tensors) == ["1.bias", "1.weight"] and info["format"] == "safetensors"
-    assert info["trainable_parameters"] == 18
-    loaded = model_fn()
-    loaded.load_state_dict(tensors, strict=False)  # as sparkdl_avg.json says
-    x = torch.randn(3, 4)
-    assert torch.equal(loaded(x), trained(x))
+    return DataSchema(inputs=tuple(FieldSpec("input", n, n, f"_x{i}", "int32", (WINDOW,))
+                                   for i, n in enumerate(names)),
+                      binding="keyword", labels=(FieldSpec("label", "labels", "labels", "_y0",
+                                                           label_dtype, (WINDOW,)),),
+                      label_list=False)
 
 
-def test_adapters_of_a_driver_without_the_frozen_weights_save_and_load(tmp_path):
-    """driver_model="meta": the driver's PEFT model holds only what trains (the rest on the
-    meta device); its adapters are saved from that, without assembling the whole model."""
-    from peft import PeftModel
+_RANGES = {"_x0": (0, 255), "_x1": (0, 1), "_y0": (0, 255)}
 
-    from sparkdl_avg.driver.meta_model import _make_real, build_on_meta
-    from sparkdl_avg.tracking.adapters import save_adapters
 
-    driver = build_on_meta(lora_gpt2)
-    _make_real(driver)  # as the initial state from an executor's build does
-    with torch.no_grad():
-        for p in driver.parameters():
-            if p.requires_grad:
-                p.fill_(0.01)  # trained values
-    assert any(p.is_meta for p in driver.parameters())  # the frozen base is not there
-    save_adapters(driver, str(tmp_path))
-    loaded = PeftModel.from_pretrained(gpt2().double(), str(tmp_path))
-    assert all(torch.all(p == 0.01) for n, p in loaded.named_parameters()
-               if "lora_" in n or ".modules_to_save." in n)
+class _NoLabels(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 4)
+
+    def forward(self, input_ids):
+        return self.emb(input_ids)
 
 
 def test_the_probe_refuses_a_model_loss_the_model_cannot_compute():
     from sparkdl_avg._model import check_model_takes_data
-    from sparkdl_avg.data.schema import DataSchema, FieldSpec
 
-    schema = DataSchema(inputs=(FieldSpec("input", "input_ids", "tokens", "_x0", "int32",
-                                          (WINDOW,)),),
-                        binding="keyword", labels=(FieldSpec("label", "labels", "labels", "_y0",
-                                                             "int32", (WINDOW,)),),
-                        label_list=False)
     objective = make_objective("model", inputs=INPUTS)
-    ranges = {"_x0": (0, 255), "_y0": (0, 255)}
-    check_model_takes_data(lora_gpt2(), schema, objective, dtype=torch.float64, ranges=ranges,
-                           longest={})
+    with pytest.raises(ModelError, match="labels=, but _NoLabels.forward has no such"):
+        check_model_takes_data(_NoLabels(), _keyword_schema("input_ids"), objective,
+                               dtype=torch.float32, ranges=_RANGES, longest={})
 
-    class NoLabels(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(VOCAB, 4)
-
-        def forward(self, input_ids):
-            return self.emb(input_ids)
-
-    with pytest.raises(ModelError, match="labels=, but NoLabels.forward has no such"):
-        check_model_takes_data(NoLabels(), schema, objective, dtype=torch.float32,
-                               ranges=ranges, longest={})
-
-    class TensorOut(NoLabels):
+    class TensorOut(_NoLabels):
         def forward(self, input_ids, labels=None):
             return self.emb(input_ids)
 
     with pytest.raises(ModelError, match=r"\.loss.*a tensor of shape \(2, 32, 4\)"):
-        check_model_takes_data(TensorOut(), schema, objective, dtype=torch.float32,
-                               ranges=ranges, longest={})
+        check_model_takes_data(TensorOut(), _keyword_schema("input_ids"), objective,
+                               dtype=torch.float32, ranges=_RANGES, longest={})
+
+    class KeywordsOnward(_NoLabels):  # **kwargs, but it names its parameters: no labels
+        def forward(self, input_ids, **kwargs):
+            return self.emb(input_ids)
+
+    with pytest.raises(ModelError, match="labels=, but KeywordsOnward.forward has no such"):
+        check_model_takes_data(KeywordsOnward(), _keyword_schema("input_ids"), objective,
+                               dtype=torch.float32, ranges=_RANGES, longest={})
+
+
+def test_a_forward_of_keywords_only_that_names_none_takes_any():
+    from sparkdl_avg._model import _check_keywords
+
+    class Anything(_NoLabels):
+        def forward(self, *args, **kwargs):
+            return self.emb(kwargs["input_ids"])
+
+    _check_keywords(Anything(), _keyword_schema("input_ids", "whatever"), model_loss=True)
+
+
+def test_a_tuple_output_is_refused_saying_return_dict():
+    """A transformers model built with return_dict=False returns (loss, logits, ...)."""
+    from sparkdl_avg._losses import check_outputs
+
+    w = torch.zeros(2, 4, dtype=torch.long)
+    as_tuple = (torch.tensor(1.0), torch.zeros(2, 4, VOCAB))
+    with pytest.raises(ModelError, match=r"tuple of 2.*return_dict=True"):
+        make_objective("model", inputs=INPUTS)(as_tuple, (w,))
+    with pytest.raises(ModelError, match=r"tuple of 2.*return_dict=True"):  # the probe's
+        check_outputs(make_objective("cross_entropy"), as_tuple, (w,), ["column 'next'"])
+
+
+def test_a_chunk_with_no_label_left_after_the_shift_has_loss_0_and_weight_0():
+    """A causal LM shifts its labels: rows of one token (the rest -100 pads) keep none, and
+    its loss is the mean of nothing, NaN. Such a chunk is 0 and weighs nothing, in
+    training (with a zero, finite gradient) and evaluation; a chunk with labels left keeps
+    the model's loss, and a NaN it gives with labels left stays NaN."""
+    objective = make_objective("model", inputs=INPUTS)
+    one_token = torch.tensor([[5, -100, -100], [7, -100, -100]])
+    logits = torch.zeros(2, 3, 8, requires_grad=True)
+    shifted = torch.nn.functional.cross_entropy(  # as a causal LM's loss: the mean of nothing
+        logits[:, :-1].reshape(-1, 8), one_token[:, 1:].reshape(-1), ignore_index=-100)
+    nan = {"loss": shifted, "logits": logits}
+    assert shifted.isnan()
+    loss = objective(nan, (one_token,))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+    sums = objective.evaluate(nan, (one_token,))
+    assert sums.loss_sum.item() == 0.0 and sums.loss_weight.item() == 0.0
+    left = torch.tensor([[5, 6, -100], [7, -100, -100]])
+    assert objective.evaluate({"loss": torch.tensor(2.0)}, (left,)).loss_sum.item() == 4.0
+    assert objective({"loss": torch.tensor(float("nan"))}, (left,)).isnan()
+    # [B] labels (a classifier's): a chunk keeps nothing only when every one is -100
+    assert objective.evaluate(nan, (torch.tensor([-100, -100]),)).loss_weight.item() == 0.0
+    assert objective({"loss": torch.tensor(float("nan"))}, (torch.tensor([1, -100]),)).isnan()
+
+
+def _bn_model():
+    """A frozen Linear, a BatchNorm in training mode (its affine frozen: only its statistics
+    train) and a trained Linear."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                              torch.nn.Linear(8, 2))
+    net[0].requires_grad_(False)
+    net[1].requires_grad_(False)
+    return net
+
+
+def test_adapters_of_a_plain_model_are_what_trained_by_name_buffers_included(tmp_path):
+    """What trained is what was averaged (the head, the BatchNorm's statistics) and the
+    counted buffers carried (num_batches_tracked), named while the model is in training
+    mode: the result is logged in eval mode, where those buffers would not count."""
+    from safetensors.torch import load_file
+
+    from sparkdl_avg.tracking.adapters import TRAINABLE_FILE, save_adapters, trained_names
+
+    trained = _bn_model()
+    trained(torch.randn(16, 4) * 3 + 1)  # training mode: the statistics move
+    with torch.no_grad():
+        trained[2].weight.add_(1.0)
+    names = trained_names(trained)
+    info = save_adapters(trained.eval(), str(tmp_path), names)
+    tensors = load_file(str(tmp_path / TRAINABLE_FILE))
+    assert sorted(tensors) == ["1.num_batches_tracked", "1.running_mean", "1.running_var",
+                               "2.bias", "2.weight"]
+    assert info["format"] == "safetensors" and info["trained_values"] == 18 + 16
+    loaded = _bn_model()
+    loaded.load_state_dict(tensors, strict=False)  # as sparkdl_avg.json says
+    x = torch.randn(3, 4)
+    assert torch.equal(loaded.eval()(x), trained(x))
+    assert torch.equal(loaded[1].num_batches_tracked, torch.tensor(1))
+
+
+def test_adapters_are_refused_a_registered_model():
+    with pytest.raises(ConfigError, match="'adapters' logs files"):
+        TrainConfig(log_model="adapters", registered_model_name="lm")
 
 
 def test_a_ragged_label_is_the_models_to_mask_only_when_it_is_padded_with_minus_100():
@@ -256,9 +284,166 @@ def test_a_ragged_label_is_the_models_to_mask_only_when_it_is_padded_with_minus_
         check_ragged_labels(schema("float32"), make_objective("model", inputs=INPUTS))
 
 
-def test_adapters_are_refused_a_registered_model():
-    with pytest.raises(ConfigError, match="'adapters' logs files"):
-        TrainConfig(log_model="adapters", registered_model_name="lm")
+# ---- Hugging Face models, without Spark ------------------------------------------------
+
+
+@needs_hf
+def test_model_loss_is_the_outputs_loss_in_training_evaluation_and_step_weight():
+    model = lora_gpt2()
+    w = torch.as_tensor(byte_windows(6))[:, :-1]
+    out = model(input_ids=w, labels=w)
+    objective = make_objective("model", inputs=INPUTS)
+    assert objective.model_loss and not objective.classify
+    assert objective.model_labels((w,)) is w
+    assert torch.equal(objective(out, (w,)), out.loss)
+    sums = objective.evaluate(out, (w,))
+    assert sums.loss_weight.item() == 6 and sums.correct is None
+    assert sums.loss_sum.item() == pytest.approx(6 * out.loss.item(), rel=1e-12)
+    assert objective.step_weight((w,)).item() == 6  # rows, not tokens
+    with pytest.raises(ModelError, match=r"\.loss.*labels="):
+        objective(model(input_ids=w), (w,))  # no labels given: no .loss
+
+
+@needs_hf
+def test_a_causal_lms_chunk_of_one_token_rows_is_0_not_nan():
+    model = lora_gpt2()
+    one_token = torch.tensor([[40, -100, -100], [41, -100, -100]])
+    out = model(input_ids=one_token.clamp(min=0), labels=one_token)
+    assert out.loss.isnan()  # the model's own: the mean over no label
+    objective = make_objective("model", inputs=INPUTS)
+    assert objective(out, (one_token,)).item() == 0.0
+    assert objective.evaluate(out, (one_token,)).loss_weight.item() == 0.0
+
+
+@needs_hf
+def test_a_built_in_loss_reads_a_model_outputs_logits_through_the_schema():
+    from sparkdl_avg.data.schema import DataSchema, FieldSpec
+
+    model = lora_gpt2().eval()
+    w = torch.as_tensor(byte_windows(4))
+    schema = DataSchema(inputs=(FieldSpec("input", "input_ids", "tokens", "_x0", "int64",
+                                          (WINDOW,)),),
+                        binding="keyword", labels=(), label_list=False)
+    with torch.no_grad():
+        logits = schema.call(model, (w[:, :-1],))
+        assert torch.equal(logits, model(input_ids=w[:, :-1]).logits)
+        loss = make_objective("cross_entropy")(logits, (w[:, 1:],))
+        by_hand = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                    w[:, 1:].reshape(-1))
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-6)
+
+
+@needs_hf
+@pytest.mark.parametrize("wrapped", [False, True], ids=["gpt2", "peft"])
+def test_a_misspelled_input_is_refused_though_forward_takes_kwargs(wrapped):
+    """transformers 5's forward (and PEFT's, (*args, **kwargs)) takes **kwargs, which would
+    swallow `attn_mask`: the model would train unmasked. The names of the forwards along
+    the wrapped chain are what may be bound."""
+    from sparkdl_avg._model import check_model_takes_data
+
+    model = lora_gpt2() if wrapped else gpt2().double()
+    assert any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters
+               .values())
+    objective = make_objective("model", inputs=INPUTS)
+    check_model_takes_data(model, _keyword_schema("input_ids", "attention_mask"), objective,
+                           dtype=torch.float64, ranges=_RANGES, longest={})
+    with pytest.raises(ModelError, match=r"inputs binds 'attn_mask'.*\(did you mean "
+                                         r"'attention_mask'\?\); its parameters"):
+        check_model_takes_data(model, _keyword_schema("input_ids", "attn_mask"), objective,
+                               dtype=torch.float64, ranges=_RANGES, longest={})
+
+
+@needs_hf
+def test_a_model_loss_is_scored_by_the_models_problem_type_else_its_logits():
+    """loss="model" says nothing of the head: a Hugging Face classifier's problem_type does
+    (set by its forward from the labels, as in the driver's probe), else the logits' width."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from sparkdl_avg._model import check_model_takes_data
+    from sparkdl_avg._model_output import model_head
+
+    def classifier(labels: int, problem_type=None):
+        torch.manual_seed(0)
+        return GPT2ForSequenceClassification(GPT2Config(
+            n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=WINDOW,
+            num_labels=labels, pad_token_id=0, problem_type=problem_type)).double()
+
+    from sparkdl_avg.data.schema import DataSchema, FieldSpec
+
+    def schema(dtype, shape):
+        return DataSchema(inputs=(FieldSpec("input", "input_ids", "t", "_x0", "int32",
+                                            (WINDOW,)),),
+                          binding="keyword", label_list=False,
+                          labels=(FieldSpec("label", "labels", "y", "_y0", dtype, shape),))
+
+    objective = make_objective("model", inputs=INPUTS)
+    probe = {"dtype": torch.float64, "ranges": {"_x0": (0, 255), "_y0": (0, 2)},
+             "longest": {}}
+    regression = classifier(1)
+    out = check_model_takes_data(regression, schema("float64", ()), objective, **probe)
+    assert regression.config.problem_type == "regression"
+    assert model_head(regression, out) == "value"
+    labelled = classifier(3)
+    out = check_model_takes_data(labelled, schema("int32", ()), objective, **probe)
+    assert model_head(labelled, out) == "class"
+    multi = classifier(3, "multi_label_classification")
+    assert model_head(multi, None) == "multilabel"
+    assert model_head(gpt2(), None) == "class"  # no problem_type, no output (a meta driver)
+    assert model_head(torch.nn.Linear(2, 1), torch.zeros(4, 1)) == "value"
+    assert model_head(torch.nn.Linear(2, 3), {"logits": torch.zeros(4, 3)}) == "class"
+
+
+@needs_hf
+def test_adapters_of_a_driver_without_the_frozen_weights_save_and_load(tmp_path):
+    """driver_model="meta": the driver's PEFT model holds only what trains (the rest on the
+    meta device); its adapters are saved from that, without assembling the whole model."""
+    from peft import PeftModel
+
+    from sparkdl_avg.driver.meta_model import _make_real, build_on_meta
+    from sparkdl_avg.tracking.adapters import save_adapters, trained_names
+
+    driver = build_on_meta(lora_gpt2)
+    _make_real(driver)  # as the initial state from an executor's build does
+    with torch.no_grad():
+        for p in driver.parameters():
+            if p.requires_grad:
+                p.fill_(0.01)  # trained values
+    assert any(p.is_meta for p in driver.parameters())  # the frozen base is not there
+    info = save_adapters(driver, str(tmp_path), trained_names(driver))
+    assert "not_in_adapters" not in info  # PEFT's file holds all that trained
+    loaded = PeftModel.from_pretrained(gpt2().double(), str(tmp_path))
+    assert all(torch.all(p == 0.01) for n, p in loaded.named_parameters()
+               if "lora_" in n or ".modules_to_save." in n)
+
+
+@needs_hf
+def test_adapters_of_a_peft_model_add_what_trained_that_peft_does_not_save(tmp_path):
+    """LoRA on both Linears of `_bn_model`: PEFT saves the adapters; the base's BatchNorm in
+    training mode trained its statistics too, which PEFT's file leaves out."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+
+    from sparkdl_avg.tracking.adapters import NOT_IN_ADAPTERS_FILE, save_adapters, trained_names
+
+    def lora():
+        return get_peft_model(_bn_model(), LoraConfig(r=2, target_modules=["0", "2"]))
+
+    trained = lora()
+    trained(torch.randn(16, 4) * 3 + 1)
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.1)
+    info = save_adapters(trained.eval(), str(tmp_path), trained_names(trained.train()))
+    rest = load_file(str(tmp_path / NOT_IN_ADAPTERS_FILE))
+    assert sorted(rest) == sorted(info["not_in_adapters"]) == [
+        f"base_model.model.1.{b}" for b in ("num_batches_tracked", "running_mean",
+                                            "running_var")]
+    assert NOT_IN_ADAPTERS_FILE in info["load"]
+    loaded = PeftModel.from_pretrained(_bn_model(), str(tmp_path))
+    loaded.load_state_dict(rest, strict=False)  # as sparkdl_avg.json says
+    x = torch.randn(3, 4)
+    assert torch.equal(loaded.eval()(x), trained.eval()(x))
 
 
 # ---- fits ----------------------------------------------------------------------------
@@ -375,3 +560,29 @@ def test_a_restart_after_a_fault_gives_bit_identical_adapters(own_loss, text, he
     assert result.failures[0]["restart_at"] == "round 2"  # mid-training: 6 rounds in all
     a, b = trainable(own_loss.model), trainable(result.model)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.spark
+def test_logged_adapters_of_a_fit_hold_the_batchnorm_statistics_it_trained(spark,
+                                                                          mlflow_client):
+    """The fit names what trained before its result goes to eval mode: the logged file
+    holds the BatchNorm's averaged statistics, and loads into `model_fn()` as the result."""
+    from safetensors.torch import load_file
+
+    from sparkdl_avg.tracking.adapters import TRAINABLE_FILE
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(2.0, 3.0, (64, 4))
+    frame = spark.createDataFrame([(row.tolist(), int(row[0] > 2)) for row in x],
+                                  "features array<double>, label int")
+    result = fit(frame, _bn_model, TrainConfig(num_workers=2, epochs=1, batch_size=8,
+                                               averaging_frequency=2, experiment_name="hf",
+                                               log_model="adapters"))
+    folder = mlflow_client.download_artifacts(result.run_id, "adapters")
+    tensors = load_file(os.path.join(folder, TRAINABLE_FILE))
+    assert {"1.running_mean", "1.running_var", "1.num_batches_tracked"} <= set(tensors)
+    assert torch.equal(tensors["1.running_mean"], result.model[1].running_mean)
+    loaded = _bn_model()
+    loaded.load_state_dict(tensors, strict=False)
+    probe = torch.as_tensor(x[:5], dtype=torch.float32)
+    assert torch.equal(loaded.eval()(probe), result.model(probe))

@@ -110,8 +110,19 @@ def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col,
     if len(set(wires)) != len(wires):  # the same column twice: a mistake, not a model
         twice = sorted({c for c in wires if wires.count(c) > 1})
         raise ConfigError(f"column(s) {twice} are bound more than once among inputs, "
-                          "labels and the weight")
+                          f"labels and the weight{_copy_hint(sources, twice[0])}")
     return Binding(tuple(sources), binding, label_list)
+
+
+def _copy_hint(sources, column: str) -> str:
+    """For an input that is its own label (a causal LM's labels = input_ids): how to copy
+    it, since each bound column is carried once, for one role."""
+    roles = {s.role for s in sources if s.column == column}
+    if roles != {"input", "label"}:
+        return ""
+    return (f". To give an input as the labels too (a causal LM under loss='model' shifts "
+            f"its input_ids itself), copy it: train_df.withColumn('labels', "
+            f"F.col('{column}')) and label_col='labels'")
 
 
 def _source(df: DataFrame, role: str, name: str, column, wire: str, argument: str,

@@ -21,6 +21,7 @@ from sparkdl_avg._model import (
     model_dtype,
     pickle_for_executors,
 )
+from sparkdl_avg._model_output import model_head
 from sparkdl_avg.averaging.flat_buffer import averaged_tensors, wire_dtype
 from sparkdl_avg.averaging.frozen import Fingerprint
 from sparkdl_avg.data.order import epoch_length, padded_rows
@@ -30,6 +31,7 @@ from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
 from sparkdl_avg.driver.meta_model import assemble, build_on_meta, initial_state
 from sparkdl_avg.ps.shards import bounds as shard_bounds
+from sparkdl_avg.scoring.outputs import heads_of
 from sparkdl_avg.task.optimizer_step import check_schedule
 from sparkdl_avg.task.schedule import Schedule, make_schedule
 from sparkdl_avg.task.spec import WorkerSpec
@@ -68,6 +70,9 @@ class FitPlan:
     model_schema: DataSchema | None = None
     """With `fit(preprocess=)`: the fields the model gets (what preprocess returned for a
     sample of train_df); `data.schema` stays what is carried and cached. None: the same."""
+    heads: tuple[str, ...] = ()
+    """Each output's scoring head (`scoring.outputs`): from the loss, or under loss="model"
+    from the model and its probe output (`_model_output.model_head`)."""
 
     def trained_model(self) -> torch.nn.Module:
         """The whole trained model, in eval mode: `model` itself, or with
@@ -152,9 +157,12 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     if meta:  # what trains made real, from an executor's build (which takes the probe batch)
         frozen = initial_state(spark, model, pickled=pickled, seed=config.seed, data=data,
                                deadline_s=config.waits().connect)
+        probed = None  # the executor ran the probe: the driver's model has no outputs
     else:
-        check_model_takes_data(model, model_schema or data.schema, objective, dtype=dtype,
-                               ranges=data.ranges, longest=data.longest, batch=sample)
+        probed = check_model_takes_data(model, model_schema or data.schema, objective,
+                                        dtype=dtype, ranges=data.ranges, longest=data.longest,
+                                        batch=sample)
+    heads = (model_head(model, probed),) if objective.model_loss else heads_of(objective)
     smallest = min(data.train_sizes)
     if smallest < config.batch_size:
         raise DataError(
@@ -179,7 +187,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,
                    objective=objective, pickled=pickled, params=params, resume=resume,
                    frozen=frozen, on_round=on_round,
-                   model_fn=model_fn, model_schema=model_schema)
+                   model_fn=model_fn, model_schema=model_schema, heads=heads)
 
 
 def check_preprocess(preprocess, config: TrainConfig) -> None:

@@ -2,9 +2,10 @@
 is written for it (`OutputSpec`, decided on the driver from one run on the probe batch), and
 the conversion of an output tensor to an Arrow column without a loop over rows.
 
-A head is "class" (cross_entropy, or loss="model": logits, class last, as a Hugging Face
-model's are), "multilabel" (bce_with_logits: one logit per label) or "value" (anything
-else). What is written (`output=`):
+A head is "class" (cross_entropy: logits, class last, as a Hugging Face model's are),
+"multilabel" (bce_with_logits: one logit per label) or "value" (anything else); under
+loss="model" the model's own (`_model_output.model_head`: its config's problem_type, else the
+width of its logits). What is written (`output=`):
 - "prediction": a class head's argmax over its last dimension (long), a multilabel head's
   logits > 0 (long, 0 or 1), a value head's value (double);
 - "probability": softmax over the class dimension, the sigmoid of a multilabel head's logits;

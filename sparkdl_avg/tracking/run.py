@@ -297,11 +297,12 @@ class RunLogger:
                       pip_requirements=requirements,
                       registered_model_name=registered_model_name)
 
-    def log_adapters(self, model) -> None:
-        """What trained (`tracking/adapters`), under the run's `adapters/` artifacts."""
+    def log_adapters(self, model, trained: tuple[str, ...]) -> None:
+        """What trained (`trained`: its names, `tracking/adapters`), under the run's
+        `adapters/` artifacts."""
         from sparkdl_avg.tracking.adapters import log_adapters
 
-        log_adapters(self._client, self.run_id, model)
+        log_adapters(self._client, self.run_id, model, trained)
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(_FLUSH_EVERY_S):
