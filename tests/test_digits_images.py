@@ -5,6 +5,8 @@ and torchvision's class numbering (sorted folder names). The job itself runs in 
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -103,6 +105,21 @@ def test_augmentation_is_a_function_of_the_rng(digits):
 
     np.testing.assert_array_equal(augment(0), augment(0))  # same seed: bit-identical
     assert not np.array_equal(augment(0), augment(1))
+
+
+def test_decode_travels_to_executors_as_the_fit_sends_it(digits):
+    from sparkdl_avg._model import pickle_for_executors
+
+    _, contents, _, _ = digits
+    decode = di.Decode(size=(6, 6), max_shift=2)
+    sent = pickle_for_executors("preprocess", decode)
+    assert b"sparkdl_avg.examples.digits_images" in sent  # by reference: executors import it
+    received = pickle.loads(sent)
+    assert received == decode
+    batch = {"content": contents}
+    np.testing.assert_array_equal(
+        received(batch, training=True, rng=np.random.default_rng(3))["content"],
+        decode(batch, training=True, rng=np.random.default_rng(3))["content"])
 
 
 def test_the_cnn_takes_the_decoded_batch(digits):
