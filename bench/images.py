@@ -23,11 +23,16 @@ Adam with the same lr, averaging every 8 steps, `preprocess_threads=2`. Each sid
 fresh process (ours: a fresh local[2] session with `SPARK_CONF`, its first fit cold, the rest
 warm); `--repeats` runs each; medians.
 
+Last, `job_defaults`: one fit as `python jobs/train_images.py --no-log-model` runs it (the
+1,797 digits at 8x8, 10% held out by path, 10 epochs), in a fresh session: its held-out
+accuracy and loss, and images per second.
+
 NEEDS issue 31's core (`fit(preprocess=)`, binary columns, `TrainConfig.preprocess_threads`:
 branch wt-31data): until it is in, the run records plain torch only and says why ours is
 missing.
 
     python bench/images.py [--repeats 3] [--epochs 3] [--image-size 32] [--batch-size 32]
+        [--job-epochs 10]
 """
 
 from __future__ import annotations
@@ -171,6 +176,31 @@ def our_side(folder: str, size: int, batch: int, epochs: int, repeats: int) -> d
         spark.stop()
 
 
+def job_defaults(folder: str, epochs: int) -> dict:
+    """One fit as the job runs it by default (its data, split, model and settings), in a
+    fresh session: the README's accuracy."""
+    from sparkdl_avg import SPARK_CONF, TrainConfig, fit
+    from sparkdl_avg.examples import digits_images as di
+
+    spark = local_session(2, **SPARK_CONF)
+    try:
+        train_df, eval_df, classes = di.read_image_folder(spark, folder)
+        images, held_out = train_df.count(), eval_df.count()
+        config = TrainConfig(num_workers=2, epochs=epochs, batch_size=32, optimizer="adam",
+                             lr=LR, seed=SEED, averaging_frequency=FREQUENCY, log_model=False,
+                             experiment_name="bench-images")
+        result = fit(train_df, di.cnn(1, len(classes), WIDTH, SEED), config,
+                     features_col="content", label_col="label", eval_df=eval_df,
+                     preprocess=di.Decode())
+    finally:
+        spark.stop()
+    final = result.history[-1]
+    return {"epochs": epochs, "train_images": images, "held_out_images": held_out,
+            "eval_accuracy": final["eval_accuracy"], "eval_loss": final["eval_loss"],
+            "images_per_s": images * epochs / result.timings["train_s"],
+            "train_s": result.timings["train_s"], "wall_s": result.timings["total_s"]}
+
+
 def medians(runs: list[dict]) -> dict:
     keys = [k for k, v in runs[0].items() if isinstance(v, float)]
     return {k: median([r[k] for r in runs]) for k in keys} | {"runs": len(runs)}
@@ -198,13 +228,18 @@ def main() -> None:
                         "batch sizes (default: the global batch, 2 x --batch-size)")
     parser.add_argument("--torch-threads", type=int, nargs="+", default=[1, 2],
                         help="plain torch's training threads, each run")
-    parser.add_argument("--side", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--job-epochs", type=int, default=10,
+                        help="one more fit as the job runs it, with its held-out files (0: none)")
+    parser.add_argument("--side", choices=["ours", "torch", "job"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
     size, b = args.image_size, args.batch_size
     batches = [b, *(args.torch_batch if args.torch_batch is not None else [2 * b])]
     if args.side == "ours":
         print(json.dumps(our_side(args.folder, size, b, args.epochs, args.repeats)))
+        return
+    if args.side == "job":
+        print(json.dumps(job_defaults(args.folder, args.job_epochs)))
         return
     if args.side == "torch":
         print(json.dumps(torch_side(args.folder, size, batches, args.torch_threads,
@@ -220,16 +255,21 @@ def main() -> None:
                   "--torch-batch", *map(str, batches[1:]),
                   "--torch-threads", *map(str, args.torch_threads)]
         plain = in_fresh_process(__file__, "--side", "torch", *common, env=env)
-        ours = None
+        ours = job = None
         if has_preprocess():
             ours = in_fresh_process(__file__, "--side", "ours", *common, env=env)
+            if args.job_epochs:
+                di.write_digits(f"{folder}/job")  # the job's own files: the digits at 8x8
+                job = in_fresh_process(__file__, "--side", "job", "--folder", f"{folder}/job",
+                                       "--job-epochs", str(args.job_epochs), env=env)
         else:
             logging.warning("ours not run: %s", MISSING)
     report("images", {
         "files": files, "image_size": size, "batch_size": b, "epochs": args.epochs,
         "repeats": args.repeats, "torch_threads": args.torch_threads,
         "model": {"cnn_width": WIDTH, "lr": LR},
-        "summary": summary(ours, plain, b), "runs": {"ours": ours, "plain_torch": plain}})
+        "summary": summary(ours, plain, b), "job_defaults": job,
+        "runs": {"ours": ours, "plain_torch": plain}})
 
 
 if __name__ == "__main__":
