@@ -6,6 +6,8 @@ and torchvision's class numbering (sorted folder names). The job itself runs in 
 from __future__ import annotations
 
 import pickle
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,7 +137,8 @@ def test_the_cnn_takes_the_decoded_batch(digits):
 
 
 @pytest.mark.spark
-def test_spark_reads_the_files_bytes_and_labels_from_their_folders(spark, tmp_path):
+def test_spark_reads_the_files_bytes_and_labels_from_their_folders(spark, tmp_path,
+                                                                    tmp_path_factory):
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (30, 4, 4), dtype=np.uint8)
     labels = np.arange(30) % 3
@@ -154,7 +157,10 @@ def test_spark_reads_the_files_bytes_and_labels_from_their_folders(spark, tmp_pa
                 for r in held_out.collect()}
     assert got_train and got_eval and not set(got_train) & set(got_eval)
     assert {**got_train, **got_eval} == want
-    _, none_held, _ = di.read_image_folder(spark, str(tmp_path), eval_percent=0)
-    assert none_held.count() == 0
+    copy = tmp_path_factory.mktemp("elsewhere") / "tree"
+    shutil.copytree(tmp_path, copy)  # the split is by "<class>/<file>", not where it lives
+    _, copy_held, _ = di.read_image_folder(spark, str(copy), eval_percent=30)
+    assert ({r.path.removeprefix(f"file:{copy}/") for r in copy_held.select("path").collect()}
+            == {str(Path(p).relative_to(tmp_path)) for p in got_eval})
     with pytest.raises(ValueError, match="no files matching"):
         di.read_image_folder(spark, str(tmp_path), glob="*.gif")

@@ -6,7 +6,8 @@ bytes and decoded in `fit(..., preprocess=)`: the images job's and the images be
 - `read_image_folder`: one row per file with Spark's `binaryFile` source (`path`, `content`:
   the file's bytes) and its label from the path in Spark SQL (`regexp_extract` of the class
   folder, numbered in sorted order as torchvision's ImageFolder numbers them), split by a hash
-  of the path, so the split does not depend on partitioning.
+  of the file's class folder and name, so the split depends on neither partitioning nor where
+  the tree lives (a temporary folder each run).
 - `Decode`: the `preprocess(batch, *, training, rng)` step: PNG/JPEG bytes -> float32
   [B, C, H, W] in [0, 1], with a random shift of up to `max_shift` pixels drawn from `rng` in
   training (reproducible: the fit seeds `rng` from the step). PIL decodes with the GIL
@@ -94,8 +95,8 @@ def _class_of(path_col: str):
 def read_image_folder(spark, folder: str, *, glob: str = IMAGE_GLOB, eval_percent: int = 10):
     """(train_df, eval_df, classes): the image files under `folder` (any depth; `glob` picks
     the names), each a row of `path` (string), `content` (binary: the file's bytes) and
-    `label` (int: the class folder's index in `classes`, sorted names); a hash of the path
-    puts `eval_percent` of the files in eval_df."""
+    `label` (int: the class folder's index in `classes`, sorted names); a hash of
+    "<class>/<file>" puts `eval_percent` of the files in eval_df."""
     from pyspark.sql import functions as sf
     from pyspark.sql.types import IntegerType
 
@@ -106,7 +107,8 @@ def read_image_folder(spark, folder: str, *, glob: str = IMAGE_GLOB, eval_percen
         raise ValueError(f"no files matching {glob!r} under {folder}")
     index = sf.array_position(sf.array(*map(sf.lit, classes)), _class_of("path")) - 1
     rows = files.select("path", "content", index.cast(IntegerType()).alias("label"))
-    held_out = sf.pmod(sf.xxhash64("path"), sf.lit(100)) < eval_percent
+    name = sf.regexp_extract("path", r"([^/]+/[^/]+)$", 1)  # the same in any copy
+    held_out = sf.pmod(sf.xxhash64(name), sf.lit(100)) < eval_percent
     return rows.where(~held_out), rows.where(held_out), classes
 
 
