@@ -24,7 +24,7 @@ fresh process (ours: a fresh local[2] session with `SPARK_CONF`, its first fit c
 warm); `--repeats` runs each; medians.
 
 Last, `job_defaults`: one fit as `python jobs/train_images.py --no-log-model` runs it (the
-1,797 digits at 8x8, 10% held out by path, 10 epochs), in a fresh session: its held-out
+1,797 digits at 8x8, 10% held out by class/name, 10 epochs), in a fresh session: its held-out
 accuracy and loss, and images per second.
 
 NEEDS issue 31's core (`fit(preprocess=)`, binary columns, `TrainConfig.preprocess_threads`:

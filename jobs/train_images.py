@@ -27,7 +27,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--size", type=int, default=8, help="images are decoded to size x size")
     p.add_argument("--channels", type=int, choices=[1, 3], default=1, help="1 gray, 3 RGB")
     p.add_argument("--max-shift", type=int, default=1, help="augmentation: random shift, px")
-    p.add_argument("--eval-percent", type=int, default=10, help="files held out (by path)")
+    p.add_argument("--eval-percent", type=int, default=10, help="files held out (by class/name)")
     p.add_argument("--width", type=int, default=32, help="the CNN's channels")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="images per worker step")
