@@ -188,8 +188,10 @@ def fit(
     or the MLflow run id of a fit whose driver died; it continues from that fit's newest
     checkpoint. `on_round`: called with each logged round's metrics (and "round"); True stops
     the fit there. `preprocess`: fn(batch, *, training, rng) -> dict, run on each
-    minibatch's raw columns off the training thread (binary columns arrive as bytes); what it
-    returns is what the model gets. See README for the full contract."""
+    minibatch's raw columns off the training thread (binary columns arrive as a list of bytes;
+    Spark's image source struct as {"data": list of bytes, "height", "width", "nChannels",
+    "mode": int32 arrays}, without its origin); what it returns is what the model gets. See
+    README for the full contract."""
     config = TrainConfig() if config is None else config
     t_start = time.perf_counter()
     # The run opens before any check (on a thread of its own, while the checks run), so every

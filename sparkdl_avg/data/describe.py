@@ -15,6 +15,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sparkdl_avg._errors import ConfigError, DataError
+from sparkdl_avg.data.schema import IMAGE_FIELDS
 
 DEFAULT_FEATURES = "features"
 _INTS = {T.ByteType: "int8", T.ShortType: "int16", T.IntegerType: "int32",
@@ -26,7 +27,8 @@ _REFUSED = {
     T.BinaryType: "a binary column (image files, encoded records) needs fit(preprocess=fn) "
                   "to decode it, or decode it into arrays on the Spark side",
     T.MapType: "turn a map into arrays or separate columns",
-    T.StructType: "select the struct's fields as columns of their own",
+    T.StructType: "select the struct's fields as columns of their own (Spark's image "
+                  "source struct is read with fit(preprocess=fn))",
 }
 
 
@@ -171,7 +173,7 @@ def classify_type(dtype: T.DataType, column: str, frame_name: str, role: str = "
     (a preprocess decodes it); nothing is decoded by guess."""
     if type(dtype).__name__ == "VectorUDT":
         return "float", None, 1, True
-    if encoded and isinstance(dtype, T.BinaryType):
+    if encoded and (isinstance(dtype, T.BinaryType) or is_image_struct(dtype)):
         if role == "weight":
             raise DataError(f"{frame_name} weight column {column!r} is binary; a weight is "
                             "one number >= 0 per row")
@@ -190,6 +192,23 @@ def classify_type(dtype: T.DataType, column: str, frame_name: str, role: str = "
     what = {"input": "", "label": "label ", "weight": "weight "}[role]
     raise DataError(f"{frame_name} {what}column {column!r} has type {dtype.simpleString()}, "
                     f"which no model takes: {hint}")
+
+
+def is_image_struct(dtype: T.DataType) -> bool:
+    """Spark's `image` source struct: `data` binary, its size and mode as ints."""
+    if not isinstance(dtype, T.StructType):
+        return False
+    types = {f.name: f.dataType for f in dtype.fields}
+    return isinstance(types.get("data"), T.BinaryType) and all(
+        isinstance(types.get(n), T.IntegerType) for n in IMAGE_FIELDS)
+
+
+def pack_image(col: Column) -> Column:
+    """An image struct as one binary value (the header, then `data`), so it is validated,
+    carried and cached like any binary column; `feed.raw_batch` splits it again. A null
+    image, or a null field, gives null (refused by validation, naming the column)."""
+    header = [F.unhex(F.lpad(F.hex(col[n]), 8, "0")) for n in IMAGE_FIELDS]
+    return F.concat(*header, col["data"])
 
 
 def carried_type(source: Source, float_type: T.DataType) -> T.DataType:
@@ -222,6 +241,8 @@ def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str
 
         name = "float64" if isinstance(float_type, T.DoubleType) else "float32"
         return vector_to_array(col, dtype=name).alias(source.wire)
+    if kind == "bytes" and is_image_struct(field.dataType):
+        return pack_image(col).alias(source.wire)
     return col.cast(carried_type(source, float_type)).alias(source.wire)
 
 

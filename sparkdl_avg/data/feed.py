@@ -26,7 +26,7 @@ from sparkdl_avg._errors import DataError, PreprocessError
 from sparkdl_avg.data.arrow_columns import pad
 from sparkdl_avg.data.cache import batch_of
 from sparkdl_avg.data.ragged import longest, pad_counts
-from sparkdl_avg.data.schema import Batch, DataSchema, FieldSpec
+from sparkdl_avg.data.schema import IMAGE_FIELDS, Batch, DataSchema, FieldSpec
 
 _POLL_S = 1.0
 EVAL_STREAM = 1 << 31
@@ -54,22 +54,47 @@ def join_parts(schema: DataSchema, parts: list[list]) -> list:
     return out
 
 
+def _records(values: np.ndarray, lengths: np.ndarray, skip: int = 0) -> list[bytes]:
+    """Each row's bytes (after its first `skip`), from the flat values and the lengths."""
+    buffer, ends = values.tobytes(), np.cumsum(lengths)
+    return [buffer[a:b] for a, b in zip((ends - lengths + skip).tolist(), ends.tolist(),
+                                        strict=True)]
+
+
+def _image(values: np.ndarray, lengths: np.ndarray) -> dict:
+    """A packed image struct's rows (`describe.pack_image`) as {"data": list of bytes, and
+    per int field an int32 array}: the headers are gathered at once, not row by row."""
+    starts = np.cumsum(lengths) - lengths
+    width = 4 * len(IMAGE_FIELDS)
+    header = values[starts[:, None] + np.arange(width)].reshape(len(lengths), width)
+    ints = header.view(">i4").astype(np.int32)
+    out = {"data": _records(values, lengths, skip=width)}
+    out.update({name: ints[:, i] for i, name in enumerate(IMAGE_FIELDS)})
+    return out
+
+
 def raw_batch(schema: DataSchema, joined: list) -> dict:
-    """What `preprocess` gets, by column: an encoded field as a list of `bytes`, a ragged
-    numeric one as a list of arrays, a fixed-shape one as an array `[rows, *shape]`."""
+    """What `preprocess` gets, by column: an encoded field as a list of `bytes` (Spark's image
+    struct as a dict: "data" a list of `bytes`, "height", "width", "nChannels", "mode" int32
+    arrays), a ragged numeric one as a list of arrays, a fixed-shape one as an array
+    `[rows, *shape]`."""
     out = {}
     for field, value in zip(schema.fields, joined, strict=True):
-        if field.encoded:
-            values, lengths = value
-            buffer, ends = values.tobytes(), np.cumsum(lengths)
-            out[field.key] = [buffer[a:b] for a, b in zip((ends - lengths).tolist(),
-                                                            ends.tolist(), strict=True)]
+        if field.image:
+            out[field.key] = _image(*value)
+        elif field.encoded:
+            out[field.key] = _records(*value)
         elif field.ragged:
             values, lengths = value
             out[field.key] = np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
         else:
             out[field.key] = value
     return out
+
+
+def _rows(value) -> int:
+    """Rows in one field's joined value (an array, or a ragged field's (values, lengths))."""
+    return len(value[1]) if isinstance(value, tuple) else len(value)
 
 
 def _as_array(value, field: FieldSpec, rows: int) -> np.ndarray:
@@ -146,7 +171,7 @@ class Preprocessor:
     def __call__(self, parts: list[list], *, training: bool, rng) -> Batch:
         joined = join_parts(self.raw, parts)
         batch = raw_batch(self.raw, joined)
-        rows = len(next(iter(batch.values())))
+        rows = _rows(joined[0])
         try:
             out = self.fn(batch, training=training, rng=rng)
         except Exception as exc:

@@ -18,6 +18,11 @@ IGNORE_INDEX = -100
 """The pad of a ragged integer label: the built-in cross-entropy ignores it."""
 
 
+IMAGE_FIELDS = ("height", "width", "nChannels", "mode")
+"""The integers of Spark's `image` source struct that reach `preprocess` (`origin` does not),
+carried in this order as a 16-byte big-endian header before the pixels
+(`describe.pack_image`)."""
+
 @dataclass(frozen=True, slots=True)
 class FieldSpec:
     """One column of the data as the model sees it."""
@@ -42,6 +47,12 @@ class FieldSpec:
     encoded: bool = False
     """A binary column (an image file, an encoded record): carried and cached as a ragged
     uint8 field, handed to `fit(preprocess=)` as `bytes`, never to the model itself."""
+
+    @property
+    def image(self) -> bool:
+        """An encoded field from Spark's `image` source struct (the only struct carried):
+        its bytes are a header of ints before the pixels (`describe.pack_image`)."""
+        return self.encoded and self.source.startswith("struct<")
 
     @property
     def ragged(self) -> bool:
@@ -136,6 +147,12 @@ class DataSchema:
     @property
     def input_names(self) -> list[str]:
         return [f.name for f in self.inputs]
+
+    @property
+    def image(self) -> bool:
+        """An encoded field from Spark's `image` source struct (the only struct carried):
+        its bytes are a header of ints before the pixels (`describe.pack_image`)."""
+        return self.encoded and self.source.startswith("struct<")
 
     @property
     def ragged(self) -> bool:
