@@ -177,7 +177,8 @@ def test_async_lockstep_decodes_as_sync_does(records, decoded):
 
 @pytest.fixture(scope="module")
 def augmented(records):
-    return _fit(records, preprocess=_augment)
+    """Logged too: its MLflow model carries the preprocess (training=False when scoring)."""
+    return _fit(records, preprocess=_augment, log_model=True)
 
 
 @pytest.mark.spark
@@ -227,9 +228,6 @@ def test_binary_columns_need_a_preprocess(records):
     with pytest.raises(DataError, match="weight column 'content' is binary"):
         fit(records, Net, TrainConfig(**SYNC), features_col="vector", weight_col="content",
             preprocess=_decode)
-    with pytest.raises(ConfigError, match="log_model"):
-        fit(records, Net, TrainConfig(**{**SYNC, "log_model": True}),
-            features_col="content", preprocess=_decode)
     with pytest.raises(DataError, match="preprocess failed on a sample"):
         _fit(records, preprocess=lambda batch, **_: 1 / 0)
 
@@ -265,3 +263,30 @@ def test_transform_preprocesses_the_raw_columns(records, augmented):
         expected = augmented.model(x).argmax(1)
     assert scored["prediction"].tolist() == expected.tolist()
     assert len(set(expected.tolist())) > 1  # not one class for every row
+
+
+@pytest.mark.spark
+def test_the_logged_model_scores_the_raw_bytes(records, augmented):
+    """`mlflow.pyfunc.load_model(uri).predict` on a DataFrame of bytes: transform's classes."""
+    import mlflow
+    import pandas as pd
+
+    scored = augmented.transform(records).select("content", "prediction").toPandas()
+    loaded = mlflow.pyfunc.load_model(f"runs:/{augmented.run_id}/model")
+    inputs = loaded.metadata.get_input_schema().inputs
+    assert [(c.name, c.type.name) for c in inputs] == [("content", "binary")]
+    frame = pd.DataFrame({"content": [bytes(b) for b in scored["content"]]})
+    assert loaded.predict(frame).tolist() == scored["prediction"].tolist()
+    assert len(set(scored["prediction"])) > 1
+
+
+@pytest.mark.spark
+def test_the_logged_model_scores_binary_rows_through_spark_udf(spark, records, augmented):
+    import mlflow
+
+    udf = mlflow.pyfunc.spark_udf(spark, f"runs:/{augmented.run_id}/model",
+                                  result_type="long", env_manager="local")
+    rows = records.select("path", udf("content").alias("out"),
+                          augmented.predict_udf()("content").alias("expected")).collect()
+    assert len(rows) == ROWS and all(r.out == r.expected for r in rows)
+    assert len({r.out for r in rows}) > 1
