@@ -290,3 +290,20 @@ def test_the_logged_model_scores_binary_rows_through_spark_udf(spark, records, a
                           augmented.predict_udf()("content").alias("expected")).collect()
     assert len(rows) == ROWS and all(r.out == r.expected for r in rows)
     assert len({r.out for r in rows}) > 1
+
+
+@pytest.mark.spark
+def test_the_spark_ml_model_applies_and_saves_the_preprocess(records, augmented, tmp_path):
+    """The estimator fits as `fit` does; its model scores the bytes with training=False,
+    saved and loaded with its preprocess."""
+    from sparkdl_avg.ml import AveragingEstimator, AveragingModel
+
+    estimator = AveragingEstimator(model_fn=Net, config=TrainConfig(**SYNC),
+                                   featuresCol="content", preprocess=_augment)
+    model = estimator.fit(records)
+    expected = augmented.transform(records).select("prediction").toPandas()["prediction"]
+    assert model.transform(records).toPandas()["prediction"].tolist() == expected.tolist()
+    model.save(str(tmp_path / "model"))
+    loaded = AveragingModel.load(str(tmp_path / "model"))
+    again = loaded.transform(records).select("prediction", "probability").toPandas()
+    assert again["prediction"].tolist() == expected.tolist()
