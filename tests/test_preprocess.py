@@ -18,7 +18,7 @@ import pytest
 import torch
 from faulty import same_parameters
 
-from sparkdl_avg import ConfigError, DataError, PreprocessError, TrainConfig, fit
+from sparkdl_avg import DataError, PreprocessError, TrainConfig, fit
 from sparkdl_avg.data.arrow_columns import read_column
 from sparkdl_avg.data.feed import Preprocessor, model_schema, raw_batch, step_rng
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
@@ -307,3 +307,32 @@ def test_the_spark_ml_model_applies_and_saves_the_preprocess(records, augmented,
     loaded = AveragingModel.load(str(tmp_path / "model"))
     again = loaded.transform(records).select("prediction", "probability").toPandas()
     assert again["prediction"].tolist() == expected.tolist()
+
+
+def _decode_logged(log: str, batch, *, training, rng):
+    try:
+        return _decode(batch, training=training, rng=rng)
+    except ValueError:
+        with open(log, "a") as f:
+            f.write("raised\n")
+        raise
+
+
+@pytest.mark.spark
+def test_a_corrupt_record_fails_the_fit_once_naming_its_path(spark, tmp_path, mlflow_client):
+    """One truncated record among 12: the fit fails once (final), the error naming its
+    `path` (batch_size=1: it is the batch's first row), and the run is FAILED."""
+    x = np.random.default_rng(2).normal(size=(12, WIDTH))
+    rows = [(bytearray(x[i].tobytes()[:5] if i == 11 else x[i].tobytes()), i % 2,
+             f"/data/{i}.bin") for i in range(12)]
+    df = spark.createDataFrame(rows, "content binary, label long, path string")
+    log = tmp_path / "raised"
+    with pytest.raises(PreprocessError, match=r"first row's path is '/data/11\.bin'"):
+        fit(df, Net, TrainConfig(**{**SYNC, "num_workers": 1, "batch_size": 1,
+                                    "epochs": 1, "max_failures": 2}),
+            features_col="content", preprocess=partial(_decode_logged, str(log)))
+    assert log.read_text() == "raised\n"  # final: not retried
+    exp = mlflow_client.get_experiment_by_name("preprocess")
+    run = mlflow_client.search_runs([exp.experiment_id],
+                                    order_by=["attributes.start_time DESC"])[0]
+    assert run.info.status == "FAILED" and "/data/11.bin" in run.data.tags["error"]
