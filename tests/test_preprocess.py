@@ -3,12 +3,15 @@ bytes into the cache and through `fit(preprocess=fn)` off the training thread. A
 preprocess trains bit-identically to the same numbers given as an array column (memory and
 disk caches; evaluation too; async lockstep to 1e-10); random augmentation through `rng` is
 bit-identical across two fits and across a restart after a failure mid-fit; a 25 ms
-preprocess beside a 25 ms step overlaps it; a preprocess that raises fails the fit once;
-`transform` preprocesses the raw columns with training=False."""
+preprocess beside a 25 ms step overlaps it; a preprocess that raises fails the fit once, and
+a corrupt record fails it once naming its `path`; `transform`, the logged MLflow model
+(pyfunc predict on bytes, `spark_udf` on binary rows) and the Spark ML model (saved and
+loaded) preprocess the raw columns with training=False."""
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from functools import partial
 
@@ -319,15 +322,20 @@ def _decode_logged(log: str, batch, *, training, rng):
 
 
 @pytest.mark.spark
-def test_a_corrupt_record_fails_the_fit_once_naming_its_path(spark, tmp_path, mlflow_client):
+@pytest.mark.parametrize("ident", ["path string", "id long"])
+def test_a_corrupt_record_fails_the_fit_once_naming_its_path(spark, tmp_path, mlflow_client,
+                                                            ident):
     """One truncated record among 12: the fit fails once (final), the error naming its
-    `path` (batch_size=1: it is the batch's first row), and the run is FAILED."""
+    `path` (or an integer `id`; batch_size=1: it is the batch's first row), and the run is
+    FAILED."""
     x = np.random.default_rng(2).normal(size=(12, WIDTH))
-    rows = [(bytearray(x[i].tobytes()[:5] if i == 11 else x[i].tobytes()), i % 2,
-             f"/data/{i}.bin") for i in range(12)]
-    df = spark.createDataFrame(rows, "content binary, label long, path string")
+    name = ident.split()[0]
+    names = [f"/data/{i}.bin" if name == "path" else 1000 + i for i in range(12)]
+    rows = [(bytearray(x[i].tobytes()[:5] if i == 11 else x[i].tobytes()), i % 2, names[i])
+            for i in range(12)]
+    df = spark.createDataFrame(rows, f"content binary, label long, {ident}")
     log = tmp_path / "raised"
-    with pytest.raises(PreprocessError, match=r"first row's path is '/data/11\.bin'"):
+    with pytest.raises(PreprocessError, match=re.escape(f"first row's {name} is '{names[11]}'")):
         fit(df, Net, TrainConfig(**{**SYNC, "num_workers": 1, "batch_size": 1,
                                     "epochs": 1, "max_failures": 2}),
             features_col="content", preprocess=partial(_decode_logged, str(log)))
@@ -335,4 +343,4 @@ def test_a_corrupt_record_fails_the_fit_once_naming_its_path(spark, tmp_path, ml
     exp = mlflow_client.get_experiment_by_name("preprocess")
     run = mlflow_client.search_runs([exp.experiment_id],
                                     order_by=["attributes.start_time DESC"])[0]
-    assert run.info.status == "FAILED" and "/data/11.bin" in run.data.tags["error"]
+    assert run.info.status == "FAILED" and str(names[11]) in run.data.tags["error"]
