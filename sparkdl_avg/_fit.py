@@ -334,4 +334,5 @@ def _log_model(run: RunLogger, plan: FitPlan, model, trained: tuple[str, ...]) -
     schema, heads = plan.data.schema, plan.heads
     names = output_names(schema, len(heads)) if schema.label_list else None
     run.log_model(model, schema=schema, heads=heads, names=names,
-                  registered_model_name=plan.config.registered_model_name)
+                  registered_model_name=plan.config.registered_model_name,
+                  preprocess=plan.pickled.get("preprocess"), model_schema=plan.model_schema)

@@ -21,9 +21,11 @@ does not).
 A saved `AveragingModel` is a folder: Spark ML's `metadata/` (its Params, JSON) and
 `model/`: `model.pt` (the torch module, `torch.save`) and `model.json` (the fit's DataSchema,
 each output's head, rows scored at once, dtype, the sparkdl-avg version; a model saved before
-typed inputs holds `num_features` and `classify` instead, and still loads). Loading unpickles
-`model.pt` through `torch.load` (`weights_only=False`: the module's class must be importable),
-so load only models you trust; nothing else is unpickled.
+typed inputs holds `num_features` and `classify` instead, and still loads), and for a fit with
+`preprocess` its function, cloudpickled (`preprocess.pkl`), with the inputs it returns in
+`model.json`. Loading unpickles `model.pt` through `torch.load` (`weights_only=False`: the
+module's class must be importable) and `preprocess.pkl`, so load only models you trust;
+nothing else is unpickled.
 """
 
 from __future__ import annotations
@@ -108,15 +110,19 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
                  labelCol="label", predictionCol="prediction", inputCols=None,  # noqa: N803
                  weightCol=None, rawPredictionCol="rawPrediction",  # noqa: N803
                  probabilityCol="probability", lr=None, epochs=None,  # noqa: N803
-                 batchSize=None, averagingFrequency=None, numWorkers=None) -> None:  # noqa: N803
+                 batchSize=None, averagingFrequency=None, numWorkers=None,  # noqa: N803
+                 preprocess=None) -> None:
         super().__init__()
         if model_fn is None or not callable(model_fn):
             raise ConfigError(f"AveragingEstimator needs model_fn, a zero-argument callable "
                               f"building the torch model; got {model_fn!r}")
         self.model_fn, self.config, self.loss, self.eval_df = \
             model_fn, config or TrainConfig(), loss, eval_df
+        self.preprocess = preprocess
+        """`fit(preprocess=)`: the model applies it too (training=False) and saves it."""
         kwargs = {k: v for k, v in self._input_kwargs.items()
-                  if k not in ("model_fn", "config", "loss", "eval_df") and v is not None}
+                  if k not in ("model_fn", "config", "loss", "eval_df", "preprocess")
+                  and v is not None}
         self._set(**kwargs)
 
     def train_config(self) -> TrainConfig:
@@ -132,7 +138,8 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
         model = AveragingModel(torch_model=result.model, schema=result.schema,
                                heads=result.heads, num_features=result.num_features,
                                classify=result.classify, run_id=result.run_id,
-                               score_rows=result.score_rows)
+                               score_rows=result.score_rows, preprocess=result.preprocess,
+                               model_schema=result.model_schema)
         model._set(featuresCol=self.getFeaturesCol(), predictionCol=self.getPredictionCol(),
                    rawPredictionCol=self.getRawPredictionCol(),
                    probabilityCol=self.getProbabilityCol())
@@ -141,7 +148,7 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
     def _fit_kwargs(self) -> dict:
         """`fit`'s keyword arguments from the Params (inputs and weight_col only when set)."""
         kwargs = {"features_col": self.getFeaturesCol(), "label_col": self.getLabelCol(),
-                  "loss": self.loss, "eval_df": self.eval_df}
+                  "loss": self.loss, "eval_df": self.eval_df, "preprocess": self.preprocess}
         if self.isSet(self.inputCols):
             kwargs["inputs"] = self.getOrDefault(self.inputCols)
         if self.isSet(self.weightCol) and self.getWeightCol():
@@ -174,15 +181,17 @@ class AveragingModel(Model, HasFeaturesCol, _OutputParams, MLWritable, MLReadabl
     that) with `rawPredictionCol` and `probabilityCol` (vectors; "" leaves one out), else the
     model's output as `FitResult.transform` writes it. `score_rows`: rows the model scores at
     once (the fit's eval_batch_size). `schema`/`heads`: the fit's (`FitResult`); a model
-    without them is one of a float vector of `num_features` read from `featuresCol`."""
+    without them is one of a float vector of `num_features` read from `featuresCol`.
+    `preprocess`/`model_schema`: the fit's (`FitResult`), run with training=False."""
 
     def __init__(self, torch_model=None, num_features: int = 0, classify: bool = False,
                  run_id: str | None = None, score_rows: int = SCORE_ROWS, schema=None,
-                 heads: tuple[str, ...] = ()) -> None:
+                 heads: tuple[str, ...] = (), preprocess=None, model_schema=None) -> None:
         super().__init__()
         self.torch_model, self.num_features = torch_model, num_features
         self.classify, self.run_id, self.score_rows = classify, run_id, score_rows
         self.schema, self.heads = schema, tuple(heads)
+        self.preprocess, self.model_schema = preprocess, model_schema
 
     def _result(self):
         from sparkdl_avg._fit import FitResult
@@ -190,7 +199,8 @@ class AveragingModel(Model, HasFeaturesCol, _OutputParams, MLWritable, MLReadabl
         return FitResult(model=self.torch_model, run_id=self.run_id or "",
                          features_col=self.getFeaturesCol(), num_features=self.num_features,
                          classify=self.classify, score_rows=self.score_rows,
-                         schema=self.schema, heads=self.heads)
+                         schema=self.schema, heads=self.heads, preprocess=self.preprocess,
+                         model_schema=self.model_schema)
 
     def _transform(self, dataset):
         from pyspark.sql import functions as F
@@ -202,7 +212,7 @@ class AveragingModel(Model, HasFeaturesCol, _OutputParams, MLWritable, MLReadabl
         features = self.getFeaturesCol() if single and self.isSet(self.featuresCol) and \
             schema.inputs[0].column != self.getFeaturesCol() else None
         out = self.getPredictionCol()
-        kind = _classifier_kind(self.torch_model, schema, heads)
+        kind = _classifier_kind(self.torch_model, self.model_schema or schema, heads)
         if kind is None:
             scored = result.transform(dataset, output_col=out, features_col=features)
             if isinstance(scored.schema[out].dataType, T.LongType):  # a class index
@@ -274,8 +284,15 @@ class _ModelWriter(MLWriter):
         torch.save(model, os.path.join(folder, "model.pt"))
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         schema, heads = self.instance._result().scoring()
+        prep, model_schema = self.instance.preprocess, self.instance.model_schema
+        if prep is not None:
+            from sparkdl_avg._model import pickle_for_executors
+
+            with open(os.path.join(folder, "preprocess.pkl"), "wb") as f:
+                f.write(pickle_for_executors("preprocess", prep))  # by value: a job's own
         with open(os.path.join(folder, "model.json"), "w") as f:
             json.dump({"schema": schema.to_dict(), "heads": list(heads), "dtype": dtype,
+                       "model_schema": model_schema.to_dict() if prep is not None else None,
                        "score_rows": self.instance.score_rows,
                        "run_id": self.instance.run_id, "sparkdl_avg": __version__}, f)
 
@@ -298,6 +315,12 @@ class _ModelReader(MLReader):
 
             typed = {"schema": DataSchema.from_dict(info["schema"]),
                      "heads": tuple(info["heads"])}
+            if info.get("model_schema"):  # fit(preprocess=)
+                import cloudpickle
+
+                with open(os.path.join(folder, "preprocess.pkl"), "rb") as f:
+                    typed["preprocess"] = cloudpickle.load(f)
+                typed["model_schema"] = DataSchema.from_dict(info["model_schema"])
         else:  # saved before typed inputs: a float vector read from featuresCol
             typed = {"num_features": info["num_features"], "classify": info["classify"]}
         model = AveragingModel(torch_model=module.eval(), run_id=info["run_id"],

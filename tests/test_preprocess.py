@@ -3,12 +3,15 @@ bytes into the cache and through `fit(preprocess=fn)` off the training thread. A
 preprocess trains bit-identically to the same numbers given as an array column (memory and
 disk caches; evaluation too; async lockstep to 1e-10); random augmentation through `rng` is
 bit-identical across two fits and across a restart after a failure mid-fit; a 25 ms
-preprocess beside a 25 ms step overlaps it; a preprocess that raises fails the fit once;
-`transform` preprocesses the raw columns with training=False."""
+preprocess beside a 25 ms step overlaps it; a preprocess that raises fails the fit once, and
+a corrupt record fails it once naming its `path`; `transform`, the logged MLflow model
+(pyfunc predict on bytes, `spark_udf` on binary rows) and the Spark ML model (saved and
+loaded) preprocess the raw columns with training=False."""
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from functools import partial
 
@@ -18,7 +21,7 @@ import pytest
 import torch
 from faulty import same_parameters
 
-from sparkdl_avg import ConfigError, DataError, PreprocessError, TrainConfig, fit
+from sparkdl_avg import DataError, PreprocessError, TrainConfig, fit
 from sparkdl_avg.data.arrow_columns import read_column
 from sparkdl_avg.data.feed import Preprocessor, model_schema, raw_batch, step_rng
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
@@ -177,7 +180,8 @@ def test_async_lockstep_decodes_as_sync_does(records, decoded):
 
 @pytest.fixture(scope="module")
 def augmented(records):
-    return _fit(records, preprocess=_augment)
+    """Logged too: its MLflow model carries the preprocess (training=False when scoring)."""
+    return _fit(records, preprocess=_augment, log_model=True)
 
 
 @pytest.mark.spark
@@ -227,9 +231,6 @@ def test_binary_columns_need_a_preprocess(records):
     with pytest.raises(DataError, match="weight column 'content' is binary"):
         fit(records, Net, TrainConfig(**SYNC), features_col="vector", weight_col="content",
             preprocess=_decode)
-    with pytest.raises(ConfigError, match="log_model"):
-        fit(records, Net, TrainConfig(**{**SYNC, "log_model": True}),
-            features_col="content", preprocess=_decode)
     with pytest.raises(DataError, match="preprocess failed on a sample"):
         _fit(records, preprocess=lambda batch, **_: 1 / 0)
 
@@ -265,3 +266,81 @@ def test_transform_preprocesses_the_raw_columns(records, augmented):
         expected = augmented.model(x).argmax(1)
     assert scored["prediction"].tolist() == expected.tolist()
     assert len(set(expected.tolist())) > 1  # not one class for every row
+
+
+@pytest.mark.spark
+def test_the_logged_model_scores_the_raw_bytes(records, augmented):
+    """`mlflow.pyfunc.load_model(uri).predict` on a DataFrame of bytes: transform's classes."""
+    import mlflow
+    import pandas as pd
+
+    scored = augmented.transform(records).select("content", "prediction").toPandas()
+    loaded = mlflow.pyfunc.load_model(f"runs:/{augmented.run_id}/model")
+    inputs = loaded.metadata.get_input_schema().inputs
+    assert [(c.name, c.type.name) for c in inputs] == [("content", "binary")]
+    frame = pd.DataFrame({"content": [bytes(b) for b in scored["content"]]})
+    assert loaded.predict(frame).tolist() == scored["prediction"].tolist()
+    assert len(set(scored["prediction"])) > 1
+
+
+@pytest.mark.spark
+def test_the_logged_model_scores_binary_rows_through_spark_udf(spark, records, augmented):
+    import mlflow
+
+    udf = mlflow.pyfunc.spark_udf(spark, f"runs:/{augmented.run_id}/model",
+                                  result_type="long", env_manager="local")
+    rows = records.select("path", udf("content").alias("out"),
+                          augmented.predict_udf()("content").alias("expected")).collect()
+    assert len(rows) == ROWS and all(r.out == r.expected for r in rows)
+    assert len({r.out for r in rows}) > 1
+
+
+@pytest.mark.spark
+def test_the_spark_ml_model_applies_and_saves_the_preprocess(records, augmented, tmp_path):
+    """The estimator fits as `fit` does; its model scores the bytes with training=False,
+    saved and loaded with its preprocess."""
+    from sparkdl_avg.ml import AveragingEstimator, AveragingModel
+
+    estimator = AveragingEstimator(model_fn=Net, config=TrainConfig(**SYNC),
+                                   featuresCol="content", preprocess=_augment)
+    model = estimator.fit(records)
+    expected = augmented.transform(records).select("prediction").toPandas()["prediction"]
+    assert model.transform(records).toPandas()["prediction"].tolist() == expected.tolist()
+    model.save(str(tmp_path / "model"))
+    loaded = AveragingModel.load(str(tmp_path / "model"))
+    again = loaded.transform(records).select("prediction", "probability").toPandas()
+    assert again["prediction"].tolist() == expected.tolist()
+
+
+def _decode_logged(log: str, batch, *, training, rng):
+    try:
+        return _decode(batch, training=training, rng=rng)
+    except ValueError:
+        with open(log, "a") as f:
+            f.write("raised\n")
+        raise
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("ident", ["path string", "id long"])
+def test_a_corrupt_record_fails_the_fit_once_naming_its_path(spark, tmp_path, mlflow_client,
+                                                            ident):
+    """One truncated record among 12: the fit fails once (final), the error naming its
+    `path` (or an integer `id`; batch_size=1: it is the batch's first row), and the run is
+    FAILED."""
+    x = np.random.default_rng(2).normal(size=(12, WIDTH))
+    name = ident.split()[0]
+    names = [f"/data/{i}.bin" if name == "path" else 1000 + i for i in range(12)]
+    rows = [(bytearray(x[i].tobytes()[:5] if i == 11 else x[i].tobytes()), i % 2, names[i])
+            for i in range(12)]
+    df = spark.createDataFrame(rows, f"content binary, label long, {ident}")
+    log = tmp_path / "raised"
+    with pytest.raises(PreprocessError, match=re.escape(f"first row's {name} is '{names[11]}'")):
+        fit(df, Net, TrainConfig(**{**SYNC, "num_workers": 1, "batch_size": 1,
+                                    "epochs": 1, "max_failures": 2}),
+            features_col="content", preprocess=partial(_decode_logged, str(log)))
+    assert log.read_text() == "raised\n"  # final: not retried
+    exp = mlflow_client.get_experiment_by_name("preprocess")
+    run = mlflow_client.search_runs([exp.experiment_id],
+                                    order_by=["attributes.start_time DESC"])[0]
+    assert run.info.status == "FAILED" and str(names[11]) in run.data.tags["error"]

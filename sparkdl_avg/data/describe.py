@@ -113,7 +113,24 @@ def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col,
         twice = sorted({c for c in wires if wires.count(c) > 1})
         raise ConfigError(f"column(s) {twice} are bound more than once among inputs, "
                           f"labels and the weight{_copy_hint(sources, twice[0])}")
+    if encoded:
+        sources.extend(_ident(df, set(wires)))
     return Binding(tuple(sources), binding, label_list)
+
+
+IDENT_COLUMNS = ("path", "id", "uri", "key", "file")
+"""Columns that name a row (binaryFile's `path`): with a preprocess the first one present
+and not otherwise bound is carried, so an error names the record it failed on."""
+
+
+def _ident(df: DataFrame, bound: set) -> list[Source]:
+    types = {f.name: f.dataType for f in df.schema.fields}
+    for name in IDENT_COLUMNS:
+        if name not in bound and isinstance(types.get(name), (T.StringType, T.BinaryType,
+                                                                T.IntegralType)):
+            return [Source("ident", name, name, "_id0", "bytes", None, 0,
+                           types[name].simpleString())]
+    return []
 
 
 def _copy_hint(sources, column: str) -> str:
@@ -228,6 +245,13 @@ def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str
         check_numeric(df, source.column, "features_col", frame_name)
         parts = [F.col(f"`{part}`").cast(float_type) for part in source.column]
         return F.array(*parts).alias(source.wire)
+    if source.role == "ident":  # utf-8 bytes (an integer as its digits); none in an eval_df
+        col = F.col(f"`{source.column}`")  # without it
+        if source.source not in ("string", "binary"):
+            col = col.cast(T.StringType())
+        col = col.cast(T.BinaryType()) if source.column in df.columns \
+            else F.lit(None).cast(T.BinaryType())
+        return F.coalesce(col, F.lit("").cast(T.BinaryType())).alias(source.wire)
     field = find_column(df, source.column, source.role, frame_name)
     kind, _, depth, vector = classify_type(field.dataType, source.column, frame_name,
                                            source.role, encoded=source.kind == "bytes")

@@ -79,7 +79,7 @@ def raw_batch(schema: DataSchema, joined: list) -> dict:
     arrays), a ragged numeric one as a list of arrays, a fixed-shape one as an array
     `[rows, *shape]`."""
     out = {}
-    for field, value in zip(schema.fields, joined, strict=True):
+    for field, value in zip(schema.data_fields, joined, strict=False):  # idents stay out
         if field.image:
             out[field.key] = _image(*value)
         elif field.encoded:
@@ -114,12 +114,12 @@ def _returned(schema: DataSchema, out, rows: int) -> dict:
     if not isinstance(out, dict):
         raise DataError(f"preprocess must return a dict {{column: array}}, got "
                         f"{type(out).__name__}")
-    keys = {f.key: f for f in schema.fields}
+    keys = {f.key: f for f in schema.data_fields}
     unknown = sorted(set(out) - set(keys), key=str)
     if unknown:
         raise DataError(f"preprocess returned {unknown}, which the fit does not name; it "
                         f"returns values for {sorted(keys)}")
-    missing = [f.key for f in schema.fields if f.encoded and f.key not in out]
+    missing = [f.key for f in schema.data_fields if f.encoded and f.key not in out]
     if missing:
         raise DataError(f"preprocess must return {missing} decoded: an encoded column never "
                         "reaches the model as bytes")
@@ -159,6 +159,18 @@ def _tensor(array: np.ndarray):
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
+def _first_row(schema: DataSchema, joined: list) -> str:
+    """", whose first row's path is '...'" from the batch's ident, or "" without one."""
+    if not schema.idents:
+        return ""
+    field = schema.idents[0]
+    values, lengths = joined[len(schema.data_fields)]
+    if not len(lengths):
+        return ""
+    name = values[:int(lengths[0])].tobytes().decode("utf-8", "replace")
+    return f", whose first row's {field.name} is {name!r}"
+
+
 class Preprocessor:
     """`preprocess` and the conversion of its result to the model's tensors (CPU; pinned
     when `pin`)."""
@@ -176,10 +188,12 @@ class Preprocessor:
             out = self.fn(batch, training=training, rng=rng)
         except Exception as exc:
             raise PreprocessError(f"preprocess failed on a batch of {rows} rows of partition "
-                                  f"{self.partition}: {exc!r}") from exc
+                                  f"{self.partition}{_first_row(self.raw, joined)}: "
+                                  f"{exc!r}") from exc
         out = _returned(self.raw, out, rows)
         tensors, padded, positions = [], 0, 0
-        for raw, field, value in zip(self.raw.fields, self.model.fields, joined, strict=True):
+        for raw, field, value in zip(self.raw.data_fields, self.model.fields, joined,
+                                     strict=False):  # the idents come last: left out
             if field.key in out:
                 array = out[field.key]
                 if tuple(array.shape[1:]) != field.shape:

@@ -104,7 +104,8 @@ def prepare(
         binding=binding.binding, label_list=binding.label_list,
         labels=tuple(specs[s.wire] for s in sources if s.role == "label"),
         weight=next((specs[s.wire] for s in sources if s.role == "weight"), None),
-        float_dtype="float64" if double_precision else "float32")
+        float_dtype="float64" if double_precision else "float32",
+        idents=tuple(specs[s.wire] for s in sources if s.role == "ident"))
     if schema.weight is not None and not any(r[f"{schema.weight.wire}_sum"] for r in rows
                                              if r[SPLIT] == TRAIN):
         raise DataError(f"every weight in column {weight_col!r} is 0: nothing would train")

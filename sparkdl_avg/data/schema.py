@@ -135,10 +135,21 @@ class DataSchema:
     weight: FieldSpec | None = None
     float_dtype: str = "float32"
     """What float columns are carried as: the model's float32, or float64."""
+    idents: tuple[FieldSpec, ...] = ()
+    """`fit(preprocess=)`: a column naming each row (`path`...), carried and cached as an
+    encoded field after the others, never handed to preprocess or the model: a failing
+    preprocess names the batch's first row by it."""
 
     @property
     def fields(self) -> tuple[FieldSpec, ...]:
-        return (*self.inputs, *self.labels, *((self.weight,) if self.weight else ()))
+        """Every carried field: inputs, labels, the weight, then the idents."""
+        return (*self.inputs, *self.labels, *((self.weight,) if self.weight else ()),
+                *self.idents)
+
+    @property
+    def data_fields(self) -> tuple[FieldSpec, ...]:
+        """The fields preprocess and the model get (all but the idents)."""
+        return self.fields[:len(self.fields) - len(self.idents)]
 
     @property
     def wires(self) -> list[str]:
@@ -207,7 +218,8 @@ class DataSchema:
         return {"inputs": [f.to_dict() for f in self.inputs], "binding": self.binding,
                 "labels": [f.to_dict() for f in self.labels], "label_list": self.label_list,
                 "weight": self.weight.to_dict() if self.weight else None,
-                "float_dtype": self.float_dtype}
+                "float_dtype": self.float_dtype,
+                **({"idents": [f.to_dict() for f in self.idents]} if self.idents else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> DataSchema:
@@ -216,7 +228,8 @@ class DataSchema:
                    labels=tuple(FieldSpec.from_dict(f) for f in d["labels"]),
                    label_list=d["label_list"],
                    weight=FieldSpec.from_dict(d["weight"]) if d.get("weight") else None,
-                   float_dtype=d.get("float_dtype", "float32"))
+                   float_dtype=d.get("float_dtype", "float32"),
+                   idents=tuple(FieldSpec.from_dict(f) for f in d.get("idents", ())))
 
     def without_targets(self) -> DataSchema:
         """The inputs alone: what scoring reads."""

@@ -192,15 +192,12 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
 
 def check_preprocess(preprocess, config: TrainConfig) -> None:
     """ConfigError for a preprocess that is not a callable, or with what it does not work
-    with yet (issue 31's later slices: the logged model, driver_model="meta")."""
+    with yet (issue 31's later slices: driver_model="meta")."""
     if preprocess is None:
         return
     if not callable(preprocess):
         raise ConfigError(f"preprocess must be a callable (batch, *, training, rng) -> dict, "
                           f"got {type(preprocess).__name__}")
-    if config.log_model:
-        raise ConfigError("log_model with preprocess is not supported yet (the MLflow model "
-                          "would need the preprocess too): pass log_model=False")
     if config.driver_model == "meta":
         raise ConfigError('driver_model="meta" with preprocess is not supported yet')
 

@@ -38,30 +38,37 @@ import torch
 
 log = logging.getLogger("sparkdl_avg")
 SCHEMA_FILE = "sparkdl_avg.json"
+PREPROCESS_FILE = "preprocess.pkl"
 
 
 def log_model(model, *, schema, heads, names=None, pip_requirements=None,
-              registered_model_name: str | None = None) -> None:
+              registered_model_name: str | None = None, preprocess: bytes | None = None,
+              model_schema=None) -> None:
     """Log `model` (`merged`) as "model" to the active run (a new registered version when
-    named)."""
+    named). `preprocess` (cloudpickled, with `model_schema`, the inputs it returns): the
+    model scores the raw columns of `schema` through it, with training=False."""
     from mlflow.models import Model
 
     Model.log(None, sys.modules[__name__], name="model", torch_model=merged(model),
               schema=schema,
               heads=tuple(heads), names=names, pip_requirements=pip_requirements,
-              registered_model_name=registered_model_name)
+              registered_model_name=registered_model_name, preprocess=preprocess,
+              model_schema=model_schema)
 
 
 def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
-               pip_requirements=None) -> None:
+               pip_requirements=None, preprocess: bytes | None = None,
+               model_schema=None) -> None:
     """What `mlflow.models.Model.log` calls: the pytorch flavor's files (pt2, else pickle),
-    then our pyfunc loader, signature and schema file over them."""
+    then our pyfunc loader, signature and schema file over them. With `preprocess` the torch
+    module takes `model_schema`'s inputs and the signature is `schema`'s raw columns."""
     import mlflow.pytorch
     from mlflow import pyfunc
 
     from sparkdl_avg.data.probe_batch import probe_batch
 
-    inputs = schema.without_targets()
+    raw = schema.without_targets()
+    inputs = (model_schema or schema).without_targets()
     module, dtype = torch_model, next(torch_model.parameters()).dtype
     if dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
         module, dtype = copy.deepcopy(module).float(), torch.float32
@@ -91,14 +98,20 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
     pyfunc.add_to_model(mlflow_model, loader_module=__name__, data=flavor["model_data"],
                         code=flavor.get("code"), conda_env="conda.yaml",
                         python_env="python_env.yaml")
-    mlflow_model.signature = signature(inputs)
+    mlflow_model.signature = signature(raw)
     # column specs hold no shapes: every input's, -1 for the batch and ragged dimensions
     mlflow_model.metadata = {**(mlflow_model.metadata or {}), "inputs": [
         {"name": f.key, "dtype": f.dtype, "shape": list(_spec_shape(f))}
-        for f in inputs.inputs]}
-    with open(os.path.join(path, flavor["model_data"], SCHEMA_FILE), "w") as f:
+        for f in raw.inputs]}
+    data = os.path.join(path, flavor["model_data"])
+    if preprocess is not None:  # unpickled only by the pyfunc's loader, as a pickled module is
+        with open(os.path.join(data, PREPROCESS_FILE), "wb") as f:
+            f.write(preprocess)
+    with open(os.path.join(data, SCHEMA_FILE), "w") as f:
         json.dump({"schema": schema.to_dict(), "heads": list(heads),
-                   "names": list(names) if names else None}, f)
+                   "names": list(names) if names else None,
+                   "model_schema": model_schema.to_dict() if preprocess is not None
+                   else None}, f)
     mlflow_model.save(os.path.join(path, "MLmodel"))
 
 
@@ -133,6 +146,9 @@ def signature(schema):
             for f in schema.inputs]), params=params)
     columns = []
     for f in schema.inputs:
+        if f.encoded:  # a binary column (`fit(preprocess=)`): bytes, decoded by preprocess
+            columns.append(ColSpec(DataType.binary, f.key))
+            continue
         # the widest of each kind: MLflow's check refuses to narrow, and a DataFrame built by
         # hand holds Python ints and floats (int64, float64); reading casts them as the fit did
         kind = {"int": DataType.long, "bool": DataType.boolean,
@@ -189,16 +205,27 @@ def _load_pyfunc(path: str, model_config=None):
     with open(os.path.join(path, SCHEMA_FILE)) as f:
         saved = json.load(f)
     module = mlflow.pytorch.load_model(os.path.dirname(os.path.abspath(path)))
-    schema = DataSchema.from_dict(saved["schema"]).without_targets()
+    raw = DataSchema.from_dict(saved["schema"]).without_targets()
+    schema, preprocess = raw, None
+    if saved.get("model_schema"):  # fit(preprocess=): the module takes what it returns
+        import cloudpickle
+
+        schema = DataSchema.from_dict(saved["model_schema"]).without_targets()
+        with open(os.path.join(path, PREPROCESS_FILE), "rb") as f:
+            preprocess = cloudpickle.load(f)
     if schema.binding == "keyword":  # logged through _Positional
         schema = dataclasses.replace(schema, binding="positional")
     names = tuple(saved["names"]) if saved.get("names") else None
-    return _PyfuncModel(module, schema, tuple(saved["heads"]), names)
+    return _PyfuncModel(module, schema, tuple(saved["heads"]), names, raw=raw,
+                        preprocess=preprocess)
 
 
 class _PyfuncModel:
-    def __init__(self, module, schema, heads, names) -> None:
+    def __init__(self, module, schema, heads, names, *, raw=None, preprocess=None) -> None:
         self.module, self.schema, self.heads, self.names = module, schema, heads, names
+        self.raw, self.preprocess = raw or schema, preprocess
+        """`raw`: the columns predict reads; `schema`: the module's inputs (what
+        `preprocess`, when the fit had one, returns for them)."""
         self._scorers: dict = {}
 
     def predict(self, data, params=None):
@@ -208,7 +235,7 @@ class _PyfuncModel:
         from sparkdl_avg.scoring.columns import read_pandas
 
         scorer = self._scorer((params or {}).get("output", "prediction"))
-        result = scorer.score(read_pandas(data, self.schema))
+        result = scorer.score(read_pandas(data, self.raw))
         return _to_python(result, scorer.outputs)
 
     def _scorer(self, output: str):
@@ -218,8 +245,13 @@ class _PyfuncModel:
 
             outputs = describe_outputs(self.module, self.schema, self.heads,
                                        check_modes(output), self.names)
-            self._scorers[output] = Scorer(self.module, self.schema, outputs,
-                                           torch.device("cpu"), 8192)
+            scorer = Scorer(self.module, self.schema, outputs, torch.device("cpu"), 8192)
+            if self.preprocess is not None:  # as `udf._predict_batches` sets it
+                from sparkdl_avg.data.feed import Preprocessor
+
+                scorer.preprocessor = Preprocessor(self.preprocess, self.raw, self.schema,
+                                                   scorer.float_dtype, seed=0, partition=0)
+            self._scorers[output] = scorer
         return self._scorers[output]
 
 

@@ -280,7 +280,8 @@ class RunLogger:
             log.warning("could not log %s", artifact_file, exc_info=True)
 
     def log_model(self, model, *, schema, heads, names=None,
-                  registered_model_name: str | None = None) -> None:
+                  registered_model_name: str | None = None, preprocess: bytes | None = None,
+                  model_schema=None) -> None:
         """The model, scoring `schema`'s inputs (`tracking/model`), and, named, a new
         registered version of it, ready before this returns."""
         import mlflow
@@ -295,7 +296,8 @@ class RunLogger:
         with mlflow.start_run(run_id=self.run_id, nested=True):
             log_model(model, schema=schema, heads=heads, names=names,
                       pip_requirements=requirements,
-                      registered_model_name=registered_model_name)
+                      registered_model_name=registered_model_name,
+                      preprocess=preprocess, model_schema=model_schema)
 
     def log_adapters(self, model, trained: tuple[str, ...]) -> None:
         """What trained (`trained`: its names, `tracking/adapters`), under the run's
