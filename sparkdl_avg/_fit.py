@@ -244,7 +244,8 @@ def fit(
                          workers=outcome.workers, timings=timings, failures=outcome.failures,
                          features_col=features_col, num_features=plan.data.num_features or 0,
                          classify=plan.objective.classify, score_rows=config.eval_rows(
-                             plan.data.schema.padded_row_bytes(plan.data.longest)),
+                             (plan.model_schema or plan.data.schema).padded_row_bytes(
+                                 plan.data.longest)),
                          schema=plan.data.schema, heads=plan.heads,
                          preprocess=preprocess, model_schema=plan.model_schema)
 

@@ -344,3 +344,39 @@ def test_a_corrupt_record_fails_the_fit_once_naming_its_path(spark, tmp_path, ml
     run = mlflow_client.search_runs([exp.experiment_id],
                                     order_by=["attributes.start_time DESC"])[0]
     assert run.info.status == "FAILED" and str(names[11]) in run.data.tags["error"]
+
+
+def _hangs_in_training(log: str, batch, *, training, rng):  # a decoder stuck on a record
+    if training:
+        with open(log, "a") as f:
+            f.write("hung\n")
+        time.sleep(8)
+    return _decode(batch, training=training, rng=rng)
+
+
+@pytest.mark.spark
+def test_a_preprocess_that_hangs_stops_the_fit_with_a_reason(records, tmp_path):
+    log = tmp_path / "hung"
+    with pytest.raises(PreprocessError, match="took more than 2 s"):
+        _fit(records, preprocess=partial(_hangs_in_training, str(log)), num_workers=1,
+             round_timeout=3.0, prefetch_batches=1, preprocess_threads=1, max_failures=2)
+    assert log.read_text() == "hung\n"  # final: the task was not run again
+
+
+def test_a_returned_batch_may_change_length_but_not_its_number_of_dimensions():
+    """A tokenizer pads to each batch's longest row: the sample's length is not the rule."""
+    raw = DataSchema(inputs=(ENCODED,), binding="single", labels=(LABEL,), label_list=False,
+                     weight=None, float_dtype="float64")
+    sample = model_schema(raw, {"content": np.zeros((2, 5))}, 2)
+    prep = Preprocessor(lambda b, **_: {"content": np.zeros((len(b["content"]), 7))}, raw,
+                        sample, torch.float64, seed=0, partition=0)
+    parts = [(np.zeros(6, np.uint8), np.array([3, 3])), np.array([0, 1])]
+    assert prep([parts], training=False, rng=step_rng(0, 0, 0, 0)).inputs[0].shape == (2, 7)
+    flat = Preprocessor(lambda b, **_: {"content": np.zeros(len(b["content"]))}, raw,
+                        sample, torch.float64, seed=0, partition=0)
+    with pytest.raises(DataError, match=r"shape \(\) for .*sample gave \(5,\)"):
+        flat([parts], training=False, rng=step_rng(0, 0, 0, 0))
+    rows = Preprocessor(lambda b, **_: {"content": [np.zeros(2), np.zeros(3)]}, raw,
+                        sample, torch.float64, seed=0, partition=0)
+    with pytest.raises(DataError, match="not one array"):
+        rows([parts], training=False, rng=step_rng(0, 0, 0, 0))

@@ -37,12 +37,14 @@ class TrainBatches:
     def __init__(self, columns, *, cut: Cut, seed: int, worker: int, shuffle: bool,
                  batch_size: int, steps_per_epoch: int, total_steps: int, device,
                  epoch_rows: int | None = None, preprocess=None, threads: int = 2,
-                 prefetch: int = PREFETCH) -> None:
+                 prefetch: int = PREFETCH, preprocess_timeout: float = 600.0) -> None:
         self.columns, self.cut, self.device = columns, cut, device
         self.seed, self.preprocess = seed, preprocess
         """`preprocess`: a `feed.Preprocessor`, run on `threads` threads `prefetch` batches
-        ahead; None: the cache's batches as they are."""
-        self._feed_args = {"threads": threads, "prefetch": prefetch}
+        ahead, each call at most `preprocess_timeout` seconds; None: the cache's batches as
+        they are."""
+        self._feed_args = {"threads": threads, "prefetch": prefetch,
+                           "timeout": preprocess_timeout}
         self._feed: PreprocessFeed | None = None
         self.epoch_rows = columns.rows if epoch_rows is None else epoch_rows
         self._order_args = {"worker": worker, "seed": seed, "shuffle": shuffle, "cut": cut}

@@ -100,8 +100,16 @@ def _rows(value) -> int:
 def _as_array(value, field: FieldSpec, rows: int) -> np.ndarray:
     import torch
 
-    array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else \
-        np.asarray(value)
+    try:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu()
+            array = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+        else:
+            array = np.asarray(value)
+    except (TypeError, ValueError) as exc:  # a list of rows of different shapes, say
+        raise DataError(f"preprocess returned {type(value).__name__} for {field.described}, "
+                        f"which is not one array ({exc}): return one array or tensor, rows "
+                        "first, padded to one shape within the batch") from exc
     if array.ndim == 0 or array.shape[0] != rows or array.dtype == object:
         raise DataError(f"preprocess returned {array.shape} {array.dtype} for "
                         f"{field.described}: return an array or tensor with the batch's "
@@ -196,7 +204,9 @@ class Preprocessor:
                                      strict=False):  # the idents come last: left out
             if field.key in out:
                 array = out[field.key]
-                if tuple(array.shape[1:]) != field.shape:
+                # the sample's shape, or another in its dimensions' number: a tokenizer pads
+                # to the batch's longest row
+                if array.ndim != len(field.shape) + 1:
                     raise DataError(f"preprocess returned rows of shape {array.shape[1:]} for "
                                     f"{field.described}; the fit's sample gave {field.shape}")
                 tensor = _tensor(array)
@@ -226,8 +236,8 @@ class PreprocessFeed:
     preprocessed on a pool, taken in order by `get` on the training thread."""
 
     def __init__(self, batches, step: int, preprocessor: Preprocessor, *, threads: int,
-                 prefetch: int) -> None:
-        self.batches, self.prep = batches, preprocessor
+                 prefetch: int, timeout: float = 600.0) -> None:
+        self.batches, self.prep, self.timeout = batches, preprocessor, timeout
         self.queue: queue.Queue = queue.Queue(prefetch)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="sparkdl-avg-preprocess")
         self.stopped = threading.Event()
@@ -249,7 +259,13 @@ class PreprocessFeed:
                     if self.error is not None:  # as raised, so is_final still sees it
                         raise self.error from None
                     raise RuntimeError("the preprocess feed stopped early") from None
-        return future.result().to(self.batches.device, non_blocking=True)
+        try:
+            batch = future.result(timeout=self.timeout)
+        except TimeoutError:  # a decoder stuck on a record: it would be stuck again
+            raise PreprocessError(f"preprocess took more than {self.timeout:.0f} s "
+                                  "(round_timeout) on one batch: a decoder that hangs "
+                                  "(a corrupt record, a network read) stops the fit") from None
+        return batch.to(self.batches.device, non_blocking=True)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -259,7 +275,8 @@ class PreprocessFeed:
         self.thread.join()
         while not self.queue.empty():
             self.queue.get_nowait().cancel()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        # a call still running (a decoder that hangs) is not waited for: its result is dropped
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, step: int) -> None:
         b = self.batches

@@ -92,7 +92,8 @@ class Replica:
         self.preprocessor = _preprocessor(spec, config, rank, self.dtype, device)
         row_bytes = spec.schema.row_bytes(spec.ragged_values)
         # the same rows a chunk as the returned model scores (FitResult.score_rows)
-        self._eval_rows = config.eval_rows(spec.schema.padded_row_bytes(spec.longest))
+        # sized by the rows the model gets: decoded, not as the bytes were carried
+        self._eval_rows = config.eval_rows(self.schema.padded_row_bytes(spec.longest))
         self.batches = TrainBatches(
             data.train, cut=make_cut(row_bytes, config.shuffle_buffer_mb),
             seed=config.seed, worker=rank, shuffle=config.shuffle,
@@ -100,11 +101,13 @@ class Replica:
             steps_per_epoch=spec.schedule.micro_batches_per_epoch,
             total_steps=spec.schedule.total_micro_batches, device=device,
             epoch_rows=epoch_length(spec.train_rows), preprocess=self.preprocessor,
-            threads=config.preprocess_threads, prefetch=config.prefetch_batches)
+            threads=config.preprocess_threads, prefetch=config.prefetch_batches,
+            # under the driver's round watchdog: the task says why before the driver gives up
+            preprocess_timeout=0.8 * config.waits().round)
         self.wire_dtype = wire_dtype(self.dtype)
         if device.type == "cuda":
             _check_device_memory(self.model, config,
-                                 spec.schema.padded_row_bytes(spec.longest), device)
+                                 self.schema.padded_row_bytes(spec.longest), device)
         self.objective = cloudpickle.loads(spec.loss)
         self.optimizer = self.steps = None
         self.config, self.schedule = config, spec.schedule
