@@ -25,12 +25,11 @@ import numpy as np
 
 from sparkdl_avg.data.cache import batch_of, tensors_of, typed
 from sparkdl_avg.data.disk_cache import assemble
-from sparkdl_avg.data.feed import PreprocessFeed
+from sparkdl_avg.data.feed import PreprocessFeed, next_from
 from sparkdl_avg.data.order import Cut, EpochOrder, batch_positions
 
 PREFETCH = 4
 """Minibatches assembled ahead of training (disk cache)."""
-_POLL_S = 1.0
 
 
 class TrainBatches:
@@ -168,14 +167,7 @@ class _Producer:
         return self
 
     def get(self):
-        while True:
-            try:
-                return self.queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                if not self.thread.is_alive() and self.queue.empty():
-                    if self.error is not None:  # as raised, so is_final still sees it
-                        raise self.error from None
-                    raise RuntimeError("the data prefetch thread stopped early") from None
+        return next_from(self, "the data prefetch thread")
 
     def stop(self) -> None:
         self.stopped.set()

@@ -231,6 +231,20 @@ class Preprocessor:
             yield self([parts], training=False, rng=rng).to(device)
 
 
+def next_from(producer, what: str):
+    """The next item of `producer.queue`, filled by `producer.thread`; once that thread has
+    stopped with nothing left, its `error` as raised (so `is_final` still sees it), else a
+    RuntimeError naming `what`."""
+    while True:
+        try:
+            return producer.queue.get(timeout=_POLL_S)
+        except queue.Empty:
+            if not producer.thread.is_alive() and producer.queue.empty():
+                if producer.error is not None:
+                    raise producer.error from None
+                raise RuntimeError(f"{what} stopped early") from None
+
+
 class PreprocessFeed:
     """The training batches from `step` on: raw rows gathered on a producer thread,
     preprocessed on a pool, taken in order by `get` on the training thread."""
@@ -250,15 +264,7 @@ class PreprocessFeed:
         return self
 
     def get(self) -> Batch:
-        while True:
-            try:
-                future = self.queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self.thread.is_alive() and self.queue.empty():
-                    if self.error is not None:  # as raised, so is_final still sees it
-                        raise self.error from None
-                    raise RuntimeError("the preprocess feed stopped early") from None
+        future = next_from(self, "the preprocess feed")
         try:
             batch = future.result(timeout=self.timeout)
         except TimeoutError:  # a decoder stuck on a record: it would be stuck again
