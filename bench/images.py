@@ -27,9 +27,8 @@ Last, `job_defaults`: one fit as `python jobs/train_images.py --no-log-model` ru
 1,797 digits at 8x8, 10% held out by class/name, 10 epochs), in a fresh session: its held-out
 accuracy and loss, and images per second.
 
-NEEDS issue 31's core (`fit(preprocess=)`, binary columns, `TrainConfig.preprocess_threads`:
-branch wt-31data): until it is in, the run records plain torch only and says why ours is
-missing.
+Without `fit(preprocess=)` (a checkout before issue 31), the run records plain torch only and
+says why ours is missing.
 
     python bench/images.py [--repeats 3] [--epochs 3] [--image-size 32] [--batch-size 32]
         [--job-epochs 10]
