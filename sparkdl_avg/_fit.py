@@ -190,8 +190,8 @@ def fit(
     the fit there. `preprocess`: fn(batch, *, training, rng) -> dict, run on each
     minibatch's raw columns off the training thread (binary columns arrive as a list of bytes;
     Spark's image source struct as {"data": list of bytes, "height", "width", "nChannels",
-    "mode": int32 arrays}, without its origin); what it returns is what the model gets. See
-    README for the full contract."""
+    "mode": int32 arrays}, without its origin); what it returns is what the model gets. The full
+    contract: the user guide's "Records that need decoding" (docs/guide/preprocess.md)."""
     config = TrainConfig() if config is None else config
     t_start = time.perf_counter()
     # The run opens before any check (on a thread of its own, while the checks run), so every
