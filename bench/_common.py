@@ -116,7 +116,7 @@ STARTED = datetime.datetime.now(datetime.timezone.utc)  # when the bench's proce
 
 def report(name: str, data: dict) -> Path:
     """Print `data` and keep it, with its provenance, as bench/results/<name>-<UTC>.json.
-    Every bench calls this once, in its main process, with the figures the README quotes."""
+    Every bench calls this once, in its main process, with the figures docs/ quotes."""
     RESULTS.mkdir(exist_ok=True)
     meta = provenance(STARTED)
     stamp = STARTED.strftime("%Y%m%dT%H%M%SZ")

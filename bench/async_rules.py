@@ -1,5 +1,5 @@
 """Real async fits: Downpour vs DC-ASGD vs adaptive DC-ASGD when the workers fetch far less
-often than they push, the regime where DC-ASGD's reference point matters (README,
+often than they push, the regime where DC-ASGD's reference point matters (docs/guide/sync-async.md,
 "DC-ASGD's reference point").
 
 MNIST-1D (5,000 samples: 4,000 train, 1,000 test), an MLP 40-256-10, 4 workers on local[4],

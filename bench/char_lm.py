@@ -179,7 +179,7 @@ def our_side(seq_len: int, max_bytes: int, batch: int, epochs: int, repeats: int
 
 def job_defaults(seq_len: int, batch: int, epochs: int) -> dict:
     """One fit as `python jobs/train_char_lm.py` runs it (all the text, its epochs, its
-    model), in a fresh session: the job's figures for the README."""
+    model), in a fresh session: the job's figures for the docs."""
     from sparkdl_avg import SPARK_CONF
     from sparkdl_avg.examples import char_lm
 

@@ -1,4 +1,4 @@
-"""The fine-tuning job's figures for the README: `python jobs/finetune_lm.py` as it runs by
+"""The fine-tuning job's figures for the docs: `python jobs/finetune_lm.py` as it runs by
 default (LoRA on the English), then the same job with `--full-finetune --lr 1e-3` (every
 weight trains on the English: what averaging everything moves). Each in a fresh process
 with its own MLflow store; each side's figures are what its job logged to its run (the

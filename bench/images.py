@@ -177,7 +177,7 @@ def our_side(folder: str, size: int, batch: int, epochs: int, repeats: int) -> d
 
 def job_defaults(folder: str, epochs: int) -> dict:
     """One fit as the job runs it by default (its data, split, model and settings), in a
-    fresh session: the README's accuracy."""
+    fresh session: the docs' accuracy."""
     from sparkdl_avg import SPARK_CONF, TrainConfig, fit
     from sparkdl_avg.examples import digits_images as di
 

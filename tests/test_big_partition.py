@@ -25,8 +25,8 @@ partition's size (measured: 15 MB): Arrow batches in flight while loading (Spark
 rows, about 5 MB here, and a sorted copy), the 2 MB shuffle window, the prefetched
 minibatches, and allocator slack. That is in a Python worker that has trained before: a
 process's first task also pays once for torch's code pages (about 90 MB) and Arrow's
-memory pool (about 45 MB), the same for any partition size (see README, "How much memory a
-worker needs")."""
+memory pool (about 45 MB), the same for any partition size (see docs/guide/large-data.md, "How much
+memory a worker needs")."""
 DRIVER_LOG: list[str] = []
 """The driver's log lines during the disk fit."""
 BASE = dict(num_workers=2, epochs=1, batch_size=256, averaging_frequency=8, optimizer="adam",

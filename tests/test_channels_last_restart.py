@@ -26,7 +26,8 @@ and 7."""
 
 
 class FaultyCNN(FaultyMLP):
-    """FaultyMLP's faults over a small conv net kept channels_last, as the README advises."""
+    """FaultyMLP's faults over a small conv net kept channels_last, as docs/guide/faults.md
+    advises."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -1,7 +1,7 @@
 """Fits on a real GPU: a standalone cluster on loopback whose workers report the machine's
 GPU 0, driven by `cuda_fits.py` in its own process. Each claim is checked against an
-independent computation or a repeat. Runs only where torch sees CUDA (README, GPUs: where it
-last ran, and what it gave)."""
+independent computation or a repeat. Runs only where torch sees CUDA (docs/guide/gpus.md: where
+it last ran, and what it gave)."""
 
 from __future__ import annotations
 

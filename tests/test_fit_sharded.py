@@ -35,7 +35,7 @@ def mnist1d(spark):
 def test_two_shards_reach_the_accuracy_of_one_on_mnist1d(mnist1d, mlflow_client):
     """In lockstep (staleness_bound=0) one server and two shards follow the same trajectory
     up to float32 rounding, so this comparison does not flake; unbounded fits differ by 1-2
-    points from run to run even on one server (README: Benchmarks)."""
+    points from run to run even on one server (docs/benchmarks/index.md)."""
     from sparkdl_avg.examples.mnist1d import mlp
 
     train, test = mnist1d

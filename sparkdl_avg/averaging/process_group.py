@@ -6,7 +6,7 @@ this task owns, so nothing is left behind in a Python worker Spark reuses for th
 restart, and `close()` on every path out is the whole cleanup. Rendezvous: worker 0 listens on
 its cluster address (the one it reaches the driver from), every task learns that address from
 the barrier's `allGather`, and the group's own sockets bind to each task's cluster address too,
-never 0.0.0.0. Neither gloo nor NCCL authenticates its peers: see the README's security notes.
+never 0.0.0.0. Neither gloo nor NCCL authenticates its peers: see docs/guide/security.md.
 """
 
 from __future__ import annotations
