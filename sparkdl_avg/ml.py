@@ -96,7 +96,9 @@ class _OutputParams(HasPredictionCol, HasRawPredictionCol, HasProbabilityCol):
 
 class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _OutputParams,
                          _TunedParams):
-    """`model_fn`, `config`, `loss` and `eval_df` are `sparkdl_avg.fit`'s; `inputCols` and
+    """A pyspark.ml `Estimator` that trains by `sparkdl_avg.fit` and returns an `AveragingModel`.
+
+    `model_fn`, `config`, `loss` and `eval_df` are `sparkdl_avg.fit`'s; `inputCols` and
     `weightCol` its `inputs` and `weight_col`; the Params set here win over `config`'s
     fields."""
 

@@ -81,3 +81,15 @@ def test_the_readme_example_runs_and_learns(spark, capsys):
     assert result.history[-1]["eval_accuracy"] > 0.85  # a linear rule: the MLP learns it
     assert namespace["scored"].count() == namespace["test_df"].count()
     assert "test accuracy" in capsys.readouterr().out
+
+
+def test_nested_lists_written_for_github_nest_on_the_site():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("nested_lists",
+                                                  ROOT / "docs" / "hooks" / "nested_lists.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    text = "- a\n  more\n  - b\n    more\n\n  after\n```\n  code\n```\ntext\n  lazy\n"
+    assert hook.double_list_indents(text) == (
+        "- a\n    more\n    - b\n        more\n\n    after\n```\n  code\n```\ntext\n  lazy\n")

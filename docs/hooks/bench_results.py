@@ -71,7 +71,7 @@ def _value(value) -> str:
 
 
 def _table(rows: dict) -> str:
-    lines = ["| | |", "|---|---|"]
+    lines = ["| field | value |", "|---|---|"]
     lines += [f"| {_cell(k)} | {_cell(v)} |" for k, v in rows.items()]
     return "\n".join(lines)
 
