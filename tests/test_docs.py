@@ -61,6 +61,11 @@ def test_architecture_is_the_top_level_file_included(site):
         assert heading in html, heading
 
 
+def test_getting_started_includes_the_readme_example(site):
+    html = (site / "getting-started" / "index.html").read_text()
+    assert "randomSplit" in readme_example() and "randomSplit" in html
+
+
 def test_the_readme_is_short_and_links_into_the_site():
     text = README.read_text()
     assert len(text.splitlines()) <= 200
