@@ -140,6 +140,23 @@ def test_totals_that_would_leave_their_range_are_refused():
         assert stats["refused"] == {"non_finite": 1, "oversized": 1}
 
 
+def test_evaluation_sums_that_overflow_make_no_infinite_result():
+    """Two workers' finite sums of 1.7e308 add up past the largest float: the result says
+    "not finite" (loss None) instead of carrying Infinity to the driver."""
+    from sparkdl_avg.ps.evaluations import Evaluations
+
+    for weight, expected_weight in ((1.0, 2.0), (1.7e308, 0.0)):
+        evaluations = Evaluations()
+        evaluations.reset(2)
+        request = evaluations.ask(np.zeros(2), 0).request
+        for w in (0, 1):
+            done = evaluations.answer(w, request, {
+                "loss_sum": 1.7e308 if weight == 1.0 else 1.0, "loss_weight": weight,
+                "correct": None, "scored": None, "count": 1, "eval_s": 0.1})
+        assert done["loss_sum"] is None and done["loss_weight"] == expected_weight
+        json.dumps(done, allow_nan=False)
+
+
 # --- 2. a re-INIT replaces the set of clocks ------------------------------------------------
 
 def test_a_reinit_with_fewer_workers_replaces_the_clocks():
