@@ -36,8 +36,9 @@ from typing import ClassVar
 import numpy as np
 
 RULES: dict[str, type[UpdateRule]] = {}
-CHUNK = 1 << 15
-"""Elements computed and checked at a time: the temporaries stay in cache."""
+CHUNK = 1 << 16
+"""Elements computed and checked at a time (as `averaging.arithmetic`): the temporaries
+stay in cache."""
 
 
 def register(cls: type[UpdateRule]) -> type[UpdateRule]:
@@ -211,7 +212,9 @@ def chunks(size: int):
 
 
 def finite(array: np.ndarray) -> bool:
-    return bool(np.isfinite(array).all())
+    """A finite sum means every element is finite (NaN and Inf propagate); only a sum that
+    overflows needs the element-wise check, which allocates."""
+    return bool(np.isfinite(array.sum()) or np.isfinite(array).all())
 
 
 def make_rule(algorithm: str, params: np.ndarray, *, lr: float = 0.01,
