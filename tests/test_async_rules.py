@@ -178,3 +178,16 @@ def test_a_staleness_bound_caps_the_pushes_between_fetches():
     assert pushes_between_fetches(4, 32, 2) == 3  # bound 2: at least every 3 pushes
     assert pushes_between_fetches(4, 32, 0) == 1  # lockstep: after every push
     assert pushes_between_fetches(1, 4, 7) == 4  # a loose bound changes nothing
+
+
+@pytest.mark.parametrize("algorithm", sorted(RULES))
+@pytest.mark.parametrize("size", [1, 4])
+def test_an_update_of_another_size_is_refused_whole(algorithm, size):
+    """Not broadcast (numpy would spread a 1-element update over every parameter), not
+    applied in part: the server's buffers are sized when a frame arrives, and a re-INIT with
+    another model may come between."""
+    rule = make_rule(algorithm, np.zeros(3))
+    rule.pull(0)
+    with pytest.raises(ValueError, match=f"an update of {size} values for 3 parameters"):
+        rule.apply(0, np.ones(size))
+    assert rule.params.tolist() == [0.0] * 3

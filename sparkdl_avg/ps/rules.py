@@ -73,6 +73,9 @@ class UpdateRule:
         `update` is scratch: a rule may scale it in place. Returns False, having changed
         nothing, where the result would not be finite. Raises ValueError for an update the
         rule cannot take."""
+        if update.shape != self.params.shape:  # the chunks would apply a part of it
+            raise ValueError(f"an update of {update.size} values for {self.params.size} "
+                             "parameters")
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # refused, not warned
             return self._step(worker, update, self.lr if lr is None else lr)
 
