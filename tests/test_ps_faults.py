@@ -26,15 +26,15 @@ from sparkdl_avg.ps.settings import ServerSettings
 SECRET = b"q" * 32
 
 
-def server(algorithm: str = "downpour", params=None, **settings) -> ParameterServer:
+def server(algorithm: str = "downpour", params=None, tls=None, **settings) -> ParameterServer:
     params = np.zeros(4, np.float32) if params is None else params
     return ParameterServer(ServerSettings(timeout=10, algorithm=algorithm, **settings),
-                           secret=SECRET, rule=make_rule(algorithm, params, lr=0.1))
+                           secret=SECRET, rule=make_rule(algorithm, params, lr=0.1), tls=tls)
 
 
-def client(ps: ParameterServer, worker: int, numel: int = 4, dtype=np.float32) -> PSClient:
-    return PSClient(ps.address, secret=SECRET, worker=worker, numel=numel, dtype=dtype,
-                    timeout=10)
+def client(ps: ParameterServer, worker: int, ca: str | None = None) -> PSClient:
+    return PSClient(ps.address, secret=SECRET, worker=worker, numel=4, dtype=np.float32,
+                    timeout=10, tls_ca_pem=ca)
 
 
 def raw_update(c: PSClient, update: np.ndarray, **fields) -> None:
@@ -212,19 +212,30 @@ def test_a_pull_or_push_after_finished_is_refused_with_a_reason(workers, handler
         assert ps.stats()["refused"] == {"unexpected": 2}
 
 
+@pytest.mark.parametrize("tls", [False, True])
 def test_a_takeover_mid_request_refuses_the_older_request_and_applies_nothing(
-        handler_errors):
+        tls, handler_errors, tmp_path):
     """Worker 0's second push waits at bound 0 for worker 1's read when a newer connection
     takes over worker 0. The older connection used to be closed under its handler, which
     then applied the update and failed to send its ACK (EBADF): an update applied and
-    unacknowledged. Now the older one gets a refusal and nothing is applied."""
-    with server(staleness_bound=0) as ps, client(ps, 0) as old, client(ps, 1) as other:
+    unacknowledged. Now the older one gets a refusal and nothing is applied (under TLS too:
+    its reads end without dropping its TLS state)."""
+    context, ca = None, None
+    if tls:
+        from test_ps_tls import self_signed
+
+        from sparkdl_avg.net.tls import server_context
+
+        cert, key, ca = self_signed(tmp_path)
+        context = server_context(str(cert), str(key))
+    with server(staleness_bound=0, tls=context) as ps, client(ps, 0, ca) as old, \
+            client(ps, 1, ca) as other:
         old.pull()
         other.pull()
         old.push(np.ones(4, np.float32))
         raw_update(old, np.ones(4, np.float32))  # waits for worker 1's next read
         time.sleep(0.3)
-        new = client(ps, 0)  # the restarted task
+        new = client(ps, 0, ca)  # the restarted task
         other.push(np.ones(4, np.float32))
         other.pull()  # would open the older push's gate
         reply, _ = msg.receive(old._conn)
