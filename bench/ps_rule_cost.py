@@ -1,8 +1,8 @@
 """What checking the result of every update costs the parameter server (issue 33): each rule
 as it is (computing into preallocated spares in chunks, checking them, swapping them in)
 against the unchecked in-place arithmetic it replaced, on one thread, per update of a
-25M-parameter float32 model. Time, not accuracy: the best of `--reps` runs; the machine's
-load is recorded with the result.
+25M-parameter float32 model. The best of `--reps` runs of each, in turns; the machine's load
+is recorded with the result.
 
     nice -n 5 python bench/ps_rule_cost.py [--numel 25000000] [--reps 10]
 """
@@ -43,13 +43,15 @@ def unchecked(algorithm: str, params: np.ndarray, backup: np.ndarray, meansquare
     backup -= update
 
 
-def best(fn, reps: int) -> float:
-    times = []
+def best_of_alternating(a, b, reps: int) -> tuple[float, float]:
+    """The best time of each, run in turns: a loaded machine's drift hits both alike."""
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for fn, out in ((a, times[0]), (b, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return min(times[0]), min(times[1])
 
 
 def main() -> None:
@@ -78,7 +80,7 @@ def main() -> None:
 
         checked()  # the spares are allocated at the first update
         plain()
-        old, new = best(plain, args.reps), best(checked, args.reps)
+        old, new = best_of_alternating(plain, checked, args.reps)
         results[algorithm] = {"unchecked_ms": round(old * 1e3, 1),
                               "checked_ms": round(new * 1e3, 1),
                               "ratio": round(new / old, 2),

@@ -108,11 +108,12 @@ class Downpour(UpdateRule):
     name = "downpour"
 
     def _step(self, worker: int, update: np.ndarray, lr: float) -> bool:
-        if self.update_scale != 1.0:
-            update *= self.update_scale
         new = self._spare("params")
         for s in chunks(new.size):
-            np.subtract(self.params[s], update[s], out=new[s])
+            u = update[s]
+            if self.update_scale != 1.0:
+                u *= self.update_scale
+            np.subtract(self.params[s], u, out=new[s])
             if not finite(new[s]):
                 return False
         self.params = self._swap("params", self.params, new)
