@@ -191,3 +191,23 @@ def test_an_update_of_another_size_is_refused_whole(algorithm, size):
     with pytest.raises(ValueError, match=f"an update of {size} values for 3 parameters"):
         rule.apply(0, np.ones(size))
     assert rule.params.tolist() == [0.0] * 3
+
+
+def test_clocks_a_new_set_replaces_the_old_and_a_newcomer_starts_level_with_the_slowest():
+    from sparkdl_avg.ps.staleness import Clocks
+
+    clocks = Clocks()
+    clocks.reset(range(3))
+    for w in (0, 1):
+        clocks.has_read(w)
+        clocks.has_pushed(w)
+    assert not clocks.may_read(0, bound=0)  # worker 2 is still at clock 0
+    clocks.reset(range(2))  # a re-INIT for fewer workers: no phantom worker 2
+    assert clocks.pushed == {0: 0, 1: 0} and clocks.read == {0: -1, 1: -1}
+    clocks.has_read(0)
+    clocks.has_pushed(0)
+    clocks.join(5)  # a connected worker none announced: level with the slowest
+    assert clocks.pushed[5] == 0 and clocks.read[5] == -1
+    clocks.leave(1)
+    clocks.leave(5)
+    assert clocks.may_read(0, bound=0) and clocks.may_apply(0, bound=0)
