@@ -178,3 +178,36 @@ def test_a_staleness_bound_caps_the_pushes_between_fetches():
     assert pushes_between_fetches(4, 32, 2) == 3  # bound 2: at least every 3 pushes
     assert pushes_between_fetches(4, 32, 0) == 1  # lockstep: after every push
     assert pushes_between_fetches(1, 4, 7) == 4  # a loose bound changes nothing
+
+
+@pytest.mark.parametrize("algorithm", sorted(RULES))
+@pytest.mark.parametrize("size", [1, 4])
+def test_an_update_of_another_size_is_refused_whole(algorithm, size):
+    """Not broadcast (numpy would spread a 1-element update over every parameter), not
+    applied in part: the server's buffers are sized when a frame arrives, and a re-INIT with
+    another model may come between."""
+    rule = make_rule(algorithm, np.zeros(3))
+    rule.pull(0)
+    with pytest.raises(ValueError, match=f"an update of {size} values for 3 parameters"):
+        rule.apply(0, np.ones(size))
+    assert rule.params.tolist() == [0.0] * 3
+
+
+def test_clocks_a_new_set_replaces_the_old_and_a_newcomer_starts_level_with_the_slowest():
+    from sparkdl_avg.ps.staleness import Clocks
+
+    clocks = Clocks()
+    clocks.reset(range(3))
+    for w in (0, 1):
+        clocks.has_read(w)
+        clocks.has_pushed(w)
+    assert not clocks.may_read(0, bound=0)  # worker 2 is still at clock 0
+    clocks.reset(range(2))  # a re-INIT for fewer workers: no phantom worker 2
+    assert clocks.pushed == {0: 0, 1: 0} and clocks.read == {0: -1, 1: -1}
+    clocks.has_read(0)
+    clocks.has_pushed(0)
+    clocks.join(5)  # a connected worker none announced: level with the slowest
+    assert clocks.pushed[5] == 0 and clocks.read[5] == -1
+    clocks.leave(1)
+    clocks.leave(5)
+    assert clocks.may_read(0, bound=0) and clocks.may_apply(0, bound=0)

@@ -14,13 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+from sparkdl_avg._errors import REASONS, PeerRefused
 from sparkdl_avg.averaging.coordinator import Coordinator
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import authenticate_to_server
 from sparkdl_avg.net.frames import HEADER, MAGIC, VERSION, Connection, Kind
 from sparkdl_avg.ps.client import PSClient
-from sparkdl_avg.ps.rules import make_rule
-from sparkdl_avg.ps.server import ParameterServer
+from sparkdl_avg.ps.rules import RULES, make_rule
+from sparkdl_avg.ps.server import DRIVER, ParameterServer
 from sparkdl_avg.ps.settings import ServerSettings
 
 SECRET = b"f" * 32
@@ -204,3 +205,61 @@ def test_the_coordinator_survives_mutated_frames(handler_errors):
         assert sum(coord.refused.values()) > EXAMPLES // 4
         assert {"accepted", "WorkerLostError"} <= set(outcomes)  # both ways were reached
         send_and_read(coord.address, AUTH, None)  # still accepting and answering
+
+
+EXTREMES = st.sampled_from([0.0, 1e-45, -1e-38, 1.0, -2.5, 1e30, 3e38, -3.4e38])
+LRS = st.sampled_from([None, 0.0, 1e-300, 1e-38, 0.1, 1e30, 1e308])
+STEPS = st.one_of(
+    st.tuples(st.just("init"), st.lists(EXTREMES, min_size=4, max_size=4),
+              st.sampled_from([0, 3])),
+    st.tuples(st.just("pull"), st.integers(0, 1)),
+    st.tuples(st.just("push"), st.integers(0, 1), st.lists(EXTREMES, min_size=4, max_size=4),
+              LRS, st.sampled_from([0.0, -1e308, 1.7e308]),
+              st.sampled_from([0, 1, 2 ** 52, 2 ** 53])),
+    st.tuples(st.just("finished"), st.integers(0, 1)),
+    st.tuples(st.just("evaluate"),))
+
+
+@settings(max_examples=300, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@seed(20261126)
+@given(algorithm=st.sampled_from(sorted(RULES)), dtype=st.sampled_from(["float32", "float64"]),
+       steps=st.lists(STEPS, max_size=12))
+def test_authenticated_sequences_of_extreme_finite_values(algorithm, dtype, steps):
+    """Inits, pulls, pushes (updates, lrs, losses and sample counts at the edges of their
+    ranges) and FINISHED, in any order, from authenticated peers. After every step the
+    parameters an honest worker (2) pulls are finite, every refusal carries a reason and
+    is counted, and no connection is dropped."""
+    ps = ParameterServer(ServerSettings(timeout=5, algorithm=algorithm), secret=SECRET,
+                         rule=make_rule(algorithm, np.zeros(4, dtype), lr=0.1))
+    refusals = 0
+    with ps:
+        peers = [PSClient(ps.address, secret=SECRET, worker=w, numel=4, dtype=dtype,
+                          timeout=5) for w in (DRIVER, 0, 1, 2)]
+        driver, workers, honest = peers[0], peers[1:3], peers[3]
+        try:
+            for step in steps:
+                try:
+                    if step[0] == "init":
+                        driver.init(np.array(step[1], dtype), workers=step[2])
+                    elif step[0] == "pull":
+                        workers[step[1]].pull()
+                    elif step[0] == "push":
+                        _, w, values, lr, loss_sum, samples = step
+                        workers[w].push(np.array(values, dtype), lr=lr, loss_sum=loss_sum,
+                                        samples=samples)
+                    elif step[0] == "finished":
+                        workers[step[1]].finished(wait_s=0.0)
+                    else:
+                        driver.evaluate()
+                except PeerRefused as exc:
+                    assert exc.reason in REASONS and str(exc)
+                    refusals += 1
+                honest.pull()
+                assert np.isfinite(honest.params).all(), (step, honest.params)
+            stats = driver.stats()
+            json.dumps(stats, allow_nan=False)  # every total a finite number
+            assert sum(stats["refused"].values()) == refusals
+        finally:
+            for p in peers:
+                p.close()

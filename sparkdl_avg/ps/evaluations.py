@@ -18,6 +18,7 @@ restart, workers announce themselves finished again and the driver asks again.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -122,14 +123,18 @@ class Evaluations:
 
 def _summed(request: Request) -> dict:
     """One result from every worker's sums: a non-finite loss (None) anywhere makes the loss
-    None; eval_s is the slowest worker's."""
+    None, and so do finite sums that overflow (the weight is then 0: the report stays
+    finite JSON); eval_s is the slowest worker's."""
     parts = list(request.answered.values())
     losses = [p["loss_sum"] for p in parts]
+    loss = None if None in losses else float(sum(losses))
+    weight = float(sum(p["loss_weight"] for p in parts))
+    if loss is None or not (math.isfinite(loss) and math.isfinite(weight)):
+        loss, weight = None, weight if math.isfinite(weight) else 0.0
     corrects = [p["correct"] for p in parts]
     classify = None not in corrects
     return {"request": request.request, "applied": request.applied, "final": request.final,
-            "loss_sum": None if None in losses else float(sum(losses)),
-            "loss_weight": float(sum(p["loss_weight"] for p in parts)),
+            "loss_sum": loss, "loss_weight": weight,
             "correct": int(sum(corrects)) if classify else None,
             "scored": int(sum(p["scored"] for p in parts)) if classify else None,
             "count": int(sum(p["count"] for p in parts)),

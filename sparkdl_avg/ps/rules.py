@@ -18,9 +18,15 @@ worker itself took). The rules:
 - dcasgd-adaptive: lambda_t = lambda0 / sqrt(meansquare + eps) elementwise, with
   meansquare <- m * meansquare + (1 - m) * g*g updated before it is used.
 
+Every rule computes into spare arrays and swaps them in only when everything it computed is
+finite: an update or an lr that would overflow (two updates of 3e38 in float32; DC-ASGD's
+g = update / lr with lr = 1e-300) is refused and changes nothing (`apply` returns False). The
+spares are preallocated once, so the check costs no allocation per update: the result is
+computed and checked in cache-sized chunks (`CHUNK`).
+
 A new rule is one class here, decorated with `@register`: its name, its defaults and its
-`_step`, which must apply `update_scale` itself. Everything else (TrainConfig's check, the
-command line's choices) reads `RULES`.
+`_step`, which must apply `update_scale` itself and commit only finite results. Everything
+else (TrainConfig's check, the command line's choices) reads `RULES`.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from typing import ClassVar
 import numpy as np
 
 RULES: dict[str, type[UpdateRule]] = {}
+CHUNK = 1 << 16
+"""Elements computed and checked at a time (as `averaging.arithmetic`): the temporaries
+stay in cache."""
 
 
 def register(cls: type[UpdateRule]) -> type[UpdateRule]:
@@ -49,6 +58,7 @@ class UpdateRule:
         self.params = params
         self.lr = lr
         self.update_scale = update_scale
+        self._spares: dict[str, np.ndarray] = {}
 
     def settings(self) -> dict[str, float]:
         """The rule's own settings with its defaults filled in (reported on INIT)."""
@@ -58,15 +68,32 @@ class UpdateRule:
         """The parameters a worker fetches."""
         return self.params
 
-    def apply(self, worker: int, update: np.ndarray, lr: float | None = None) -> None:
+    def apply(self, worker: int, update: np.ndarray, lr: float | None = None) -> bool:
         """Apply a worker's update, computed at learning rate `lr` (None: the server's).
-        `update` is scratch: a rule may scale it in place. Raises ValueError for an update
-        the rule cannot take."""
-        self._step(worker, update, self.lr if lr is None else lr)
+        `update` is scratch: a rule may scale it in place. Returns False, having changed
+        nothing, where the result would not be finite. Raises ValueError for an update the
+        rule cannot take."""
+        if update.shape != self.params.shape:  # the chunks would apply a part of it
+            raise ValueError(f"an update of {update.size} values for {self.params.size} "
+                             "parameters")
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # refused, not warned
+            return self._step(worker, update, self.lr if lr is None else lr)
 
-    def _step(self, worker: int, update: np.ndarray, lr: float) -> None:
+    def _step(self, worker: int, update: np.ndarray, lr: float) -> bool:
         """`update` as the worker sent it (not yet scaled by `update_scale`)."""
         raise NotImplementedError
+
+    def _spare(self, name: str) -> np.ndarray:
+        """A preallocated array like the parameters, to compute a candidate into."""
+        spare = self._spares.get(name)
+        if spare is None or spare.shape != self.params.shape:
+            spare = self._spares[name] = np.empty_like(self.params)
+        return spare
+
+    def _swap(self, name: str, current: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+        """Commit `candidate` (the spare `name`); `current` becomes the spare."""
+        self._spares[name] = current
+        return candidate
 
     def state(self) -> dict[str, np.ndarray]:
         """Arrays to checkpoint beside the parameters."""
@@ -80,10 +107,17 @@ class UpdateRule:
 class Downpour(UpdateRule):
     name = "downpour"
 
-    def _step(self, worker: int, update: np.ndarray, lr: float) -> None:
-        if self.update_scale != 1.0:
-            update *= self.update_scale
-        self.params -= update
+    def _step(self, worker: int, update: np.ndarray, lr: float) -> bool:
+        new = self._spare("params")
+        for s in chunks(new.size):
+            u = update[s]
+            if self.update_scale != 1.0:
+                u *= self.update_scale
+            np.subtract(self.params[s], u, out=new[s])
+            if not finite(new[s]):
+                return False
+        self.params = self._swap("params", self.params, new)
+        return True
 
 
 @register
@@ -110,18 +144,35 @@ class DcAsgd(UpdateRule):
             np.copyto(backup, self.params)
         return self.params
 
-    def _step(self, worker: int, update: np.ndarray, lr: float) -> None:
+    def _step(self, worker: int, update: np.ndarray, lr: float) -> bool:
         backup = self.backups.get(worker)
         if backup is None:  # never pulled: it trained from the initial parameters it was sent
             raise ValueError(f"worker {worker} pushed before it pulled")
-        if lr != 0:  # at zero (a schedule's) the update is zero, and g is undefined
-            g = update * self.update_scale
-            g /= lr
-            self.params -= lr * (g + self._lambda(g) * g * g * (self.params - backup))
-        backup -= update  # the worker moved by all of it: its next update starts there
+        step = lr != 0  # at zero (a schedule's) the update is zero, and g is undefined
+        new, new_backup = self._spare("params"), self._spare("backup")
+        for s in chunks(new.size):
+            params, u = self.params[s], update[s]
+            if step:
+                g = u * self.update_scale
+                g /= lr
+                lam = self._lambda(g, s)
+                np.subtract(params, lr * (g + lam * g * g * (params - backup[s])), out=new[s])
+            # the worker moved by all of it: its next update starts there
+            np.subtract(backup[s], u, out=new_backup[s])
+            if not (finite(new_backup[s]) and (not step or finite(new[s]))):
+                return False
+        if step:
+            self.params = self._swap("params", self.params, new)
+            self._commit_lambda()
+        self.backups[worker] = self._swap("backup", backup, new_backup)
+        return True
 
-    def _lambda(self, g: np.ndarray) -> float | np.ndarray:
+    def _lambda(self, g: np.ndarray, s: slice) -> float | np.ndarray:
+        """Lambda for the chunk `s` of the parameters; a candidate, like the step's."""
         return self.dc_lambda
+
+    def _commit_lambda(self) -> None:
+        """The step is finite: what `_lambda` computed becomes the rule's state."""
 
 
 @register
@@ -137,12 +188,17 @@ class AdaptiveDcAsgd(DcAsgd):
         super().__init__(params, lr=lr, update_scale=update_scale, dc_lambda=dc_lambda)
         self.meansquare: np.ndarray | None = None
 
-    def _lambda(self, g: np.ndarray) -> np.ndarray:
+    def _lambda(self, g: np.ndarray, s: slice) -> np.ndarray:
         if self.meansquare is None:
             self.meansquare = np.zeros_like(self.params)
-        self.meansquare *= self.MOMENTUM
-        self.meansquare += (1 - self.MOMENTUM) * g * g
-        return self.dc_lambda / np.sqrt(self.meansquare + self.EPS)
+        new = self._spare("meansquare")[s]
+        np.multiply(self.meansquare[s], self.MOMENTUM, out=new)
+        new += (1 - self.MOMENTUM) * g * g
+        # a mean square that overflows refuses the step: NaN makes its result non-finite
+        return self.dc_lambda / np.sqrt(new + self.EPS) if finite(new) else np.nan
+
+    def _commit_lambda(self) -> None:
+        self.meansquare = self._swap("meansquare", self.meansquare, self._spare("meansquare"))
 
     def state(self) -> dict[str, np.ndarray]:
         return {} if self.meansquare is None else {"meansquare": self.meansquare.copy()}
@@ -152,6 +208,17 @@ class AdaptiveDcAsgd(DcAsgd):
 
 
 ALGORITHMS = tuple(RULES)
+
+
+def chunks(size: int):
+    """Slices of `CHUNK` elements covering 0..size."""
+    return (slice(lo, lo + CHUNK) for lo in range(0, size, CHUNK))
+
+
+def finite(array: np.ndarray) -> bool:
+    """A finite sum means every element is finite (NaN and Inf propagate); only a sum that
+    overflows needs the element-wise check, which allocates."""
+    return bool(np.isfinite(array.sum()) or np.isfinite(array).all())
 
 
 def make_rule(algorithm: str, params: np.ndarray, *, lr: float = 0.01,

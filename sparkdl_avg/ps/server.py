@@ -3,11 +3,17 @@
 Each connected worker is served on its own thread (the `net.server.Server` base); the update
 rule (`rules`) and the staleness gates (`staleness`) run under one lock. What a worker sends
 is checked before it touches the parameters: a malformed message, an update of the wrong size
-or with NaN/Inf is refused with an ERROR reply and counted by its reason code, and the server
-stays up. `staleness_bound` holds a worker's pulls until it is at most that many pushes ahead
-of the slowest connected worker, and holds a push until every other worker has read the
-parameters of that many clocks back; with a bound of 0 the rounds are exactly synchronous.
-A worker that has pushed its last update (FINISHED) holds no one back any more.
+or with NaN/Inf, or one whose *result* would not be finite (an INIT of NaN, overflowing
+updates, DC-ASGD with a tiny lr, totals out of range) is refused with an ERROR reply counted by
+its reason code, nothing changes, and the server stays up. `staleness_bound` holds a worker's
+pulls until it is at most that many pushes ahead of the slowest member, and holds a push until
+every other member has read the parameters of that many clocks back; with a bound of 0 the
+rounds are exactly synchronous. A worker that has pushed its last update (FINISHED) is no
+member any more (its PULL or UPDATE is refused); a new INIT makes a new set of members.
+
+One live connection per worker id: a newer one takes over at once (a restarted task must not
+wait out a dead one's timeout). Only its own handler closes the older one, after the request
+in hand (`_end_reads`); what it had not applied yet is refused, not applied.
 
 Evaluation (`evaluations`): the driver's EVALUATE keeps a copy of the parameters; the workers
 evaluate it on their own rows and send their sums (EVAL), which the server adds up.
@@ -16,7 +22,10 @@ evaluate it on their own rows and send their sums (EVAL), which the server adds 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import math
+import socket
 import ssl
 import time
 
@@ -24,23 +33,23 @@ import numpy as np
 
 from sparkdl_avg._errors import PeerClosed, ProtocolError, Unacceptable
 from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.fields import MAX_NUMBER
 from sparkdl_avg.net.frames import Connection
 from sparkdl_avg.net.server import MAX_PENDING, Server
 from sparkdl_avg.ps import state_file
 from sparkdl_avg.ps.evaluations import Evaluations
+from sparkdl_avg.ps.lifecycle import DRIVER, FitLifecycle
 from sparkdl_avg.ps.rules import UpdateRule, make_rule
 from sparkdl_avg.ps.settings import ServerSettings
-from sparkdl_avg.ps.staleness import may_apply, may_read, summary
+from sparkdl_avg.ps.staleness import Clocks, summary
 
 log = logging.getLogger("sparkdl_avg")
 SECRET_ENV = "SPARKDL_AVG_PS_SECRET"
 """How a started server gets its secret (not the command line, which others can read)."""
-DRIVER = -1
-"""The worker id the driver uses: it sends INIT and EVALUATE, pulls the final parameters,
-and is no SSP member."""
+__all__ = ["DRIVER", "SECRET_ENV", "ParameterServer"]
 
 
-class ParameterServer(Server):
+class ParameterServer(FitLifecycle, Server):
     """Owns the parameters and the workers' connections. `close()` stops all."""
 
     def __init__(self, settings: ServerSettings | None = None, *, secret: bytes,
@@ -57,8 +66,9 @@ class ParameterServer(Server):
         self.settings = settings
         self.rule = rule
         """None until a driver sends INIT with the initial parameters."""
-        self._clocks: dict[int, int] = {}
-        self._read_clocks: dict[int, int] = {}
+        self.clocks = Clocks()
+        self._fit = 0
+        """Counts INITs: a request that waited across one is refused, not applied."""
         self._pulled_version: dict[int, int] = {}
         self.applied = 0
         self.samples = 0
@@ -118,11 +128,11 @@ class ParameterServer(Server):
         with self._lock:
             staleness = {str(w): summary(v) for w, v in self.staleness.items()}
             return {"applied": self.applied, "refused": dict(self.refused),
-                    "clocks": {str(w): c for w, c in self._clocks.items()},
+                    "clocks": {str(w): c for w, c in self.clocks.pushed.items()},
                     "progress": {str(w): s for w, s in self.progress.items()},
                     "samples": self.samples, "loss_sum": self.loss_sum,
                     "staleness": staleness, "evaluations": self.evaluations.report(),
-                    "lr": float(np.mean(list(self.lrs.values()))) if self.lrs else None,
+                    "lr": _mean(self.lrs.values()) if self.lrs else None,
                     "stopped": self.stopped}
 
     def _report(self) -> msg.Stats:
@@ -148,12 +158,11 @@ class ParameterServer(Server):
                 # One live connection per id: a reconnecting worker replaces its stale one.
                 stale = self._owners.get(worker)
                 if stale is not None:
-                    stale.close()
+                    _end_reads(stale)
+                    self._lock.notify_all()  # its requests waiting at a gate are refused
                 self._owners[worker] = conn
                 if worker != DRIVER:  # the driver pulls and inits but holds no one back
-                    start = min(self._clocks.values(), default=0)
-                    self._clocks.setdefault(worker, start)
-                    self._read_clocks.setdefault(worker, start - 1)  # has read nothing yet
+                    self.clocks.join(worker)
         if unknown:
             self.refuse("unexpected", unknown, worker, conn)
             return False
@@ -163,8 +172,7 @@ class ParameterServer(Server):
             with self._lock:  # a gone worker no longer holds the others back
                 if self._owners.get(worker) is conn:
                     del self._owners[worker]
-                    self._clocks.pop(worker, None)
-                    self._read_clocks.pop(worker, None)
+                    self.clocks.leave(worker)
                 self._lock.notify_all()
         return False
 
@@ -200,29 +208,37 @@ class ParameterServer(Server):
                 self.refuse("unexpected", "a newer connection took over this worker id",
                             worker, conn)
                 return
-            if isinstance(message, msg.Pull):
-                if not self._pull(conn, worker, message.evaluate):
+            try:
+                if not self._dispatch(conn, worker, message, payload, update):
                     return
-            elif isinstance(message, msg.Update):
-                if not self._apply(conn, worker, update, message):
-                    return
-            elif isinstance(message, msg.Eval) and worker != DRIVER:
-                self._answer(conn, worker, message)
-            elif isinstance(message, msg.Finished) and worker != DRIVER:
-                self._finished(conn, worker, message)
-            elif isinstance(message, msg.Evaluate) and worker == DRIVER:
-                self._evaluate(conn)
-            elif isinstance(message, msg.Stop) and worker == DRIVER:
-                with self._lock:
-                    self.stopped = True
-                    self._save_checkpoint()
-                msg.send(conn, self._report())
-            elif isinstance(message, msg.Init) and worker == DRIVER:
-                self._init(conn, message, payload)
-            elif isinstance(message, msg.Stats) and message.report is None:
-                msg.send(conn, self._report())
-            else:
-                self.refuse("unexpected", f"unexpected {message.KIND.name}", worker, conn)
+            except OSError:  # the peer went while we answered
+                return
+
+    def _dispatch(self, conn: Connection, worker: int, message: msg.Message,
+                  payload: memoryview | None, update: np.ndarray) -> bool:
+        """Answer one request; False ends the connection."""
+        if isinstance(message, msg.Pull):
+            return self._pull(conn, worker, message.evaluate)
+        if isinstance(message, msg.Update):
+            return self._apply(conn, worker, update, message)
+        if isinstance(message, msg.Eval) and worker != DRIVER:
+            self._answer(conn, worker, message)
+        elif isinstance(message, msg.Finished) and worker != DRIVER:
+            self._finished(conn, worker, message)
+        elif isinstance(message, msg.Evaluate) and worker == DRIVER:
+            self._evaluate(conn)
+        elif isinstance(message, msg.Stop) and worker == DRIVER:
+            with self._lock:
+                self.stopped = True
+                self._save_checkpoint()
+            msg.send(conn, self._report())
+        elif isinstance(message, msg.Init) and worker == DRIVER:
+            self._init(conn, message, payload)
+        elif isinstance(message, msg.Stats) and message.report is None:
+            msg.send(conn, self._report())
+        else:
+            self.refuse("unexpected", f"unexpected {message.KIND.name}", worker, conn)
+        return True
 
     def _pull(self, conn: Connection, worker: int, evaluate: bool = False) -> bool:
         if self.rule is None:
@@ -232,16 +248,16 @@ class ParameterServer(Server):
         if evaluate:
             return self._pull_snapshot(conn, worker)
         with self._lock:
-            if worker != DRIVER and not self._wait_for(
-                    lambda: may_read(self._clocks, worker, self.settings.staleness_bound)):
-                self.refuse("timeout", "timed out waiting for slower workers", worker, conn)
-                return False
-            params = self.rule.pull(worker).copy()
-            version = self._pulled_version[worker] = self.applied
-            progress = self.progress.get(worker, 0)
-            if worker != DRIVER and worker in self._clocks:
-                self._read_clocks[worker] = self._clocks[worker]
-                self._lock.notify_all()
+            why = self._gate(worker, conn, self.clocks.may_read)
+            if why is None:
+                params = self.rule.pull(worker).copy()
+                version = self._pulled_version[worker] = self.applied
+                progress = self.progress.get(worker, 0)
+                if worker != DRIVER:
+                    self.clocks.has_read(worker)
+                    self._lock.notify_all()
+        if why is not None:
+            return self._refuse_gated(why, worker, conn)
         msg.send(conn, msg.Params(version=version, progress=progress, **msg.tensor(params)),
                  params)
         return True
@@ -255,103 +271,80 @@ class ParameterServer(Server):
             msg.send(conn, msg.Ack(applied=self.applied, stop=True))
             return True
         with self._lock:
-            clock = self._clocks.get(worker, 0)
-            if not self._wait_for(lambda: may_apply(self._read_clocks, worker, clock,
-                                                    self.settings.staleness_bound)):
-                self.refuse("timeout", "timed out waiting for slower workers", worker, conn)
-                return False
-            try:
-                self.rule.apply(worker, update, lr=message.lr)
-            except ValueError as exc:
-                self.refuse("malformed", exc, worker, conn)
-                return True
-            staleness = self.applied - self._pulled_version.get(worker, 0)
-            self.applied += 1
-            self.staleness[worker].append(staleness)
-            self._clocks[worker] = clock + 1
-            self._lock.notify_all()
-            applied = self.applied
-            if message.lr is not None:
-                self.lrs[worker] = message.lr
-            if message.loss_sum is not None:
-                self.samples += message.samples
-                self.loss_sum += message.loss_sum
-            if message.steps is not None:
-                self.progress[worker] = message.steps
-            every = self.settings.checkpoint_every
-            if every and applied % every == 0:
-                self._save_checkpoint()
-            offer = self.evaluations.offer(worker)
+            why = self._gate(worker, conn, self.clocks.may_apply) or self._totals_stay(message)
+            if why is None:
+                try:
+                    if not self.rule.apply(worker, update, lr=message.lr):
+                        why = ("non_finite", "the update would leave parameters NaN or Inf "
+                               "(too large, or lr too small): refused, nothing changed")
+                except ValueError as exc:
+                    why = ("malformed", exc)
+            if why is None:
+                applied, staleness = self._count(worker, message)
+                offer = self.evaluations.offer(worker)
+        if why is not None:
+            return self._refuse_gated(why, worker, conn)
         msg.send(conn, msg.Ack(applied=applied, staleness=staleness, evaluate=offer,
                                stop=self.stopped))
         return True
 
-    def _pull_snapshot(self, conn: Connection, worker: int) -> bool:
-        """The parameters of the request `worker` has yet to answer; if none is pending any
-        more (replaced), the current ones, marked as no request's. No read for the SSP
-        gates, no DC-ASGD backup, no change to the worker's staleness."""
-        with self._lock:
-            request = self.evaluations.snapshot(worker)
-            if request is None:
-                params, version, number = self.rule.params.copy(), self.applied, None
-            else:  # never written after it is taken: sent as it is
-                params, version, number = request.params, request.applied, request.request
-            progress = self.progress.get(worker, 0)
-        msg.send(conn, msg.Params(version=version, progress=progress, evaluate=number,
-                                  **msg.tensor(params)), params)
-        return True
+    def _gate(self, worker: int, conn: Connection, gate) -> tuple[str, str] | None:
+        """With the lock held: wait (bounded) until `gate(worker, bound)` lets a worker's
+        request pass. Returns why it may not (reason, message), or None; the driver passes."""
+        fit = self._fit
+        if worker == DRIVER:
+            return None
+        why = self._no_member(worker, conn, fit)
+        bound = self.settings.staleness_bound
+        if why is None and not self._wait_for(
+                lambda: self._no_member(worker, conn, fit) or gate(worker, bound)):
+            return "timeout", "timed out waiting for slower workers"
+        return why or self._no_member(worker, conn, fit)
 
-    def _answer(self, conn: Connection, worker: int, message: msg.Eval) -> None:
-        if message.request is None:
-            self.refuse("malformed", "an EVAL to the parameter server must name its request",
-                        worker, conn)
-            return
-        with self._lock:
-            done = self.evaluations.answer(worker, message.request, {
-                "loss_sum": message.loss_sum, "loss_weight": message.loss_weight,
-                "correct": message.correct, "scored": message.scored, "count": message.count,
-                "eval_s": message.eval_s})
-            if done is not None and done["final"]:  # the workers end: keep it for the driver
-                self._save_checkpoint()
-            self._lock.notify_all()  # a finished worker may wait for the final one
-            ack = msg.Ack(applied=self.applied, evaluate=self.evaluations.offer(worker))
-        msg.send(conn, ack)
+    def _no_member(self, worker: int, conn: Connection, fit: int) -> tuple[str, str] | None:
+        """With the lock held: why `conn` may not pull or push for `worker` now."""
+        if self._owners.get(worker) is not conn:
+            return "unexpected", "a newer connection took over this worker id"
+        if fit != self._fit:
+            return "unexpected", "the driver re-initialised the server meanwhile"
+        if worker not in self.clocks.pushed:
+            return "unexpected", (f"worker {worker} has finished or is not announced: it "
+                                  "may not pull or push")
+        return None
 
-    def _finished(self, conn: Connection, worker: int, message: msg.Finished) -> None:
-        """Hold the answer (up to `wait_s`) until there is a request for `worker` or it may
-        end. Its clocks go: it will not push again, so it holds no one back."""
-        if self.rule is None:
-            self.refuse("unexpected", "the server has no parameters yet (no INIT)", worker,
-                        conn)
-            return
-        evaluations = self.evaluations
-        with self._lock:
-            evaluations.finish(worker, self.rule.params, self.applied)
-            self._clocks.pop(worker, None)
-            self._read_clocks.pop(worker, None)
-            self._lock.notify_all()
-            deadline = time.monotonic() + min(message.wait_s, self.settings.timeout)
-            while evaluations.offer(worker) is None and not evaluations.done(worker):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed.is_set():
-                    break
-                self._lock.wait(timeout=min(left, 0.5))
-            ack = msg.Ack(applied=self.applied, evaluate=evaluations.offer(worker),
-                          done=evaluations.done(worker))
-        msg.send(conn, ack)
+    def _refuse_gated(self, why: tuple[str, object], worker: int, conn: Connection) -> bool:
+        """Refuse; a timed-out gate also ends the connection."""
+        self.refuse(*why, worker, conn)
+        return why[0] != "timeout"
 
-    def _evaluate(self, conn: Connection) -> None:
-        """The driver's EVALUATE: a request of the current parameters (none once the final
-        one is made), answered with the stats of that same moment."""
-        if self.rule is None:
-            self.refuse("unexpected", "the server has no parameters yet (no INIT)", DRIVER,
-                        conn)
-            return
-        with self._lock:
-            self.evaluations.ask(self.rule.params, self.applied)
-            self._lock.notify_all()  # finished workers wait for requests
-            report = self._report()
-        msg.send(conn, report)
+    def _totals_stay(self, message: msg.Update) -> tuple[str, str] | None:
+        """With the lock held: refuse an update that would take the totals out of range."""
+        if message.loss_sum is None:
+            return None
+        if self.samples + message.samples > MAX_NUMBER:
+            return "oversized", f"the samples in all would pass {MAX_NUMBER}"
+        if not math.isfinite(self.loss_sum + message.loss_sum):
+            return "non_finite", "the loss summed over all updates would not be finite"
+        return None
+
+    def _count(self, worker: int, message: msg.Update) -> tuple[int, int]:
+        """With the lock held: an applied update's counters; (applied, its staleness)."""
+        staleness = self.applied - self._pulled_version.get(worker, 0)
+        self.applied += 1
+        self.staleness[worker].append(staleness)
+        self.clocks.has_pushed(worker)
+        self._lock.notify_all()
+        if message.lr is not None:
+            self.lrs[worker] = message.lr
+        if message.loss_sum is not None:
+            self.samples += message.samples
+            self.loss_sum += message.loss_sum
+        if message.steps is not None:
+            self.progress[worker] = message.steps
+        every = self.settings.checkpoint_every
+        if every and self.applied % every == 0:
+            self._save_checkpoint()
+        return self.applied, staleness
 
     def _wait_for(self, condition) -> bool:
         """With the lock held: wait (bounded) until `condition()` or no bound is set."""
@@ -364,37 +357,17 @@ class ParameterServer(Server):
             self._lock.wait(timeout=0.5)
         return True
 
-    def _init(self, conn: Connection, init: msg.Init, payload: memoryview) -> None:
-        differences = self.settings.differences(init.expect)
-        if differences:
-            self.refuse("settings", "the fit and this server disagree: "
-                        + "; ".join(differences), DRIVER, conn)
-            return
-        if payload.nbytes != init.numel * np.dtype(init.dtype).itemsize:
-            self.refuse("shape", f"INIT of {payload.nbytes} bytes is no array of {init.numel} "
-                        f"{init.dtype} values", DRIVER, conn)
-            return
-        params = np.frombuffer(payload, dtype=init.dtype).copy()
-        with self._lock:
-            self._announce(init.workers)
-            self.rule = self._new_rule(params)
-            self.applied, self.samples, self.loss_sum = 0, 0, 0.0
-            self.stopped = False
-            self.lrs.clear()
-            self.progress.clear()
-            self._pulled_version.clear()
-            self.staleness.clear()
-            self.evaluations.reset(init.workers)
-            if self._checkpoint is not None:  # a new fit: not failed by an earlier fit's save
-                self._checkpoint.error = None
-            self._save_checkpoint()
-        msg.send(conn, msg.Settings(settings={**self.settings.to_dict(),
-                                              **self.rule.settings()}))
 
-    def _announce(self, workers: int) -> None:
-        """With the lock held: workers announced by the driver count for the staleness bound
-        before they connect, so an early worker cannot run ahead of one still loading."""
-        self._announced = workers
-        for w in range(workers):
-            self._clocks.setdefault(w, 0)
-            self._read_clocks.setdefault(w, -1)  # no push applies before its first read
+def _mean(values) -> float:
+    """A mean that cannot overflow (each lr is finite, their sum may not be)."""
+    values = list(values)
+    return float(sum(v / len(values) for v in values))
+
+
+def _end_reads(conn: Connection) -> None:
+    """Make `conn`'s handler see its peer gone at its next read, without closing the socket
+    under it: it may be mid-send (a close from here failed that send with EBADF, and an
+    applied update lost its ACK); it closes the socket itself. The plain socket's shutdown,
+    even under TLS: the SSL socket's own would drop its TLS state while the handler sends."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(conn.sock, socket.SHUT_RD)

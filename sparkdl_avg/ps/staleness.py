@@ -4,6 +4,7 @@ clocks (their pushes so far). Bound 0 is bulk synchronous; None is no bound."""
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -18,6 +19,47 @@ def may_apply(read_clocks: dict[int, int], worker: int, clock: int, bound: int |
     - bound, so no read sees updates from beyond its round (bound 0: exactly synchronous)."""
     return bound is None or all(read >= clock - bound for w, read in read_clocks.items()
                                 if w != worker)
+
+
+class Clocks:
+    """The SSP members' clocks: per worker its pushes applied (`pushed`) and the clock at its
+    last read (`read`). Members are the workers the driver announced, or the connected ones
+    when it announced none, less those that finished (FINISHED) or left. Not thread-safe: the
+    server calls it with its lock held."""
+
+    def __init__(self) -> None:
+        self.reset(())
+
+    def reset(self, members: Iterable[int]) -> None:
+        """A new fit (INIT, restore): exactly `members`, none has pushed; no push applies
+        before its first read. The old set goes: a worker of an earlier fit that is not
+        announced again holds no one back."""
+        members = list(members)
+        self.pushed = dict.fromkeys(members, 0)
+        self.read = dict.fromkeys(members, -1)
+
+    def join(self, worker: int) -> None:
+        """A connected worker; one new to the set starts level with the slowest."""
+        start = min(self.pushed.values(), default=0)
+        self.pushed.setdefault(worker, start)
+        self.read.setdefault(worker, start - 1)  # has read nothing yet
+
+    def leave(self, worker: int) -> None:
+        """Gone or finished: it will not push again, so it holds no one back."""
+        self.pushed.pop(worker, None)
+        self.read.pop(worker, None)
+
+    def may_read(self, worker: int, bound: int | None) -> bool:
+        return may_read(self.pushed, worker, bound)
+
+    def may_apply(self, worker: int, bound: int | None) -> bool:
+        return may_apply(self.read, worker, self.pushed[worker], bound)
+
+    def has_read(self, worker: int) -> None:
+        self.read[worker] = self.pushed[worker]
+
+    def has_pushed(self, worker: int) -> None:
+        self.pushed[worker] += 1
 
 
 def pushes_between_fetches(push_every: int, fetch_every: int | None,

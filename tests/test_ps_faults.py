@@ -1,0 +1,248 @@
+"""The parameter server against authenticated peers sending finite but hostile values, and
+against requests at odd moments (issue 33): a result that would not be finite is refused
+with "non_finite" and changes nothing; a re-INIT replaces the set of clocks; a PULL or UPDATE
+after FINISHED, and a connection taken over mid-request, get a refusal with a reason, never
+an unhandled exception. Frames the client library would not send go over the raw wire."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+import numpy as np
+import pytest
+
+from sparkdl_avg import ProtocolError
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.fields import MAX_NUMBER
+from sparkdl_avg.net.frames import Kind
+from sparkdl_avg.ps.client import PSClient
+from sparkdl_avg.ps.rules import make_rule
+from sparkdl_avg.ps.server import DRIVER, ParameterServer
+from sparkdl_avg.ps.settings import ServerSettings
+
+SECRET = b"q" * 32
+
+
+def server(algorithm: str = "downpour", params=None, tls=None, **settings) -> ParameterServer:
+    params = np.zeros(4, np.float32) if params is None else params
+    return ParameterServer(ServerSettings(timeout=10, algorithm=algorithm, **settings),
+                           secret=SECRET, rule=make_rule(algorithm, params, lr=0.1), tls=tls)
+
+
+def client(ps: ParameterServer, worker: int, ca: str | None = None) -> PSClient:
+    return PSClient(ps.address, secret=SECRET, worker=worker, numel=4, dtype=np.float32,
+                    timeout=10, tls_ca_pem=ca)
+
+
+def raw_update(c: PSClient, update: np.ndarray, **fields) -> None:
+    """An UPDATE as bytes on the wire: any finite lr, loss_sum or samples the fields allow."""
+    c._conn.send(Kind.UPDATE, {"dtype": str(update.dtype), "numel": update.size, **fields},
+                 update)
+
+
+def refused(c: PSClient) -> str:
+    """The reason of the refusal the server answered with."""
+    with pytest.raises(ProtocolError) as info:
+        msg.expect(c._conn, msg.Ack)
+    return info.value.reason
+
+
+@pytest.fixture
+def handler_errors(caplog):
+    caplog.set_level(logging.ERROR, logger="sparkdl_avg")
+    return lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition()
+
+
+# --- 1. finite inputs, non-finite results ---------------------------------------------------
+
+def test_downpour_refuses_updates_that_overflow_the_parameters():
+    with server() as ps, client(ps, 0) as c:
+        c.pull()
+        big = np.full(4, 3e38, np.float32)
+        assert c.push(big).applied == 1  # -3e38: still finite
+        raw_update(c, big)
+        assert refused(c) == "non_finite"  # -6e38 is -inf in float32
+        c.pull()
+        assert np.all(c.params == np.float32(-3e38))
+        assert c.push(-big).applied == 2  # the same connection goes on
+        c.pull()
+        assert c.params.tolist() == [0.0] * 4
+        assert ps.stats()["refused"] == {"non_finite": 1}
+
+
+@pytest.mark.parametrize("algorithm", ["dcasgd", "dcasgd-adaptive"])
+def test_dcasgd_refuses_a_tiny_lr_and_keeps_its_state(algorithm):
+    """g = update / lr overflows: refused, and the parameters, the worker's backup and the
+    mean square are as if the update had never come (the next one matches a rule that
+    never saw it)."""
+    w0 = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
+    good = np.array([0.01, -0.02, 0.03, 0.0], np.float32)
+    expected = make_rule(algorithm, w0.copy(), lr=0.1)
+    expected.pull(0)
+    expected.apply(0, good.copy(), lr=0.1)
+    with server(algorithm, w0.copy()) as ps, client(ps, 0) as c:
+        c.pull()
+        raw_update(c, np.full(4, 1e-3, np.float32), lr=1e-300)
+        assert refused(c) == "non_finite"
+        c.pull()
+        assert np.array_equal(c.params, w0)
+        c.push(good, lr=0.1)
+        c.pull()
+        np.testing.assert_array_equal(c.params, expected.params)
+        if algorithm == "dcasgd-adaptive":
+            np.testing.assert_array_equal(ps.rule.meansquare, expected.meansquare)
+
+
+def test_an_init_that_is_not_finite_is_refused():
+    ps = ParameterServer(ServerSettings(timeout=10), secret=SECRET)
+    with ps, client(ps, DRIVER) as driver:
+        for bad in (np.nan, np.inf):
+            with pytest.raises(ProtocolError) as info:
+                driver.init(np.full(4, bad, np.float32), workers=1)
+            assert info.value.reason == "non_finite"
+        assert ps.rule is None  # still no parameters
+        driver.init(np.ones(4, np.float32), workers=1)
+        with client(ps, 0) as c:
+            c.pull()
+            assert c.params.tolist() == [1.0] * 4
+
+
+def test_totals_that_would_leave_their_range_are_refused():
+    """loss_sum past the largest float, samples past 2^53: refused, the stats stay finite
+    numbers (JSON without Infinity); the mean lr cannot overflow either."""
+    with server() as ps, client(ps, 0) as a, client(ps, 1) as b:
+        a.pull()
+        b.pull()
+        zero = np.zeros(4, np.float32)
+        raw_update(a, zero, samples=1, loss_sum=1.7e308, lr=1e308)
+        msg.expect(a._conn, msg.Ack)
+        raw_update(b, zero, samples=1, loss_sum=1.7e308, lr=1e308)
+        assert refused(b) == "non_finite"
+        raw_update(b, zero, samples=MAX_NUMBER, loss_sum=0.0, lr=1e308)
+        assert refused(b) == "oversized"  # 1 + 2^53
+        raw_update(b, zero, samples=MAX_NUMBER - 1, loss_sum=0.0, lr=1e308)
+        msg.expect(b._conn, msg.Ack)
+        stats = a.stats()
+        json.dumps(stats, allow_nan=False)
+        assert stats["samples"] == MAX_NUMBER and stats["loss_sum"] == 1.7e308
+        assert stats["lr"] == pytest.approx(1e308) and math.isfinite(stats["lr"])
+        assert stats["applied"] == 2
+        assert stats["refused"] == {"non_finite": 1, "oversized": 1}
+
+
+def test_evaluation_sums_that_overflow_make_no_infinite_result():
+    """Two workers' finite sums of 1.7e308 add up past the largest float: the result says
+    "not finite" (loss None) instead of carrying Infinity to the driver."""
+    from sparkdl_avg.ps.evaluations import Evaluations
+
+    for weight, expected_weight in ((1.0, 2.0), (1.7e308, 0.0)):
+        evaluations = Evaluations()
+        evaluations.reset(2)
+        request = evaluations.ask(np.zeros(2), 0).request
+        for w in (0, 1):
+            done = evaluations.answer(w, request, {
+                "loss_sum": 1.7e308 if weight == 1.0 else 1.0, "loss_weight": weight,
+                "correct": None, "scored": None, "count": 1, "eval_s": 0.1})
+        assert done["loss_sum"] is None and done["loss_weight"] == expected_weight
+        json.dumps(done, allow_nan=False)
+
+
+# --- 2. a re-INIT replaces the set of clocks ------------------------------------------------
+
+def test_a_reinit_with_fewer_workers_replaces_the_clocks():
+    """The driver re-inits for 2 workers after 3: no phantom clock of worker 2 holds the
+    real workers at bound 0 (they used to wait on it until the server's timeout), and a
+    connected worker 2 is no member any more."""
+    ps = ParameterServer(ServerSettings(timeout=3, staleness_bound=0), secret=SECRET)
+    with ps, client(ps, DRIVER) as driver:
+        driver.init(np.zeros(4, np.float32), workers=3)
+        leftover = client(ps, 2)
+        driver.init(np.zeros(4, np.float32), workers=2)
+        with client(ps, 0) as a, client(ps, 1) as b:
+            started = time.monotonic()
+            for _ in range(3):
+                a.pull()
+                b.pull()
+                a.push(np.ones(4, np.float32))
+                b.push(np.ones(4, np.float32))
+            assert time.monotonic() - started < 2  # no wait on worker 2
+            assert ps.stats()["clocks"] == {"0": 3, "1": 3}
+        with pytest.raises(ProtocolError, match="not announced") as info:
+            leftover.pull()
+        assert info.value.reason == "unexpected"
+        leftover.close()
+
+
+# --- 3. requests at odd moments -------------------------------------------------------------
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_pull_or_push_after_finished_is_refused_with_a_reason(workers, handler_errors):
+    """Under a staleness bound, a PULL after FINISHED raised KeyError (two workers) or
+    ValueError on an empty min() (one), and the handler died."""
+    ps = ParameterServer(ServerSettings(timeout=5, staleness_bound=1), secret=SECRET)
+    with ps, client(ps, DRIVER) as driver:
+        driver.init(np.zeros(4, np.float32), workers=0)
+        others = [client(ps, w) for w in range(1, workers)]
+        for o in others:
+            o.pull()  # read: worker 0's push need not wait for it
+        with client(ps, 0) as c:
+            c.pull()
+            c.push(np.ones(4, np.float32))
+            c.finished(wait_s=0.01)
+            c._conn.send(Kind.PULL, {})
+            with pytest.raises(ProtocolError, match="has finished") as info:
+                msg.expect(c._conn, msg.Params)
+            assert info.value.reason == "unexpected"
+            raw_update(c, np.ones(4, np.float32))
+            assert refused(c) == "unexpected"
+            assert c.stats()["applied"] == 1  # still served
+        for o in others:
+            o.close()
+        assert handler_errors() == []
+        assert ps.stats()["refused"] == {"unexpected": 2}
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_takeover_mid_request_refuses_the_older_request_and_applies_nothing(
+        tls, handler_errors, tmp_path):
+    """Worker 0's second push waits at bound 0 for worker 1's read when a newer connection
+    takes over worker 0. The older connection used to be closed under its handler, which
+    then applied the update and failed to send its ACK (EBADF): an update applied and
+    unacknowledged. Now the older one gets a refusal and nothing is applied (under TLS too:
+    its reads end without dropping its TLS state)."""
+    context, ca = None, None
+    if tls:
+        from test_ps_tls import self_signed
+
+        from sparkdl_avg.net.tls import server_context
+
+        cert, key, ca = self_signed(tmp_path)
+        context = server_context(str(cert), str(key))
+    with server(staleness_bound=0, tls=context) as ps, client(ps, 0, ca) as old, \
+            client(ps, 1, ca) as other:
+        old.pull()
+        other.pull()
+        old.push(np.ones(4, np.float32))
+        raw_update(old, np.ones(4, np.float32))  # waits for worker 1's next read
+        time.sleep(0.3)
+        new = client(ps, 0, ca)  # the restarted task
+        other.push(np.ones(4, np.float32))
+        other.pull()  # would open the older push's gate
+        reply, _ = msg.receive(old._conn)
+        assert isinstance(reply, msg.Refusal) and reply.reason == "unexpected"
+        assert "took over" in reply.message
+        assert ps.stats()["applied"] == 2  # the older second push never applied
+        wait_for(lambda: len(ps._conns) == 2)  # its handler ended and closed it
+        assert new.pull() == 2 and new.params.tolist() == [-2.0] * 4
+        new.close()
+        assert handler_errors() == []
