@@ -25,7 +25,7 @@ import numpy as np
 
 from sparkdl_avg.data.cache import batch_of, tensors_of, typed
 from sparkdl_avg.data.disk_cache import assemble
-from sparkdl_avg.data.feed import PreprocessFeed, next_from, train_jobs
+from sparkdl_avg.data.feed import PreprocessFeed, next_from, step_rng
 from sparkdl_avg.data.order import Cut, EpochOrder, batch_positions
 
 PREFETCH = 4
@@ -217,3 +217,39 @@ class _Producer:
                 step += 1
         except BaseException as exc:  # handed to the training thread by get()
             self.error = exc
+
+
+def train_jobs(batches, step: int, partition: int):
+    """The training steps from `step` on, as `PreprocessFeed` jobs: each step's raw rows
+    gathered in `batches.pieces` order from either cache (memory: indexed; disk: one shuffle
+    window read at a time), the time and bytes counted in the cache's `assemble_s` and
+    `assembled_bytes` (the task's `read_mb_s`)."""
+    b = batches
+    cols = b.columns
+    window = None if cols.in_memory else cols.empty(min(b.cut.window_rows, cols.rows))
+    loaded = visit = None
+    while step < b.total_steps:
+        t0 = time.perf_counter()
+        epoch, order, pieces = b.pieces(step)
+        parts = []
+        for k, a, c in pieces:
+            if loaded != (epoch, k):  # a window's order once, not once a step
+                if cols.in_memory:
+                    visit = order.rows(k)
+                else:  # one shuffle window read at a time
+                    cols.read_into(order.ranges(k), window)
+                    visit = order.visit(k)
+                loaded = (epoch, k)
+            parts.append(cols.part(visit[a:c]) if cols.in_memory else window.part(visit[a:c]))
+        if not parts:
+            parts = [cols.part(np.zeros(0, np.int64)) if cols.in_memory
+                     else window.part(np.zeros(0, np.int64))]
+        cols.assemble_s += time.perf_counter() - t0
+        cols.assembled_bytes += _raw_bytes(parts)
+        yield parts, True, step_rng(b.seed, epoch, partition, step % b.steps_per_epoch)
+        step += 1
+
+
+def _raw_bytes(parts: list[list]) -> int:
+    return sum(sum(a.nbytes for a in value) if isinstance(value, tuple) else value.nbytes
+               for part in parts for value in part)

@@ -3,7 +3,7 @@
 The data cache holds the raw rows (an encoded column as bytes, numbers as carried) on the
 host. `PreprocessFeed` runs a producer thread that gathers the raw rows of each batch in order
 (a training step's from either cache, the same pieces `batches.TrainBatches` would index:
-`train_jobs`; or an evaluation chunk's: `eval_jobs`) and submits `preprocess` and the
+`batches.train_jobs`; or an evaluation chunk's: `eval_jobs`) and submits `preprocess` and the
 conversion to tensors to a pool of `TrainConfig.preprocess_threads` threads; the training
 thread takes the results in order from a queue of at most `TrainConfig.prefetch_batches`
 futures, so the raw batches in flight stay bounded. Decoders that release the GIL (PIL,
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -257,10 +256,10 @@ def next_from(producer, what: str):
 
 class PreprocessFeed:
     """Batches preprocessed on a pool, taken in order by `get` (or by iterating) on the
-    consumer's thread, on `device` in the model's dtypes. `jobs` yields each batch's
-    (raw parts, training, rng), on the producer thread (`train_jobs`, `eval_jobs`): it
-    gathers the raw rows, so reading the cache overlaps the consumer too. A context manager:
-    `stop` on every path out."""
+    consumer's thread, on `device` in the model's dtypes. `jobs` yields each batch's (raw
+    parts, training, rng), on the producer thread (`batches.train_jobs`, `eval_jobs`): it
+    gathers the raw rows, so reading the cache overlaps the consumer too. A context
+    manager: `stop` on every path out."""
 
     def __init__(self, jobs, preprocessor: Preprocessor, device, *, threads: int,
                  prefetch: int, timeout: float = 600.0) -> None:
@@ -283,6 +282,7 @@ class PreprocessFeed:
         self.stop()
 
     def __iter__(self):
+        """The batches left, in order."""
         while (batch := self.get()) is not None:
             yield batch
 
@@ -315,22 +315,25 @@ class PreprocessFeed:
     def _run(self) -> None:
         try:
             for parts, training, rng in self.jobs:
-                if self.stopped.is_set():
+                future = self.pool.submit(self.prep, parts, training=training, rng=rng)
+                if not self._put(future):  # stopped
+                    future.cancel()
                     return
-                self._put(self.pool.submit(self.prep, parts, training=training, rng=rng))
             self._put(None)  # the end
         except BaseException as exc:  # handed to the consumer by get()
             self.error = exc
         finally:  # what the jobs hold (a disk window) goes now, not with the feed
             getattr(self.jobs, "close", lambda: None)()
 
-    def _put(self, item) -> None:
+    def _put(self, item) -> bool:
+        """`item` queued, or False once the feed is stopped."""
         while not self.stopped.is_set():
             try:
                 self.queue.put(item, timeout=0.05)
-                return
+                return True
             except queue.Full:
                 pass
+        return False
 
 
 def _cancel(future) -> None:
@@ -338,44 +341,8 @@ def _cancel(future) -> None:
         future.cancel()
 
 
-def train_jobs(batches, step: int, partition: int):
-    """The training steps from `step` on, as `PreprocessFeed` jobs: each step's raw rows
-    gathered in `batches.pieces` order from either cache (memory: indexed; disk: one shuffle
-    window read at a time), the time and bytes counted in the cache's `assemble_s` and
-    `assembled_bytes` (the task's `read_mb_s`)."""
-    b = batches
-    cols = b.columns
-    window = None if cols.in_memory else cols.empty(min(b.cut.window_rows, cols.rows))
-    loaded = visit = None
-    while step < b.total_steps:
-        t0 = time.perf_counter()
-        epoch, order, pieces = b.pieces(step)
-        parts = []
-        for k, a, c in pieces:
-            if loaded != (epoch, k):  # a window's order once, not once a step
-                if cols.in_memory:
-                    visit = order.rows(k)
-                else:  # one shuffle window read at a time
-                    cols.read_into(order.ranges(k), window)
-                    visit = order.visit(k)
-                loaded = (epoch, k)
-            parts.append(cols.part(visit[a:c]) if cols.in_memory else window.part(visit[a:c]))
-        if not parts:
-            parts = [cols.part(np.zeros(0, np.int64)) if cols.in_memory
-                     else window.part(np.zeros(0, np.int64))]
-        cols.assemble_s += time.perf_counter() - t0
-        cols.assembled_bytes += _raw_bytes(parts)
-        yield parts, True, step_rng(b.seed, epoch, partition, step % b.steps_per_epoch)
-        step += 1
-
-
 def eval_jobs(columns, size: int, seed: int, partition: int):
     """`columns`' rows in chunks of `size`, in order, as `PreprocessFeed` jobs
     (training=False; each chunk's rng fixed by its index)."""
     for k, parts in enumerate(columns.parts(size)):
         yield [parts], False, step_rng(seed, EVAL_STREAM, partition, k)
-
-
-def _raw_bytes(parts: list[list]) -> int:
-    return sum(sum(a.nbytes for a in value) if isinstance(value, tuple) else value.nbytes
-               for part in parts for value in part)
