@@ -302,7 +302,7 @@ def _report_workers(outcome: TrainOutcome, run: RunLogger) -> None:
 
 
 _WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_s",
-                   "pad_fraction")
+                   "batch_wait_s", "pad_fraction")
 
 
 def _result_model(plan: FitPlan, run: RunLogger, trained: tuple[str, ...]):

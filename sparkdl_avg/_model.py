@@ -180,16 +180,19 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
     """Run the model once, on the driver, on a probe batch of two rows with the data's real
     dtypes and shapes: each integer field holds its least value in the first row and its
     largest in the second (an embedding too small fails here, not in a task), each ragged
-    field its longest row; or on `batch` (real rows: `fit(preprocess=)`'s sample). Then check
-    its outputs against the labels (`check_outputs`), and return them."""
+    field its longest row; or on `batch` (real rows: `fit(preprocess=)`'s sample), whose
+    integer fields that `ranges` names hold their least and largest values the same way
+    (`probe_batch.with_ranges`). Then check its outputs against the labels
+    (`check_outputs`), and return them."""
     from sparkdl_avg._losses import check_outputs
-    from sparkdl_avg.data.probe_batch import probe_batch
+    from sparkdl_avg.data.probe_batch import probe_batch, with_ranges
 
     _check_keywords(model, schema, objective.model_loss)
     known = {wire: r for wire, r in ranges.items() if r is not None}
-    if batch is None:
-        batch = probe_batch(schema, dtype, low={w: int(r[0]) for w, r in known.items()},
-                            high={w: int(r[1]) for w, r in known.items()}, lengths=longest)
+    low = {w: int(r[0]) for w, r in known.items()}
+    high = {w: int(r[1]) for w, r in known.items()}
+    batch = probe_batch(schema, dtype, low=low, high=high, lengths=longest) \
+        if batch is None else with_ranges(batch, schema, low=low, high=high)
     try:
         with evaluating(model), torch.no_grad():
             out = schema.call(model, batch.inputs, objective.model_labels(batch.labels))

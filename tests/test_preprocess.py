@@ -21,7 +21,7 @@ import pytest
 import torch
 from faulty import same_parameters
 
-from sparkdl_avg import DataError, PreprocessError, TrainConfig, fit
+from sparkdl_avg import DataError, ModelError, PreprocessError, TrainConfig, fit
 from sparkdl_avg.data.arrow_columns import read_column
 from sparkdl_avg.data.feed import Preprocessor, model_schema, raw_batch, step_rng
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
@@ -161,6 +161,8 @@ def decoded(records):
 def test_decoding_bytes_trains_as_the_numbers_do(records, decoded, cache):
     result = _fit(records, data_cache=cache)
     assert {w["cache"] for w in result.workers} == {cache}
+    # the feed's metrics: raw MB/s read from the cache, the training thread's wait
+    assert all(w["read_mb_s"] > 0 and w["batch_wait_s"] > 0 for w in result.workers)
     assert same_parameters(result.model, decoded.model)
     assert not same_parameters(result.model, Net())  # it trained
     # evaluation decodes too (training=False): the same losses each round
@@ -380,3 +382,67 @@ def test_a_returned_batch_may_change_length_but_not_its_number_of_dimensions():
                         sample, torch.float64, seed=0, partition=0)
     with pytest.raises(DataError, match="not one array"):
         rows([parts], training=False, rng=step_rng(0, 0, 0, 0))
+
+
+def _threads_in_evaluation(log: str, batch, *, training, rng):
+    from pyspark import TaskContext
+
+    if not training and TaskContext.get() is not None:  # not the driver's sample
+        import threading
+
+        with open(log, "a") as f:
+            f.write(threading.current_thread().name + "\n")
+    return _decode(batch, training=training, rng=rng)
+
+
+@pytest.mark.spark
+def test_evaluation_preprocesses_on_the_pool(records, decoded, tmp_path):
+    """Evaluation's chunks are decoded off the training thread (on the pool's threads, as
+    training's steps), with the same losses as the numbers give."""
+    log = tmp_path / "threads"
+    result = _fit(records, preprocess=partial(_threads_in_evaluation, str(log)),
+                  eval_batch_size=16, data_cache="disk")
+    names = log.read_text().split()
+    # 2 evaluations x 2 workers x 3 chunks of 16 of their 48 rows
+    assert len(names) == 12 and {n.rpartition("_")[0] for n in names} == \
+        {"sparkdl-avg-preprocess"}
+    assert [h["eval_loss"] for h in result.history if "eval_loss" in h] == \
+        [h["eval_loss"] for h in decoded.history if "eval_loss" in h]
+
+
+class Embedded(torch.nn.Module):
+    """A record's numbers and an id through an embedding of 5; marks `marker` if it trains."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.marker = marker
+        self.linear = torch.nn.Linear(WIDTH, CLASSES, dtype=torch.float64)
+        self.ids = torch.nn.Embedding(5, CLASSES, dtype=torch.float64)
+
+    def forward(self, x, ids):
+        if self.training:
+            open(self.marker, "w").close()
+        return self.linear(x) + self.ids(ids)
+
+
+@pytest.mark.spark
+def test_an_id_beyond_its_embedding_is_refused_before_training(spark, tmp_path):
+    """The id column passes through preprocess: the probe on the sample still holds its
+    largest id, beyond the embedding's 5, though the sample's first rows hold 0..3."""
+    x = np.random.default_rng(3).normal(size=(24, WIDTH))
+    rows = [(bytearray(x[i].tobytes()), i % 4 if i < 23 else 9, i % 2) for i in range(24)]
+    df = spark.createDataFrame(rows, "content binary, ids long, label long")
+    marker = tmp_path / "trained"
+    with pytest.raises(ModelError, match="out of range.*ids.* up to 9"):
+        fit(df, partial(Embedded, str(marker)), TrainConfig(**SYNC),
+            inputs=["content", "ids"], preprocess=_decode)
+    assert not marker.exists()  # refused on the driver: no task trained
+
+
+@pytest.mark.spark
+def test_a_meta_driver_fits_with_a_preprocess_as_the_full_driver_does(records, augmented):
+    """driver_model="meta": the executor's build probes the model on the driver's sample
+    (a probe of the raw bytes would fail in Linear), and trains bit-identically."""
+    meta = _fit(records, preprocess=_augment, log_model=True, driver_model="meta")
+    assert same_parameters(meta.model, augmented.model)

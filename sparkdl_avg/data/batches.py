@@ -25,7 +25,7 @@ import numpy as np
 
 from sparkdl_avg.data.cache import batch_of, tensors_of, typed
 from sparkdl_avg.data.disk_cache import assemble
-from sparkdl_avg.data.feed import PreprocessFeed, next_from
+from sparkdl_avg.data.feed import PreprocessFeed, next_from, step_rng
 from sparkdl_avg.data.order import Cut, EpochOrder, batch_positions
 
 PREFETCH = 4
@@ -42,8 +42,9 @@ class TrainBatches:
         """`preprocess`: a `feed.Preprocessor`, run on `threads` threads `prefetch` batches
         ahead, each call at most `preprocess_timeout` seconds; None: the cache's batches as
         they are."""
-        self._feed_args = {"threads": threads, "prefetch": prefetch,
-                           "timeout": preprocess_timeout}
+        self.feed_args = {"threads": threads, "prefetch": prefetch,
+                          "timeout": preprocess_timeout}
+        """`feed.PreprocessFeed`'s settings (evaluation's feed takes them too)."""
         self._feed: PreprocessFeed | None = None
         self.epoch_rows = columns.rows if epoch_rows is None else epoch_rows
         self._order_args = {"worker": worker, "seed": seed, "shuffle": shuffle, "cut": cut}
@@ -56,18 +57,24 @@ class TrainBatches:
         self._order_epoch = -1
         self._window: tuple[int, int, object] | None = None  # (epoch, window, its rows)
         self.step = 0
+        self.wait_s = 0.0
+        """Seconds the training thread spent in `next`: waiting for a minibatch (prefetched
+        from disk, or preprocessed), or assembling it itself (from memory)."""
 
     def start(self, step: int) -> None:
         """Take up the data at `step`."""
         self.close()
         self.step = step
         if self.preprocess is not None:
-            self._feed = PreprocessFeed(self, step, self.preprocess, **self._feed_args).start()
+            jobs = train_jobs(self, step, self.preprocess.partition)
+            self._feed = PreprocessFeed(jobs, self.preprocess, self.device,
+                                        **self.feed_args).start()
         elif not self.columns.in_memory:
             self._producer = _Producer(self, step).start()
 
     def next(self):
         """The minibatch at the current step (a `schema.Batch`), on the device."""
+        t0 = time.perf_counter()
         if self._feed is not None:
             out = self._feed.get()
         elif self.columns.in_memory:
@@ -77,6 +84,7 @@ class TrainBatches:
         else:
             out = self._producer.get()
         self.step += 1
+        self.wait_s += time.perf_counter() - t0
         return out
 
     def _next_cuda(self):
@@ -209,3 +217,39 @@ class _Producer:
                 step += 1
         except BaseException as exc:  # handed to the training thread by get()
             self.error = exc
+
+
+def train_jobs(batches, step: int, partition: int):
+    """The training steps from `step` on, as `PreprocessFeed` jobs: each step's raw rows
+    gathered in `batches.pieces` order from either cache (memory: indexed; disk: one shuffle
+    window read at a time), the time and bytes counted in the cache's `assemble_s` and
+    `assembled_bytes` (the task's `read_mb_s`)."""
+    b = batches
+    cols = b.columns
+    window = None if cols.in_memory else cols.empty(min(b.cut.window_rows, cols.rows))
+    loaded = visit = None
+    while step < b.total_steps:
+        t0 = time.perf_counter()
+        epoch, order, pieces = b.pieces(step)
+        parts = []
+        for k, a, c in pieces:
+            if loaded != (epoch, k):  # a window's order once, not once a step
+                if cols.in_memory:
+                    visit = order.rows(k)
+                else:  # one shuffle window read at a time
+                    cols.read_into(order.ranges(k), window)
+                    visit = order.visit(k)
+                loaded = (epoch, k)
+            parts.append(cols.part(visit[a:c]) if cols.in_memory else window.part(visit[a:c]))
+        if not parts:
+            parts = [cols.part(np.zeros(0, np.int64)) if cols.in_memory
+                     else window.part(np.zeros(0, np.int64))]
+        cols.assemble_s += time.perf_counter() - t0
+        cols.assembled_bytes += _raw_bytes(parts)
+        yield parts, True, step_rng(b.seed, epoch, partition, step % b.steps_per_epoch)
+        step += 1
+
+
+def _raw_bytes(parts: list[list]) -> int:
+    return sum(sum(a.nbytes for a in value) if isinstance(value, tuple) else value.nbytes
+               for part in parts for value in part)

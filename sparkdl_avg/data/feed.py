@@ -1,12 +1,13 @@
 """Minibatches through the user's `fit(preprocess=fn)`, off the training thread.
 
 The data cache holds the raw rows (an encoded column as bytes, numbers as carried) on the
-host. One producer thread gathers each step's raw rows in step order from either cache (the
-same pieces `batches.TrainBatches` would index) and submits `preprocess` and the conversion to
-tensors to a pool of `TrainConfig.preprocess_threads` threads; the training thread takes the
-results in order from a queue of at most `TrainConfig.prefetch_batches` futures, so the raw
-batches in flight stay bounded. Decoders that release the GIL (PIL, numpy, zlib) then run
-beside the training step.
+host. `PreprocessFeed` runs a producer thread that gathers the raw rows of each batch in order
+(a training step's from either cache, the same pieces `batches.TrainBatches` would index:
+`batches.train_jobs`; or an evaluation chunk's: `eval_jobs`) and submits `preprocess` and the
+conversion to tensors to a pool of `TrainConfig.preprocess_threads` threads; the training
+thread takes the results in order from a queue of at most `TrainConfig.prefetch_batches`
+futures, so the raw batches in flight stay bounded. Decoders that release the GIL (PIL,
+numpy, zlib) then run beside the training step, and evaluation's beside its forwards.
 
 A step's `rng` is a pure function of (seed, epoch, partition, batch in the epoch): random
 augmentation is reproducible, and a restart replays it bit-identically.
@@ -24,7 +25,7 @@ import numpy as np
 
 from sparkdl_avg._errors import DataError, PreprocessError
 from sparkdl_avg.data.arrow_columns import pad
-from sparkdl_avg.data.cache import batch_of
+from sparkdl_avg.data.cache import batch_of, typed
 from sparkdl_avg.data.ragged import longest, pad_counts
 from sparkdl_avg.data.schema import IMAGE_FIELDS, Batch, DataSchema, FieldSpec
 
@@ -179,14 +180,21 @@ def _first_row(schema: DataSchema, joined: list) -> str:
     return f", whose first row's {field.name} is {name!r}"
 
 
+NARROW = ("uint8", "int8", "int16", "int32")
+"""Integer dtypes a batch may keep on its way to the device (`Preprocessor(narrow=True)`):
+each widens to int64 there, as the typed inputs' integer columns do."""
+
+
 class Preprocessor:
-    """`preprocess` and the conversion of its result to the model's tensors (CPU; pinned
-    when `pin`)."""
+    """`preprocess` and the conversion of its result to tensors on the host: in the model's
+    dtypes; with `narrow`, integers returned (or passed through) in a `NARROW` dtype keep it,
+    for the copy to the device (`cache.typed` widens them there: the model still gets int64,
+    while a uint8 image crosses at 1/8 of int64's bytes); pinned when `pin`."""
 
     def __init__(self, fn, raw: DataSchema, model: DataSchema, float_dtype, *, seed: int,
-                 partition: int, pin: bool = False) -> None:
+                 partition: int, pin: bool = False, narrow: bool = False) -> None:
         self.fn, self.raw, self.model, self.float_dtype = fn, raw, model, float_dtype
-        self.seed, self.partition, self.pin = seed, partition, pin
+        self.seed, self.partition, self.pin, self.narrow = seed, partition, pin, narrow
 
     def __call__(self, parts: list[list], *, training: bool, rng) -> Batch:
         joined = join_parts(self.raw, parts)
@@ -219,16 +227,17 @@ class Preprocessor:
                     padded, positions = padded + pads, positions + all_
             else:
                 tensor = _tensor(value)
-            tensor = tensor.to(field.torch_dtype(self.float_dtype))
+            tensor = self._host(tensor, field)
             tensors.append(tensor.pin_memory() if self.pin else tensor)
         return batch_of(self.model, tensors, padded, positions)
 
-    def eval_chunks(self, columns, size: int, device):
-        """`columns`' rows in chunks of `size`, preprocessed with training=False, on
-        `device`."""
-        for k, parts in enumerate(columns.parts(size)):
-            rng = step_rng(self.seed, EVAL_STREAM, self.partition, k)
-            yield self([parts], training=False, rng=rng).to(device)
+    def _host(self, tensor, field: FieldSpec):
+        """`tensor` in the dtype it crosses to the device in."""
+        wanted = field.torch_dtype(self.float_dtype)
+        if self.narrow and field.kind == "int" and \
+                str(tensor.dtype).removeprefix("torch.") in NARROW:
+            return tensor
+        return tensor.to(wanted)
 
 
 def next_from(producer, what: str):
@@ -246,75 +255,94 @@ def next_from(producer, what: str):
 
 
 class PreprocessFeed:
-    """The training batches from `step` on: raw rows gathered on a producer thread,
-    preprocessed on a pool, taken in order by `get` on the training thread."""
+    """Batches preprocessed on a pool, taken in order by `get` (or by iterating) on the
+    consumer's thread, on `device` in the model's dtypes. `jobs` yields each batch's (raw
+    parts, training, rng), on the producer thread (`batches.train_jobs`, `eval_jobs`): it
+    gathers the raw rows, so reading the cache overlaps the consumer too. A context
+    manager: `stop` on every path out."""
 
-    def __init__(self, batches, step: int, preprocessor: Preprocessor, *, threads: int,
+    def __init__(self, jobs, preprocessor: Preprocessor, device, *, threads: int,
                  prefetch: int, timeout: float = 600.0) -> None:
-        self.batches, self.prep, self.timeout = batches, preprocessor, timeout
+        self.jobs, self.prep, self.device, self.timeout = jobs, preprocessor, device, timeout
         self.queue: queue.Queue = queue.Queue(prefetch)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="sparkdl-avg-preprocess")
         self.stopped = threading.Event()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(step,), daemon=True,
+        self.thread = threading.Thread(target=self._run, daemon=True,
                                        name="sparkdl-avg-preprocess-feed")
 
     def start(self) -> PreprocessFeed:
         self.thread.start()
         return self
 
-    def get(self) -> Batch:
+    def __enter__(self) -> PreprocessFeed:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __iter__(self):
+        """The batches left, in order."""
+        while (batch := self.get()) is not None:
+            yield batch
+
+    def get(self) -> Batch | None:
+        """The next batch, or None once `jobs` has none left."""
         future = next_from(self, "the preprocess feed")
+        if future is None:
+            return None
         try:
             batch = future.result(timeout=self.timeout)
         except TimeoutError:  # a decoder stuck on a record: it would be stuck again
             raise PreprocessError(f"preprocess took more than {self.timeout:.0f} s "
                                   "(round_timeout) on one batch: a decoder that hangs "
                                   "(a corrupt record, a network read) stops the fit") from None
-        return batch.to(self.batches.device, non_blocking=True)
+        # integers the pool left narrow (`Preprocessor.narrow`) widen on the device
+        return typed(batch.to(self.device, non_blocking=True), self.prep.model,
+                     self.prep.float_dtype)
 
     def stop(self) -> None:
         self.stopped.set()
         while self.thread.is_alive():
             with contextlib.suppress(queue.Empty):
-                self.queue.get(timeout=0.05).cancel()
+                _cancel(self.queue.get(timeout=0.05))
         self.thread.join()
         while not self.queue.empty():
-            self.queue.get_nowait().cancel()
+            _cancel(self.queue.get_nowait())
         # a call still running (a decoder that hangs) is not waited for: its result is dropped
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _run(self, step: int) -> None:
-        b = self.batches
-        cols = b.columns
-        window = None if cols.in_memory else cols.empty(min(b.cut.window_rows, cols.rows))
-        loaded = visit = None
+    def _run(self) -> None:
         try:
-            while step < b.total_steps and not self.stopped.is_set():
-                epoch, order, pieces = b.pieces(step)
-                parts = []
-                for k, a, c in pieces:
-                    if loaded != (epoch, k):  # a window's order once, not once a step
-                        if cols.in_memory:
-                            visit = order.rows(k)
-                        else:  # one shuffle window read at a time
-                            cols.read_into(order.ranges(k), window)
-                            visit = order.visit(k)
-                        loaded = (epoch, k)
-                    parts.append(cols.part(visit[a:c]) if cols.in_memory
-                                 else window.part(visit[a:c]))
-                if not parts:
-                    parts = [cols.part(np.zeros(0, np.int64)) if cols.in_memory
-                             else window.part(np.zeros(0, np.int64))]
-                rng = step_rng(b.seed, epoch, self.prep.partition, step % b.steps_per_epoch)
-                future = self.pool.submit(self.prep, parts, training=True, rng=rng)
-                while not self.stopped.is_set():
-                    try:
-                        self.queue.put(future, timeout=0.05)
-                        break
-                    except queue.Full:
-                        pass
-                step += 1
-        except BaseException as exc:  # handed to the training thread by get()
+            for parts, training, rng in self.jobs:
+                future = self.pool.submit(self.prep, parts, training=training, rng=rng)
+                if not self._put(future):  # stopped
+                    future.cancel()
+                    return
+            self._put(None)  # the end
+        except BaseException as exc:  # handed to the consumer by get()
             self.error = exc
+        finally:  # what the jobs hold (a disk window) goes now, not with the feed
+            getattr(self.jobs, "close", lambda: None)()
 
+    def _put(self, item) -> bool:
+        """`item` queued, or False once the feed is stopped."""
+        while not self.stopped.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+
+def _cancel(future) -> None:
+    if future is not None:
+        future.cancel()
+
+
+def eval_jobs(columns, size: int, seed: int, partition: int):
+    """`columns`' rows in chunks of `size`, in order, as `PreprocessFeed` jobs
+    (training=False; each chunk's rng fixed by its index)."""
+    for k, parts in enumerate(columns.parts(size)):
+        yield [parts], False, step_rng(seed, EVAL_STREAM, partition, k)

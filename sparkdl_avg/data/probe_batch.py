@@ -5,6 +5,11 @@ Every field is zeros of its dtype and row shape, except integer fields, whose fi
 the given `low` and second row the given `high` (the smallest and largest value seen, so an
 Embedding too small for the data fails here), and ragged fields, whose rows have the given
 length (2 by default).
+
+With `fit(preprocess=)` the probe runs on real rows instead (what preprocess returned for a
+sample of train_df), and `with_ranges` puts the smallest and largest value in the integer
+columns preprocess passes through (`passed_ranges`): a column it returns may hold other values
+than the ones validation saw, so its range is not probed.
 """
 
 from __future__ import annotations
@@ -45,3 +50,37 @@ def field_rows(field: FieldSpec, float_dtype, *, low: int = 0, high: int = 0,
         out[0] = low
         out[1] = high
     return out
+
+
+def passed_ranges(raw: DataSchema, model: DataSchema | None, ranges: dict) -> dict:
+    """`ranges` (by wire) of the fields the model gets as they were carried: every field
+    without a preprocess (`model` None), else those preprocess does not return."""
+    if model is None:
+        return ranges
+    kept = {f.wire for f in model.fields if f in raw.fields}
+    return {wire: r for wire, r in ranges.items() if wire in kept}
+
+
+def with_ranges(batch: Batch, schema: DataSchema, *, low: dict[str, int],
+                high: dict[str, int]) -> Batch:
+    """`batch` (real rows, in the model's dtypes) with each integer field `low` and `high`
+    name (by wire) holding `low` in its first row and `high` in its second (every position
+    of a ragged row, as `field_rows`); a batch of one row is repeated to two first. The other
+    fields and rows are as they were."""
+    fields = (*schema.inputs, *schema.labels, *((schema.weight,) if schema.weight else ()))
+    tensors = (*batch.inputs, *batch.labels, *(() if batch.weights is None else
+                                                (batch.weights,)))
+    if not low or not tensors or tensors[0].shape[0] == 0:
+        return batch
+    out = []
+    for field, t in zip(fields, tensors, strict=True):
+        if t.shape[0] < ROWS:
+            t = t.repeat(ROWS, *(1,) * (t.dim() - 1))
+        if field.kind == "int" and field.wire in low:
+            t = t.clone()
+            t[0], t[1] = low[field.wire], high[field.wire]
+        out.append(t)
+    n_in, n_labels = len(schema.inputs), len(schema.labels)
+    return Batch(tuple(out[:n_in]), tuple(out[n_in:n_in + n_labels]),
+                 out[-1] if schema.weight is not None else None, batch.padded,
+                 batch.positions)

@@ -160,12 +160,6 @@ class DataSchema:
         return [f.name for f in self.inputs]
 
     @property
-    def image(self) -> bool:
-        """An encoded field from Spark's `image` source struct (the only struct carried):
-        its bytes are a header of ints before the pixels (`describe.pack_image`)."""
-        return self.encoded and self.source.startswith("struct<")
-
-    @property
     def ragged(self) -> bool:
         return any(f.ragged for f in self.fields)
 

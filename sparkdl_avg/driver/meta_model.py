@@ -30,16 +30,17 @@ def build_on_meta(model_fn) -> torch.nn.Module:
         return build_model(model_fn)
 
 
-def initial_state(spark, model: torch.nn.Module, *, pickled: dict, seed: int, data,
+def initial_state(spark, model: torch.nn.Module, *, pickled: dict, seed: int, probe: dict,
                   deadline_s: float) -> dict:
-    """Build `model_fn` on one executor, check it takes the data, make the meta `model`'s
+    """Build `model_fn` on one executor, check it takes the data (`probe`: the keywords of
+    `_model.check_model_takes_data` that say what the probe runs on: schema, ranges,
+    longest, and with `fit(preprocess=)` the sample's batch), make the meta `model`'s
     trained tensors and counted buffers real with its values; returns the frozen tensors'
     fingerprint (`Fingerprint.to_dict`). ModelError if the build failed or trains other
     tensors than the meta build; ClusterError if the job failed or passed `deadline_s`."""
     dtype = str(_trained_dtype(model)).removeprefix("torch.")
     payload = {"model_fn": pickled["model_fn"], "loss": pickled["loss"], "seed": seed,
-               "dtype": dtype, "schema": data.schema, "ranges": data.ranges,
-               "longest": data.longest}
+               "dtype": dtype, "probe": probe}
     what = "the initial build of model_fn on an executor (driver_model='meta')"
     frame = spark.range(1, numPartitions=1)
     rows = TaggedJob(spark, lambda: frame.mapInArrow(

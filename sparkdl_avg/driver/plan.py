@@ -26,6 +26,7 @@ from sparkdl_avg.averaging.flat_buffer import averaged_tensors, wire_dtype
 from sparkdl_avg.averaging.frozen import Fingerprint
 from sparkdl_avg.data.order import epoch_length, padded_rows
 from sparkdl_avg.data.prepare import PreparedData, prepare
+from sparkdl_avg.data.probe_batch import passed_ranges
 from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
@@ -119,7 +120,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     if on_round is not None and not callable(on_round):
         raise ConfigError(f"on_round must be a callable metrics -> bool, got "
                           f"{type(on_round).__name__}")
-    check_preprocess(preprocess, config)
+    check_preprocess(preprocess)
     outputs = 1 if isinstance(label_col, str) else len(label_col) if \
         isinstance(label_col, (list, tuple)) else 1
     objective = make_objective(loss, loss_weights=loss_weights, num_outputs=outputs,
@@ -154,14 +155,15 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     if preprocess is not None:
         model_schema, sample = sample_schema(data, preprocess, dtype, config.seed)
     check_ragged_labels(model_schema or data.schema, objective)
-    if meta:  # what trains made real, from an executor's build (which takes the probe batch)
-        frozen = initial_state(spark, model, pickled=pickled, seed=config.seed, data=data,
+    # the probe's data: with a preprocess, its sample, with the ranges of what it passes on
+    probe = {"schema": model_schema or data.schema, "longest": data.longest, "batch": sample,
+             "ranges": passed_ranges(data.schema, model_schema, data.ranges)}
+    if meta:  # what trains made real, from an executor's build (which runs the probe)
+        frozen = initial_state(spark, model, pickled=pickled, seed=config.seed, probe=probe,
                                deadline_s=config.waits().connect)
         probed = None  # the executor ran the probe: the driver's model has no outputs
     else:
-        probed = check_model_takes_data(model, model_schema or data.schema, objective,
-                                        dtype=dtype, ranges=data.ranges, longest=data.longest,
-                                        batch=sample)
+        probed = check_model_takes_data(model, objective=objective, dtype=dtype, **probe)
     heads = (model_head(model, probed),) if objective.model_loss else heads_of(objective)
     smallest = min(data.train_sizes)
     if smallest < config.batch_size:
@@ -190,16 +192,11 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
                    model_fn=model_fn, model_schema=model_schema, heads=heads)
 
 
-def check_preprocess(preprocess, config: TrainConfig) -> None:
-    """ConfigError for a preprocess that is not a callable, or with what it does not work
-    with yet (issue 31's later slices: driver_model="meta")."""
-    if preprocess is None:
-        return
-    if not callable(preprocess):
+def check_preprocess(preprocess) -> None:
+    """ConfigError for a preprocess that is not a callable."""
+    if preprocess is not None and not callable(preprocess):
         raise ConfigError(f"preprocess must be a callable (batch, *, training, rng) -> dict, "
                           f"got {type(preprocess).__name__}")
-    if config.driver_model == "meta":
-        raise ConfigError('driver_model="meta" with preprocess is not supported yet')
 
 
 def sample_schema(data: PreparedData, preprocess, dtype: torch.dtype, seed: int,

@@ -125,7 +125,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
             "spilled_mb": _mb(data.spilled_bytes),
             "load_mb_s": _mb(shape.bytes) / max(data.load_s, 1e-9),
             "read_mb_s": _mb(train.assembled_bytes) / train.assemble_s
-            if train.assemble_s > 0 else None})
+            if train.assemble_s > 0 else None, "batch_wait_s": outcome["batch_wait_s"]})
 
 
 def _agree_on_devices(ctx, rank: int, wanted: str):

@@ -1,10 +1,11 @@
 """The initial build on an executor, for a driver that holds no frozen weights
 (`driver_model="meta"`, `driver.meta_model`): one task builds `model_fn` under the fit's
 seed, as every replica will, fingerprints its frozen tensors, checks it takes a probe batch
-of the data, and returns what trains (its names, shapes and values), its counted buffers and
-the fingerprint. The values go in rows of at most `CHUNK_BYTES` (a result row, and an Arrow
-binary cell, has limits far below a large model's); a failure is returned as text, not
-raised, so the driver raises it as the error it is."""
+of the data (with `fit(preprocess=)`, the driver's sample of real rows), and returns what
+trains (its names, shapes and values), its counted buffers and the fingerprint. The values
+go in rows of at most `CHUNK_BYTES` (a result row, and an Arrow binary cell, has limits far
+below a large model's); a failure is returned as text, not raised, so the driver raises it
+as the error it is."""
 
 from __future__ import annotations
 
@@ -49,9 +50,8 @@ def _build(payload: dict) -> tuple[dict, bytes]:
     torch.manual_seed(payload["seed"])  # as the driver and every replica build it
     model = settle_modes(cloudpickle.loads(payload["model_fn"])())
     frozen = Fingerprint.of(model).to_dict()  # as built: before any forward
-    check_model_takes_data(model, payload["schema"], cloudpickle.loads(payload["loss"]),
-                           dtype=getattr(torch, payload["dtype"]), ranges=payload["ranges"],
-                           longest=payload["longest"])
+    check_model_takes_data(model, objective=cloudpickle.loads(payload["loss"]),
+                           dtype=getattr(torch, payload["dtype"]), **payload["probe"])
     trained = averaged_tensors(model)
     names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
     wire = wire_dtype(trained[0].dtype)

@@ -148,11 +148,13 @@ class Replica:
         self.batches.close()
 
     def outcome(self) -> dict:
-        """For the task's report: its warnings, and the share of the ragged inputs'
-        positions that were padding (None without ragged inputs)."""
+        """For the task's report: its warnings, the share of the ragged inputs' positions
+        that were padding (None without ragged inputs), and the training thread's wait for
+        minibatches."""
         return {"warnings": self.warnings,
                 "pad_fraction": self.padded / self.positions if self.positions else None,
-                "pad_positions": self.padded, "ragged_positions": self.positions}
+                "pad_positions": self.padded, "ragged_positions": self.positions,
+                "batch_wait_s": self.batches.wait_s}
 
     def run_steps(self, count: int) -> tuple[float, int, float]:
         """`count` local optimizer steps; returns (summed loss x rows, rows, mean lr)."""
@@ -201,9 +203,16 @@ class Replica:
             raise index_error(self.schema, inputs, exc) from exc
 
     def evaluate(self) -> dict:
-        chunks = self.data.eval.chunks(self._eval_rows) if self.preprocessor is None else \
-            self.preprocessor.eval_chunks(self.data.eval, self._eval_rows, self.device)
-        return evaluate_batches(self.model, chunks, self.objective, self.call)
+        if self.preprocessor is None:
+            return evaluate_batches(self.model, self.data.eval.chunks(self._eval_rows),
+                                    self.objective, self.call)
+        from sparkdl_avg.data.feed import PreprocessFeed, eval_jobs
+
+        # on a pool of its own, as training's (whose pool stays busy prefetching its steps)
+        prep = self.preprocessor
+        jobs = eval_jobs(self.data.eval, self._eval_rows, prep.seed, prep.partition)
+        with PreprocessFeed(jobs, prep, self.device, **self.batches.feed_args) as chunks:
+            return evaluate_batches(self.model, chunks, self.objective, self.call)
 
 
 def _preprocessor(spec: WorkerSpec, config: TrainConfig, rank: int, dtype, device):
@@ -214,5 +223,7 @@ def _preprocessor(spec: WorkerSpec, config: TrainConfig, rank: int, dtype, devic
 
     from sparkdl_avg.data.feed import Preprocessor
 
+    copied = device.type != "cpu"  # to a GPU: pinned, integers narrow until they are there
     return Preprocessor(cloudpickle.loads(spec.preprocess), spec.schema, spec.model_schema,
-                        dtype, seed=config.seed, partition=rank, pin=device.type == "cuda")
+                        dtype, seed=config.seed, partition=rank, pin=device.type == "cuda",
+                        narrow=copied)

@@ -9,13 +9,16 @@ FIELDS = (
     ("load_s", "double"), ("version", "string"), ("library", "string"),
     ("cache", "string"), ("start_rss_mb", "double"), ("peak_rss_mb", "double"),
     ("spilled_mb", "double"), ("load_mb_s", "double"), ("read_mb_s", "double"),
-    ("pad_fraction", "double"), ("pad_positions", "long"), ("ragged_positions", "long"),
+    ("batch_wait_s", "double"), ("pad_fraction", "double"), ("pad_positions", "long"),
+    ("ragged_positions", "long"),
 )
 """What the task ran on and where its library came from (a --py-files zip, an environment);
 its data cache ("memory" or "disk"), resident memory when it started and at its peak (None
-off Linux), bytes spilled, and the throughput of loading the partition and of assembling
-minibatches from the cache; its ragged inputs' positions trained on, those of them that were
-padding, and their share (None without ragged inputs)."""
+off Linux), bytes spilled, and the throughput of loading the partition and of reading
+minibatches from the cache (as the model gets them; with `fit(preprocess=)`, the raw rows
+it gets), and the seconds the training thread waited for its minibatches; its ragged
+inputs' positions trained on, those of them that were padding, and their share (None
+without ragged inputs)."""
 
 
 def struct_type(fields=FIELDS):
