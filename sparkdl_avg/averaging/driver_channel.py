@@ -31,9 +31,9 @@ class DriverChannel(Transport):
         self._conn: Connection | None = None
 
     def open(self, hello: msg.WorkerHello) -> None:
-        def attempt(connect_s: float, handshake_s: float) -> Connection:
+        def attempt(connect_s: float, handshake_s: float, tries: int) -> Connection:
             conn = connect(self._address, timeout=connect_s, max_payload=1 << 20,
-                           tls=self._tls)
+                           tls=self._tls, tries=tries)
             try:
                 conn.set_timeout(handshake_s)
                 authenticate_to_server(conn, self._key, hello)

@@ -9,7 +9,10 @@ a wrong version) are raised at once.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import selectors
+import socket
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -25,6 +28,10 @@ MAX_CONNECT_S = 1.0
 a full listen queue dropped is sent again by the kernel only after 1, 3, 7 and 15 s (the
 19 s of issue 33), while the server's kernel answers one it queued within a round trip: a
 fresh connect gets in sooner than waiting."""
+MAX_TRIES = 8
+"""Connects started at once, doubling with each attempt from one: under a flood each SYN has a
+small chance of a place in the server's listen queue, and the first of several to get one
+wins. The first attempt is a single connect, so a server that is not flooded sees one."""
 FIRST_HANDSHAKE_S = 2.0
 """The handshake's limit once connected, doubling with each attempt: a busy server gets
 longer."""
@@ -44,16 +51,49 @@ def pause_s(attempt: int) -> float:
     return random.uniform(0.5, 1.0) * min(MAX_PAUSE_S, FIRST_PAUSE_S * 2 ** attempt)
 
 
-def dial(attempt_once: Callable[[float, float], T], limit_s: float) -> T:
-    """`attempt_once(connect_s, handshake_s)` until it succeeds; the last failure is raised
-    when it cannot be retried or `limit_s` has passed."""
+def first_connected(address: tuple[str, int], tries: int, timeout_s: float) -> socket.socket:
+    """A TCP connection to `address`: `tries` connects at once, the first to complete kept
+    (blocking), the others closed."""
+    family, kind, proto, _, target = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0]
+    socks = [socket.socket(family, kind, proto) for _ in range(tries)]
+    try:
+        with selectors.DefaultSelector() as waiting:
+            for sock in socks:
+                sock.setblocking(False)
+                sock.connect_ex(target)
+                waiting.register(sock, selectors.EVENT_WRITE)
+            deadline = time.monotonic() + timeout_s
+            error = 0
+            while waiting.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"connecting to {address[0]}:{address[1]} timed out")
+                for key, _ in waiting.select(left):
+                    sock = key.fileobj
+                    waiting.unregister(sock)
+                    error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if not error:
+                        socks.remove(sock)
+                        sock.setblocking(True)
+                        return sock
+            raise ConnectionRefusedError(error, f"cannot connect to {address[0]}:{address[1]}")
+    finally:
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def dial(attempt_once: Callable[[float, float, int], T], limit_s: float) -> T:
+    """`attempt_once(connect_s, handshake_s, tries)` until it succeeds; the last failure is
+    raised when it cannot be retried or `limit_s` has passed."""
     deadline = time.monotonic() + limit_s
     attempt = 0
     while True:
         left = max(0.01, deadline - time.monotonic())
         try:
             return attempt_once(min(left, FIRST_CONNECT_S * 1.5 ** attempt, MAX_CONNECT_S),
-                                min(left, FIRST_HANDSHAKE_S * 2 ** attempt))
+                                min(left, FIRST_HANDSHAKE_S * 2 ** attempt),
+                                min(MAX_TRIES, 2 ** attempt))
         except Exception as exc:
             pause = pause_s(attempt)
             if not retryable(exc) or time.monotonic() + pause >= deadline:

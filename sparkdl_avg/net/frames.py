@@ -189,8 +189,15 @@ class Connection:
 
 
 def connect(address: tuple[str, int], *, timeout: float, max_payload: int,
-            tls: ssl.SSLContext | None = None) -> Connection:
-    sock = socket.create_connection(address, timeout=timeout)
+            tls: ssl.SSLContext | None = None, tries: int = 1) -> Connection:
+    """`tries` > 1: that many connects at once, the first to complete kept (`net.dial`)."""
+    if tries > 1:
+        from sparkdl_avg.net.dial import first_connected  # dial knows nothing of frames
+
+        sock = first_connected(address, tries, timeout)
+        sock.settimeout(timeout)
+    else:
+        sock = socket.create_connection(address, timeout=timeout)
     if tls is not None:
         try:
             sock = tls.wrap_socket(sock, server_hostname=address[0])
