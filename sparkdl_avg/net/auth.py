@@ -117,8 +117,9 @@ def authenticate_to_server(conn: Connection, secret: bytes | Credential,
     role's `Credential`, or the shared secret (its holder derives the key of the role its
     hello names: a parameter-server id, else a rank)."""
     if not isinstance(secret, Credential):
-        meta = hello.to_meta()
-        secret = Credential.of(secret, meta.get("worker", meta.get("rank", -1)))
+        claimed = hello.to_meta()
+        claimed = claimed.get("worker", claimed.get("rank"))
+        secret = Credential.of(secret, claimed if isinstance(claimed, int) else -1)
     role, key = secret.role, secret.key
     challenge, _ = msg.expect(conn, msg.Challenge)
     mine = os.urandom(_NONCE_BYTES)
