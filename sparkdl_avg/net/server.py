@@ -6,7 +6,7 @@ handshakes run at once: when a new connection finds them full, the oldest strang
 has not sent a well-formed AUTH) is dropped, never a client whose AUTH is being checked
 (so strangers cannot lock workers out from one address, and all tests come from
 127.0.0.1); clients retry a dropped connect (`net.dial`). The listen queue is long
-(`BACKLOG`), so a flood overflows it rarely. Authenticated connections go to the
+(`BACKLOG`): a burst waits there instead of losing its SYNs. Authenticated connections go to the
 subclass's `serve`, at most `max_connections` of them, with their role on the connection
 (`Connection.role`). Every refusal is answered with an ERROR frame where the peer can still
 read one, counted by its reason code and logged escaped (`escaped`): what a peer sends
