@@ -13,7 +13,7 @@ from sparkdl_avg.task.schedule import Schedule
 class WorkerSpec:
     address: tuple[str, int]
     """Where to connect: the driver's coordinator (sync) or the parameter server (async)."""
-    keys: tuple[bytes, ...]
+    keys: tuple[bytes, ...] = field(repr=False)
     """Each worker's key, by rank (`net.auth.role_key`): never the secret, nor the
     driver's key, so a task cannot act as the driver. Spark hands every task of a barrier job
     the same closure, so each task holds every worker's key (see the README's threat model)."""
