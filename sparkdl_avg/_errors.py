@@ -39,7 +39,7 @@ class TrainingError(SparkdlAvgError, RuntimeError):
     be saved."""
 
 
-REASONS = ("magic", "version", "kind", "oversized", "malformed", "shape", "auth",
+REASONS = ("magic", "version", "kind", "oversized", "malformed", "shape", "auth", "role",
            "unexpected", "non_finite", "settings", "timeout", "closed", "capacity")
 """Why a peer's message was refused. Servers count refusals by these codes, and an ERROR
 reply carries one, so the other side can tell a lost connection from a refusal."""

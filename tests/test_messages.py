@@ -15,7 +15,7 @@ from sparkdl_avg.net.frames import Connection, Kind
 
 VALID = {
     msg.Challenge: {"nonce": "ab" * 32},
-    msg.Auth: {"nonce": "ab" * 32, "mac": "cd" * 32, "hello": {"worker": 0}},
+    msg.Auth: {"nonce": "ab" * 32, "mac": "cd" * 32, "role": "worker:0", "hello": {"worker": 0}},
     msg.Welcome: {"mac": "cd" * 32},
     msg.Refusal: {"message": "no", "reason": "shape"},
     msg.Push: {"round": 0, "samples": 8, "loss_sum": 1.5, "compute_s": 0.1, "setup_s": 0.0,
@@ -74,6 +74,7 @@ INVALID = [
     (msg.Refusal, {"reason": "because"}, "unknown reason 'because'"),
     (msg.Challenge, {"nonce": "zz"}, "nonce is not hex"),
     (msg.Auth, {"hello": []}, "Auth.hello must be dict"),
+    (msg.Auth, {"role": "worker:01"}, "role .worker:01."),
     (msg.Ack, {"extra": 1}, r"Ack has no fields \['extra'\]"),
     (msg.Stats, {"checkpoint_error": "x" * 2001}, "checkpoint_error of 2001 characters"),
     (msg.Stats, {"checkpoint_error": ""}, "checkpoint_error of 0 characters"),

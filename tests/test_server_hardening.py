@@ -85,7 +85,8 @@ def test_worker_ids_outside_the_announced_set_are_refused():
         assert ps.stats()["refused"] == {"unexpected": 1}
 
 
-AUTH = json.dumps({"nonce": "ab", "mac": "cd", "hello": {"worker": 0}}).encode()
+AUTH = json.dumps({"nonce": "ab", "mac": "cd", "role": "worker:0",
+                   "hello": {"worker": 0}}).encode()
 
 
 def _raw_handshake_reply(ps: ParameterServer, frame: bytes) -> msg.Message:

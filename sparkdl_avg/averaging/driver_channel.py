@@ -12,25 +12,38 @@ from sparkdl_avg.averaging.coordinator import MAX_STATE_FACTOR
 from sparkdl_avg.averaging.flat_buffer import WireBuffer
 from sparkdl_avg.averaging.transport import RoundReply, RoundReport, StartPoint, Transport
 from sparkdl_avg.net import messages as msg
-from sparkdl_avg.net.auth import authenticate_to_server
+from sparkdl_avg.net.auth import Credential, authenticate_to_server
+from sparkdl_avg.net.dial import dial
 from sparkdl_avg.net.frames import Connection, connect
 from sparkdl_avg.net.tls import client_context
 
 
 class DriverChannel(Transport):
-    def __init__(self, address: tuple[str, int], secret: bytes, *, connect_timeout: float,
+    def __init__(self, address: tuple[str, int], key: Credential, *, connect_timeout: float,
                  reply_timeout: float, tls_ca_pem: str | None = None) -> None:
-        """`connect_timeout`: for connecting and for the first parameters, which come once
-        every worker has loaded its partition. `reply_timeout`: for each later average."""
-        self._address, self._secret = address, secret
+        """`key`: this worker's own (`WorkerSpec.credential`). `connect_timeout`: for
+        connecting (retried while the driver is busy) and for the first parameters, which
+        come once every worker has loaded its partition. `reply_timeout`: for each later
+        average."""
+        self._address, self._key = address, key
         self._connect_timeout, self._reply_timeout = connect_timeout, reply_timeout
         self._tls = client_context(tls_ca_pem) if tls_ca_pem else None
         self._conn: Connection | None = None
 
     def open(self, hello: msg.WorkerHello) -> None:
-        self._conn = connect(self._address, timeout=self._connect_timeout,
-                             max_payload=1 << 20, tls=self._tls)
-        authenticate_to_server(self._conn, self._secret, hello)
+        def attempt(connect_s: float, handshake_s: float, tries: int) -> Connection:
+            conn = connect(self._address, timeout=connect_s, max_payload=1 << 20,
+                           tls=self._tls, tries=tries)
+            try:
+                conn.set_timeout(handshake_s)
+                authenticate_to_server(conn, self._key, hello)
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
+        self._conn = dial(attempt, self._connect_timeout)
+        self._conn.set_timeout(self._connect_timeout)
 
     def receive_start(self, params: np.ndarray) -> StartPoint:
         start, _ = msg.expect(self._conn, msg.Average, into=msg.into_checked(params, "the driver"))

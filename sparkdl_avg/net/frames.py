@@ -27,13 +27,13 @@ import numpy as np
 from sparkdl_avg._errors import PeerClosed, ProtocolError
 
 MAGIC = b"SDLA"
-VERSION = 5
+VERSION = 6
 """2: typed messages (`messages`), SETTINGS and FAILED frames. 3: async evaluation on the
 workers (EVALUATE, FINISHED, and the evaluation fields of PULL, PARAMS, ACK and EVAL). 4:
 STATS carries `checkpoint_error` (a version 3 peer would refuse every STATS with "no
 fields", mid-fit; the handshake now refuses it at once, with the reason `version`). 5: EVAL
 carries `loss_weight` and `scored` (the eval loss and accuracy over weighted rows, ignored
-positions and several outputs)."""
+positions and several outputs). 6: AUTH names the role whose key made its MAC (`auth`)."""
 HEADER = struct.Struct("!4sBBHIQ")
 MAX_META_BYTES = 1 << 20
 _CHUNK = 1 << 20
@@ -96,6 +96,8 @@ class Connection:
         self.max_payload = max_payload
         self.bytes_moved = 0
         """Bytes sent and received so far, frames and payloads."""
+        self.role: str | None = None
+        """The peer's authenticated role, on a server's side (`auth`); None before."""
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -116,8 +118,9 @@ class Connection:
 
     def recv(self, into: Into = None) -> Frame:
         """Read one frame. The payload goes into `into` (an array, or a function of the frame's
-        kind and metadata returning one) whose size it must match exactly; without a target
-        it goes into a fresh buffer of at most `max_payload` bytes."""
+        kind and metadata returning one, or raising to refuse it unread) whose size it must
+        match exactly; without a target it goes into a fresh buffer of at most `max_payload`
+        bytes."""
         magic, version, kind, _, meta_len, payload_len = HEADER.unpack(
             self._read_exact(HEADER.size))
         if magic != MAGIC:
@@ -139,8 +142,11 @@ class Connection:
             raise ProtocolError(f"metadata is not JSON: {exc}") from None
         if not isinstance(meta, dict):
             raise ProtocolError("metadata must be a JSON object")
-        if kind is Kind.ERROR or payload_len == 0:
+        if payload_len == 0:
             return Frame(kind, meta)
+        if kind is Kind.ERROR:  # refused unread: the stream is out of step, so it ends
+            raise ProtocolError(f"an ERROR frame carries no payload; this one claims "
+                                f"{payload_len} bytes", "oversized")
         if callable(into):
             into = into(kind, meta)
         if into is not None:
@@ -183,8 +189,15 @@ class Connection:
 
 
 def connect(address: tuple[str, int], *, timeout: float, max_payload: int,
-            tls: ssl.SSLContext | None = None) -> Connection:
-    sock = socket.create_connection(address, timeout=timeout)
+            tls: ssl.SSLContext | None = None, tries: int = 1) -> Connection:
+    """`tries` > 1: that many connects at once, the first to complete kept (`net.dial`)."""
+    if tries > 1:
+        from sparkdl_avg.net.dial import first_connected  # dial knows nothing of frames
+
+        sock = first_connected(address, tries, timeout)
+        sock.settimeout(timeout)
+    else:
+        sock = socket.create_connection(address, timeout=timeout)
     if tls is not None:
         try:
             sock = tls.wrap_socket(sock, server_hostname=address[0])

@@ -10,6 +10,7 @@ one.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,10 @@ from sparkdl_avg.net.ps_messages import (  # noqa: F401
 
 # --- the handshake (see `auth`) ----------------------------------------------------------
 
+ROLE = re.compile(r"driver|worker:(0|[1-9][0-9]{0,5})")
+"""The roles a client may claim in its AUTH (`auth.role_key`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Challenge(Message):
     KIND = Kind.CHALLENGE
@@ -49,12 +54,16 @@ class Auth(Message):
     KIND = Kind.AUTH
     nonce: str
     mac: str
+    role: str
+    """The role whose key made `mac` (`ROLE`): "driver" or "worker:<id>"."""
     hello: dict
     """The client's introduction (`WorkerHello`, `ServerHello`), covered by the MAC."""
 
     def check(self) -> None:
         fields.hex_string("nonce", self.nonce, self)
         fields.hex_string("mac", self.mac, self)
+        if not ROLE.fullmatch(self.role):
+            raise self.invalid(f"role {self.role[:40]!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,11 +290,15 @@ def send(conn: Connection, message: Message, payload: Any = None) -> None:
 def receive(conn: Connection, into=None) -> tuple[Message, memoryview | None]:
     """The next message and its payload. `into`: an array for the payload, or a function of
     the decoded message returning one (None: a fresh buffer within the connection's limit).
-    The message is validated before a byte of its payload is read."""
+    The message is validated before a byte of its payload is read, and a payload where its
+    kind has none is refused unread (a PULL cannot make a server buffer gigabytes)."""
     decoded: list[Message] = []
 
     def target(kind: Kind, meta: dict) -> Any:  # an array for the payload, or None
         decoded.append(decode(kind, meta))
+        if decoded[0].PAYLOAD is False:  # refused before a byte of it is read
+            raise ProtocolError(f"{kind.name} carries no payload; this one claims one",
+                                "oversized")
         return into(decoded[0]) if callable(into) else into
 
     frame = conn.recv(target)
@@ -298,8 +311,6 @@ def receive(conn: Connection, into=None) -> tuple[Message, memoryview | None]:
             raise Unacceptable(str(exc), exc.reason) from None
     if message.PAYLOAD is True and frame.payload is None:
         raise Unacceptable(f"{message.KIND.name} without a payload")
-    if message.PAYLOAD is False and frame.payload is not None:
-        raise Unacceptable(f"{message.KIND.name} with an unexpected payload")
     return message, frame.payload
 
 

@@ -2,11 +2,15 @@
 
 It listens and accepts; every connection's handshake runs on a bounded pool of handler
 threads under one total deadline, so a slow stranger holds up nobody. At most `max_pending`
-handshakes run at once: when a new connection finds them full, the oldest unauthenticated
-one is dropped (so strangers cannot lock workers out from one address, and all tests come
-from 127.0.0.1). Authenticated connections go to the subclass's `serve`, at most
-`max_connections` of them. Every refusal is answered with an ERROR frame where the peer can
-still read one and counted by its reason code. The accept loop survives every error it can;
+handshakes run at once: when a new connection finds them full, the oldest stranger (one that
+has not sent a well-formed AUTH) is dropped, never a client whose AUTH is being checked
+(so strangers cannot lock workers out from one address, and all tests come from
+127.0.0.1); clients retry a dropped connect (`net.dial`). The listen queue is long
+(`BACKLOG`): a burst waits there instead of losing its SYNs. Authenticated connections go to the
+subclass's `serve`, at most `max_connections` of them, with their role on the connection
+(`Connection.role`). Every refusal is answered with an ERROR frame where the peer can still
+read one, counted by its reason code and logged escaped (`escaped`): what a peer sends
+never forges a log line. The accept loop survives every error it can;
 running out of file descriptors is logged and backed off; an error it cannot survive is kept
 in `failure` for the owner to act on. `close()` stops accepting and closes every connection;
 the constructor starts nothing.
@@ -34,7 +38,11 @@ _JOIN_S = 5.0
 _BACKOFF_S = 0.5
 _IDLE_THREAD_S = 30.0
 _LOG_EVERY_S = 1.0
-MAX_PENDING = 16
+MAX_PENDING = 64
+BACKLOG = 1024
+"""The listen queue (the kernel caps it at net.core.somaxconn): a connection flood that
+overflows it drops SYNs, and a dropped SYN costs a client a 1 s retransmission."""
+_LOGGED_CHARS = 300
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _BROKEN_LISTENER = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK, errno.EOPNOTSUPP}
 """accept() errors that no retry cures; any other (a peer's reset, a firewall's EPERM, out of
@@ -56,6 +64,8 @@ class Server:
         self._pending: dict[socket.socket, socket.socket] = {}
         """Sockets in their handshake, oldest first, each with a duplicate descriptor that
         can still shut it down once TLS has wrapped (and detached) the original."""
+        self._vouched: set[socket.socket] = set()
+        """Pending sockets that sent a well-formed AUTH: dropped only after every stranger."""
         self._pool = _HandlerPool(max_connections + max_pending, name)
         self._accept_thread: threading.Thread | None = None
         self.refused: collections.Counter[str] = collections.Counter()
@@ -77,7 +87,8 @@ class Server:
 
     def start(self) -> None:
         self._listener = socket.create_server(
-            (self._host, self._port), backlog=self._max_connections + self._max_pending)
+            (self._host, self._port),
+            backlog=max(BACKLOG, self._max_connections + self._max_pending))
         self._listener.settimeout(_POLL_S)
         self._port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
@@ -131,7 +142,8 @@ class Server:
             self._last_log[reason] = (now, 0) if loud else (last, quiet + 1)
         if loud:
             more = f" (and {quiet} more like it)" if quiet else ""
-            log.warning("%s refused %s (%s): %s%s", self._name, who, reason, why, more)
+            log.warning("%s refused %s (%s): %s%s", self._name, escaped(who), reason,
+                        escaped(why), more)
         if conn is not None:
             with contextlib.suppress(OSError):
                 msg.send(conn, msg.Refusal(message=str(why)[:2000], reason=reason))
@@ -168,15 +180,18 @@ class Server:
             return
         dropped = None
         with self._lock:
-            if len(self._pending) >= self._max_pending:  # drop the oldest stranger
-                oldest = next(iter(self._pending))
-                dropped = self._pending.pop(oldest)
             self._pending[sock] = handle
+            if len(self._pending) > self._max_pending:  # the oldest stranger (else this one)
+                oldest = next((s for s in self._pending if s not in self._vouched), sock)
+                dropped = self._pending.pop(oldest)
         if dropped is not None:
             _shutdown(dropped)
             dropped.close()
             self.refuse("capacity", f"more than {self._max_pending} handshakes at once: "
-                        "dropped the oldest", "a stranger")
+                        "dropped the oldest stranger", "a stranger")
+            if dropped is handle:
+                sock.close()
+                return
         try:
             self._pool.submit(self._handle, sock, peer)
         except RuntimeError:  # no handler thread could be started at all
@@ -188,13 +203,21 @@ class Server:
         """Its handshake is over; False if it had been dropped for a newer one."""
         with self._lock:
             handle = self._pending.pop(sock, None)
+            self._vouched.discard(sock)
         if handle is not None:
             handle.close()
         return handle is not None
 
+    def _vouch(self, sock: socket.socket) -> None:
+        """Its AUTH was well-formed: strangers are dropped before it."""
+        with self._lock:
+            if sock in self._pending:
+                self._vouched.add(sock)
+
     def _handle(self, sock: socket.socket, peer) -> None:
         try:
-            conn, hello = accept(sock, self._secret, tls=self._tls)
+            conn, hello = accept(sock, self._secret, tls=self._tls,
+                                 on_auth=lambda: self._vouch(sock))
         except Exception as exc:  # noqa: BLE001 - every refusal is counted, none escapes
             if self._forget(sock):  # a dropped one was counted when it was dropped
                 self.refuse(refusal_reason(exc), exc, peer)
@@ -280,6 +303,14 @@ class _HandlerPool:
                 fn(*args)
             except Exception:  # noqa: BLE001 - one connection's bug must not end the pool
                 log.exception("%s: a connection handler failed", self._name)
+
+
+def escaped(value: object) -> str:
+    """`value` as one printable ASCII line of bounded length: what a peer chose (a host, a
+    field's value in an error) can neither forge log lines nor flood the log."""
+    text = str(value)
+    more = f"... ({len(text)} characters)" if len(text) > _LOGGED_CHARS else ""
+    return ascii(text[:_LOGGED_CHARS])[1:-1] + more
 
 
 def _shutdown(sock: socket.socket) -> None:

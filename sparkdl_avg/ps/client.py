@@ -6,17 +6,18 @@ from __future__ import annotations
 import numpy as np
 
 from sparkdl_avg.net import messages as msg
-from sparkdl_avg.net.auth import authenticate_to_server
+from sparkdl_avg.net.auth import Credential, authenticate_to_server
 from sparkdl_avg.net.frames import connect
 from sparkdl_avg.net.tls import client_context
 
 
 class PSClient:
-    def __init__(self, address: tuple[str, int], *, secret: bytes, worker: int, numel: int,
-                 dtype: np.dtype, timeout: float, tls_ca_pem: str | None = None,
+    def __init__(self, address: tuple[str, int], *, secret: bytes | Credential, worker: int,
+                 numel: int, dtype: np.dtype, timeout: float, tls_ca_pem: str | None = None,
                  out: np.ndarray | None = None) -> None:
-        """`worker`: the worker id (-1: the driver). `tls_ca_pem`: PEM text of a CA (or the
-        server's self-signed certificate): speak TLS and verify the server with it. `out`:
+        """`worker`: the worker id (-1: the driver). `secret`: the worker's own `Credential`,
+        or the shared secret (its holder may take any id). `tls_ca_pem`: PEM text of a CA
+        (or the server's self-signed certificate): speak TLS and verify the server with it. `out`:
         where pulls land (a shard's view of a larger buffer); None: an array of its own."""
         tls = client_context(tls_ca_pem) if tls_ca_pem else None
         self._conn = connect(address, timeout=timeout, max_payload=0, tls=tls)

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.auth import Credential
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.shards import bounds, merge_acks, merge_reports
 
@@ -28,7 +29,8 @@ def connect(addresses: list[tuple[str, int]], **kwargs) -> PSClient | ShardedCli
 
 
 class ShardedClient:
-    def __init__(self, addresses: list[tuple[str, int]], *, secret: bytes, worker: int,
+    def __init__(self, addresses: list[tuple[str, int]], *, secret: bytes | Credential,
+                 worker: int,
                  numel: int, dtype: np.dtype, timeout: float,
                  tls_ca_pem: str | None = None) -> None:
         self.bounds = bounds(numel, len(addresses))

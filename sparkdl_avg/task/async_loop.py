@@ -22,6 +22,7 @@ import numpy as np
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import peer_gone
 from sparkdl_avg.data.partition import Partition
+from sparkdl_avg.net.dial import pause_s, retryable
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.sharded_client import ShardedClient, connect
 from sparkdl_avg.ps.staleness import pushes_between_fetches
@@ -96,8 +97,8 @@ class ServerLink:
         self.reconnect(None, self.waits.connect)  # a server being restarted may not be back
 
     def _connect(self) -> PSClient | ShardedClient:
-        return connect(self.spec.ps_addresses(), secret=self.spec.secret, worker=self.rank,
-                       numel=self.flat.array.size, dtype=self.flat.array.dtype,
+        return connect(self.spec.ps_addresses(), secret=self.spec.credential(self.rank),
+                       worker=self.rank, numel=self.flat.array.size, dtype=self.flat.array.dtype,
                        timeout=self.waits.reply, tls_ca_pem=self.spec.tls_ca_pem)
 
     def _call(self, fn, *args, **kwargs):
@@ -179,16 +180,18 @@ class ServerLink:
         deadline = time.monotonic() + limit
         if self.ps is not None:
             self.ps.close()
-        while True:
+        attempt = 0
+        while True:  # retried by `net.dial`'s rules: a busy server, or one restarting
             try:
                 self.ps = self._connect()
                 return
             except OSError as exc:
-                if not peer_gone(exc) or time.monotonic() > deadline:
+                if not retryable(exc) or time.monotonic() > deadline:
                     lost = f"lost the parameter server ({cause}) and " if cause else ""
                     raise ConnectionError(f"{lost}could not connect to it within "
                                           f"{name}={limit:g}s: {exc}") from exc
-                time.sleep(0.5)
+                time.sleep(min(0.5, pause_s(attempt)))
+                attempt += 1
 
     def close(self) -> None:
         if self.ps is not None:

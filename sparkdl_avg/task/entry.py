@@ -94,8 +94,9 @@ def _run(spec: WorkerSpec, batches: Iterator):
             from sparkdl_avg.task.sync_loop import train_sync
 
             waits = config.waits()
-            channel = DriverChannel(spec.address, spec.secret, connect_timeout=waits.connect,
-                                    reply_timeout=waits.reply, tls_ca_pem=spec.tls_ca_pem)
+            channel = DriverChannel(spec.address, spec.credential(rank),
+                                    connect_timeout=waits.connect, reply_timeout=waits.reply,
+                                    tls_ca_pem=spec.tls_ca_pem)
             if config.transport == "collective":
                 from sparkdl_avg.averaging.collective import CollectiveChannel
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sparkdl_avg.data.schema import DataSchema
+from sparkdl_avg.net.auth import Credential, role_of
 from sparkdl_avg.task.schedule import Schedule
 
 
@@ -12,7 +13,10 @@ from sparkdl_avg.task.schedule import Schedule
 class WorkerSpec:
     address: tuple[str, int]
     """Where to connect: the driver's coordinator (sync) or the parameter server (async)."""
-    secret: bytes
+    keys: tuple[bytes, ...] = field(repr=False)
+    """Each worker's key, by rank (`net.auth.role_key`): never the secret, nor the
+    driver's key, so a task cannot act as the driver. Spark hands every task of a barrier job
+    the same closure, so each task holds every worker's key (see the README's threat model)."""
     config: bytes
     """The TrainConfig, cloudpickled like model_fn (so a callable optimizer from the user's own
     module travels by value)."""
@@ -56,6 +60,10 @@ class WorkerSpec:
     ps_shards: tuple[tuple[str, int], ...] = ()
     """Async with several parameter-server shards: their addresses in shard order (the
     first is `address`); empty: one server at `address`."""
+
+    def credential(self, rank: int) -> Credential:
+        """What worker `rank` authenticates with."""
+        return Credential(role_of(rank), self.keys[rank])
 
     def ps_addresses(self) -> list[tuple[str, int]]:
         return list(self.ps_shards) or [self.address]
