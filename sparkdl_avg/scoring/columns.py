@@ -87,6 +87,8 @@ def _cells(frame, field: FieldSpec) -> list:
     else:
         raise DataError(f"the DataFrame has no column {field.key!r} ({field.described}); "
                         f"columns: {list(frame.columns)}")
+    if field.image:  # a dict per cell, or a pyspark Row (a DataFrame's toPandas())
+        return [c.asDict() if hasattr(c, "asDict") else c for c in series]
     return [c.tolist() if isinstance(c, np.ndarray) else c for c in series]
 
 

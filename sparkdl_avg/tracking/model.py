@@ -147,7 +147,7 @@ def signature(schema):
     columns = []
     for f in schema.inputs:
         if f.encoded:  # a binary column (`fit(preprocess=)`): bytes, decoded by preprocess
-            columns.append(ColSpec(DataType.binary, f.key))
+            columns.append(ColSpec(_image_object() if f.image else DataType.binary, f.key))
             continue
         # the widest of each kind: MLflow's check refuses to narrow, and a DataFrame built by
         # hand holds Python ints and floats (int64, float64); reading casts them as the fit did
@@ -157,6 +157,19 @@ def signature(schema):
             kind = Array(kind)
         columns.append(ColSpec(kind, f.key))
     return ModelSignature(inputs=Schema(columns), params=params)
+
+
+def _image_object():
+    """Spark's image struct as an MLflow object: a cell is a dict (or a pyspark Row) of its
+    fields. Its ints as longs: MLflow's check refuses a Python int for an `integer`."""
+    from mlflow.types import DataType
+    from mlflow.types.schema import Object, Property
+
+    from sparkdl_avg.data.schema import IMAGE_FIELDS
+
+    return Object([Property("origin", DataType.string, required=False),
+                   *(Property(n, DataType.long) for n in IMAGE_FIELDS),
+                   Property("data", DataType.binary)])
 
 
 def merged(model):
