@@ -25,7 +25,10 @@ SHAPES = [((3, 4), "RGB"), ((5, 2), "L")]  # (height, width), PIL mode
 def _features(data, height, width, channels, mode) -> np.ndarray:
     """What the model sees of one image: its size, mode and mean pixel (from the bytes, so a
     wrong header or wrong bytes changes it)."""
-    pixels = np.frombuffer(data, np.uint8).reshape(height, width, channels)
+    from PIL import Image  # the logged model requires Pillow: its requirements say so
+
+    size = (int(width), int(height))
+    pixels = np.asarray(Image.frombytes("RGB" if channels == 3 else "L", size, data))
     return np.array([height / 5, width / 4, channels / 3, mode / 16,
                      4 * (pixels.mean() / 255 - 0.5)], np.float32)
 
@@ -105,6 +108,18 @@ def test_predict_udf_and_the_logged_model_score_image_structs_as_transform_does(
     udf = mlflow.pyfunc.spark_udf(spark, uri, result_type="long", env_manager="local")
     served = scored.select("prediction", udf(F.struct("image")).alias("served")).collect()
     assert [r.served for r in served] == [r.prediction for r in served]
+
+
+def test_the_logged_model_requires_what_the_preprocess_imports(fitted):
+    import importlib.metadata
+
+    import mlflow
+
+    path = mlflow.artifacts.download_artifacts(f"runs:/{fitted.run_id}/model/requirements.txt")
+    with open(path) as f:
+        lines = f.read().split()
+    assert f"pillow=={importlib.metadata.version('pillow')}" in lines
+    assert f"numpy=={np.__version__}" in lines and lines[0].startswith("torch==")
 
 
 def test_the_spark_ml_model_scores_image_structs(images, fitted):
