@@ -178,7 +178,8 @@ def test_an_image_struct_is_packed_as_the_fit_carries_it_without_a_row_loop():
                         weight=None, float_dtype="float32")
     import pandas as pd
 
-    [again] = read_pandas(pd.DataFrame({"image": rows[1:]}), schema)
-    assert again.values.tobytes() == b"".join(packed)
+    for given in (pd.DataFrame({"image": rows[1:]}), {"image": rows[1:]}):
+        [again] = read_pandas(given, schema)
+        assert again.values.tobytes() == b"".join(packed)
     with pytest.raises(DataError, match="nulls"):
         read_column(pa.array([None, rows[1]], int32), field)
