@@ -122,15 +122,20 @@ def test_the_logged_model_requires_what_the_preprocess_imports(fitted):
     assert f"numpy=={np.__version__}" in lines and lines[0].startswith("torch==")
 
 
-def test_the_spark_ml_model_scores_image_structs(images, fitted):
-    from sparkdl_avg.ml import AveragingEstimator
+def test_the_spark_ml_model_scores_image_structs(images, fitted, tmp_path):
+    """As `AveragingEstimator(preprocess=)` builds it from the fit (its fit with a
+    preprocess: tests/test_preprocess.py), saved and loaded: predict_udf's classes, which
+    the test above holds equal to transform's."""
+    from sparkdl_avg.ml import AveragingModel
 
-    config = TrainConfig(**CONFIG, log_model=False)
-    model = AveragingEstimator(model_fn=_model, config=config, featuresCol="image",
-                               preprocess=_decode).fit(images)
-    got = model.transform(images).select("prediction").toPandas()["prediction"].tolist()
-    expected = fitted.transform(images).select("prediction").toPandas()["prediction"]
-    assert got == [float(p) for p in expected]
+    model = AveragingModel(torch_model=fitted.model, schema=fitted.schema, heads=fitted.heads,
+                           classify=fitted.classify, preprocess=fitted.preprocess,
+                           model_schema=fitted.model_schema)
+    model.save(str(tmp_path / "model"))
+    loaded = AveragingModel.load(str(tmp_path / "model"))
+    rows = loaded.transform(images).withColumn("expected", fitted.predict_udf()("image"))
+    rows = rows.select("prediction", "expected").collect()
+    assert [r.prediction for r in rows] == [float(r.expected) for r in rows]
 
 
 def test_the_image_struct_without_preprocess_is_refused_saying_so(images):
