@@ -234,7 +234,7 @@ def fit(
                    "train_s": outcome.train_s}
         if config.log_model:
             t_log = time.perf_counter()
-            _log_model(run, plan, model, trained)
+            _log_model(run, plan, model, trained, preprocess)
             timings["log_model_s"] = time.perf_counter() - t_log
         timings["total_s"] = time.perf_counter() - t_start
         run.log_metrics({f"time_{k}": v for k, v in timings.items()}, step=0)
@@ -323,7 +323,8 @@ def _result_model(plan: FitPlan, run: RunLogger, trained: tuple[str, ...]):
         return plan.trained_model
 
 
-def _log_model(run: RunLogger, plan: FitPlan, model, trained: tuple[str, ...]) -> None:
+def _log_model(run: RunLogger, plan: FitPlan, model, trained: tuple[str, ...],
+               preprocess=None) -> None:
     """The trained model to the run, scoring the fit's inputs as `transform` does
     (`tracking/model`; a PEFT model merged into its base); with log_model="adapters", only
     what trained (the tensors named `trained`), as files (`tracking/adapters`)."""
@@ -336,4 +337,5 @@ def _log_model(run: RunLogger, plan: FitPlan, model, trained: tuple[str, ...]) -
     names = output_names(schema, len(heads)) if schema.label_list else None
     run.log_model(model, schema=schema, heads=heads, names=names,
                   registered_model_name=plan.config.registered_model_name,
-                  preprocess=plan.pickled.get("preprocess"), model_schema=plan.model_schema)
+                  preprocess=plan.pickled.get("preprocess"), model_schema=plan.model_schema,
+                  preprocess_fn=preprocess)

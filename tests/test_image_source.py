@@ -3,7 +3,9 @@ the preprocess as {"data": list of bytes, "height", "width", "nChannels", "mode"
 arrays} (`origin` left out), carried and cached as one binary value. PNG files of two sizes
 and two modes are written in the test and read with `spark.read.format("image")`; `transform`
 (preprocess with training=False, then the model) equals the returned model on features
-computed on the driver from the rows Spark read."""
+computed on the driver from the rows Spark read. The struct as Spark gives it (not packed)
+scores alike through `predict_udf`, the logged pyfunc (pandas rows, `spark_udf`) and the
+Spark ML model."""
 
 from __future__ import annotations
 
@@ -23,8 +25,12 @@ SHAPES = [((3, 4), "RGB"), ((5, 2), "L")]  # (height, width), PIL mode
 def _features(data, height, width, channels, mode) -> np.ndarray:
     """What the model sees of one image: its size, mode and mean pixel (from the bytes, so a
     wrong header or wrong bytes changes it)."""
-    pixels = np.frombuffer(data, np.uint8).reshape(height, width, channels)
-    return np.array([height, width, channels, mode, pixels.mean() / 255], np.float32)
+    from PIL import Image  # the logged model requires Pillow: its requirements say so
+
+    size = (int(width), int(height))
+    pixels = np.asarray(Image.frombytes("RGB" if channels == 3 else "L", size, data))
+    return np.array([height / 5, width / 4, channels / 3, mode / 16,
+                     4 * (pixels.mean() / 255 - 0.5)], np.float32)
 
 
 def _decode(batch, *, training, rng):
@@ -54,20 +60,82 @@ def images(spark, tmp_path_factory):
     return df.withColumn("label", label).cache()
 
 
-def test_the_image_struct_reaches_preprocess_as_a_dict_and_scores_alike(images):
-    config = TrainConfig(num_workers=2, epochs=2, batch_size=4, lr=0.05, log_model=False,
-                         experiment_name="image-source")
-    result = fit(images, lambda: torch.nn.Linear(5, 2), config, features_col="image",
-                 preprocess=_decode)
+CONFIG = dict(num_workers=2, epochs=2, batch_size=4, lr=0.5, seed=2,
+              experiment_name="image-source")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(5, 2)
+
+
+@pytest.fixture(scope="module")
+def fitted(images):
+    return fit(images, _model, TrainConfig(**CONFIG), features_col="image", preprocess=_decode)
+
+
+def test_the_image_struct_reaches_preprocess_as_a_dict_and_scores_alike(images, fitted):
     raw = [(r.image.data, r.image.height, r.image.width, r.image.nChannels, r.image.mode)
            for r in images.collect()]
     assert {(h, w, c, m) for _, h, w, c, m in raw} == {(3, 4, 3, 16), (5, 2, 1, 0)}
-    scored = result.transform(images).select("image", "prediction").collect()
+    scored = fitted.transform(images).select("image", "prediction").collect()
     x = torch.tensor(np.stack([_features(r.image.data, r.image.height, r.image.width,
                                          r.image.nChannels, r.image.mode) for r in scored]))
     with torch.no_grad():
-        expected = result.model(x).argmax(1)
+        expected = fitted.model(x).argmax(1)
     assert [r.prediction for r in scored] == expected.tolist()
+    assert len(set(expected.tolist())) > 1  # not one class for every image
+
+
+def test_predict_udf_and_the_logged_model_score_image_structs_as_transform_does(
+        spark, images, fitted):
+    """The struct as Spark gives it (not packed as the fit carries it): predict_udf's Arrow
+    struct, the pyfunc's pandas rows (dicts, or the Rows of toPandas) and spark_udf."""
+    import mlflow
+    import pandas as pd
+
+    scored = fitted.transform(images).withColumn("udf", fitted.predict_udf()("image"))
+    rows = scored.select("image", "prediction", "udf").collect()
+    expected = [r.prediction for r in rows]
+    assert [r.udf for r in rows] == expected and len(set(expected)) > 1
+    uri = f"runs:/{fitted.run_id}/model"
+    loaded = mlflow.pyfunc.load_model(uri)
+    [spec] = loaded.metadata.get_input_schema().inputs
+    assert spec.name == "image" and type(spec.type).__name__ == "Object"
+    dicts = pd.DataFrame({"image": [r.image.asDict() for r in rows]})
+    assert loaded.predict(dicts).tolist() == expected
+    assert loaded.predict(pd.DataFrame({"image": [r.image for r in rows]})).tolist() == expected
+    udf = mlflow.pyfunc.spark_udf(spark, uri, result_type="long", env_manager="local")
+    served = scored.select("prediction", udf(F.struct("image")).alias("served")).collect()
+    assert [r.served for r in served] == [r.prediction for r in served]
+
+
+def test_the_logged_model_requires_what_the_preprocess_imports(fitted):
+    import importlib.metadata
+
+    import mlflow
+
+    path = mlflow.artifacts.download_artifacts(f"runs:/{fitted.run_id}/model/requirements.txt")
+    with open(path) as f:
+        lines = f.read().split()
+    assert f"pillow=={importlib.metadata.version('pillow')}" in lines
+    assert f"numpy=={np.__version__}" in lines and lines[0].startswith("torch==")
+
+
+def test_the_spark_ml_model_scores_image_structs(images, fitted, tmp_path):
+    """As `AveragingEstimator(preprocess=)` builds it from the fit (its fit with a
+    preprocess: tests/test_preprocess.py), saved and loaded: predict_udf's classes, which
+    the test above holds equal to transform's."""
+    from sparkdl_avg.ml import AveragingModel
+
+    model = AveragingModel(torch_model=fitted.model, schema=fitted.schema, heads=fitted.heads,
+                           classify=fitted.classify, preprocess=fitted.preprocess,
+                           model_schema=fitted.model_schema)
+    model.save(str(tmp_path / "model"))
+    loaded = AveragingModel.load(str(tmp_path / "model"))
+    rows = loaded.transform(images).withColumn("expected", fitted.predict_udf()("image"))
+    rows = rows.select("prediction", "expected").collect()
+    assert [r.prediction for r in rows] == [float(r.expected) for r in rows]
 
 
 def test_the_image_struct_without_preprocess_is_refused_saying_so(images):
@@ -89,3 +157,34 @@ def test_a_packed_header_is_split_without_a_row_loop():
     assert image["data"] == [b"abcdef", b"xyz"]
     assert image["height"].tolist() == [2, 1] and image["nChannels"].tolist() == [1, 3]
     assert image["width"].tolist() == [3, 1] and image["mode"].tolist() == [0, 16]
+
+
+def test_an_image_struct_is_packed_as_the_fit_carries_it_without_a_row_loop():
+    """Arrow's struct (sliced: an offset into every child) and pandas' dicts (int64 ints)
+    read as `describe.pack_image` carries them: header ints big-endian, then the pixels."""
+    import pyarrow as pa
+
+    from sparkdl_avg.data.arrow_columns import read_column
+    from sparkdl_avg.scoring.columns import read_pandas
+
+    field = FieldSpec(role="input", name="image", column="image", wire="_x0", dtype="uint8",
+                      shape=(-1,), source="struct<origin:string,...>", encoded=True)
+    rows = [{"origin": "a", "height": 9, "width": 9, "nChannels": 9, "mode": 9, "data": b"z"},
+            {"origin": "b", "height": 2, "width": 3, "nChannels": 1, "mode": 0, "data": b"abcdef"},
+            {"origin": None, "height": 1, "width": 1, "nChannels": 3, "mode": 16, "data": b"xyz"}]
+    packed = [np.array([r["height"], r["width"], r["nChannels"], r["mode"]], ">i4").tobytes()
+              + r["data"] for r in rows[1:]]
+    int32 = pa.struct([("origin", pa.string()), *((n, pa.int32()) for n in
+                       ("height", "width", "nChannels", "mode")), ("data", pa.binary())])
+    column = read_column(pa.array(rows, int32)[1:], field)
+    assert column.values.tobytes() == b"".join(packed)
+    assert column.lengths.tolist() == [len(p) for p in packed]
+    schema = DataSchema(inputs=(field,), binding="single", labels=(), label_list=False,
+                        weight=None, float_dtype="float32")
+    import pandas as pd
+
+    for given in (pd.DataFrame({"image": rows[1:]}), {"image": rows[1:]}):
+        [again] = read_pandas(given, schema)
+        assert again.values.tobytes() == b"".join(packed)
+    with pytest.raises(DataError, match="nulls"):
+        read_column(pa.array([None, rows[1]], int32), field)

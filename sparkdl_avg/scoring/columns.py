@@ -50,8 +50,9 @@ def read_arrow(arrays, schema: DataSchema) -> list[Column]:
 
 def read_pandas(data, schema: DataSchema) -> list[Column]:
     """An MLflow model's input: a pandas DataFrame holding the input columns (a list or an
-    array per cell), a dict of numpy arrays `[rows, *shape]` by input column (`FieldSpec.key`),
-    or one numpy array for a one-input model."""
+    array per cell), a dict of numpy arrays `[rows, *shape]` by input column (`FieldSpec.key`;
+    a binary one's a list of bytes, an image struct's a list of dicts), or one numpy array for
+    a one-input model."""
     import pandas as pd
     import pyarrow as pa
 
@@ -66,6 +67,10 @@ def read_pandas(data, schema: DataSchema) -> list[Column]:
     for f in schema.inputs:
         if f.key not in data:
             raise DataError(f"the input {f.key!r} is missing; given: {sorted(data)}")
+        if f.encoded:  # bytes, or image structs as dicts: as a DataFrame's cells are read
+            out.append(read_column(pa.array(_cells(pd.DataFrame({f.key: list(data[f.key])}),
+                                                   f)), f))
+            continue
         values = np.asarray(data[f.key])
         if f.ragged:  # rows of one length: a fixed block, read as ragged rows
             lengths = np.full(len(values), values.shape[1] if values.ndim > 1 else 0, np.int64)
@@ -87,6 +92,8 @@ def _cells(frame, field: FieldSpec) -> list:
     else:
         raise DataError(f"the DataFrame has no column {field.key!r} ({field.described}); "
                         f"columns: {list(frame.columns)}")
+    if field.image:  # a dict per cell, or a pyspark Row (a DataFrame's toPandas())
+        return [c.asDict() if hasattr(c, "asDict") else c for c in series]
     return [c.tolist() if isinstance(c, np.ndarray) else c for c in series]
 
 

@@ -81,8 +81,11 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
               "code_paths": [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]}
     try:
         mlflow.pytorch.save_model(module.eval(), path, serialization_format="pt2",
-                                  input_example=example, signature=tensor_signature(inputs),
-                                  **common)
+                                  input_example=example, signature=tensor_signature(
+                                      inputs, varying=preprocess is not None), **common)
+        if preprocess is not None:
+            _check_export(module, os.path.join(path, mlflow_model.flavors["pytorch"][
+                "model_data"]), inputs, dtype)
     except Exception as exc:  # noqa: BLE001 - torch.export refuses many real models
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         log.warning("torch.export could not export the model (%s: %s); it is logged pickled: "
@@ -115,17 +118,62 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
     mlflow_model.save(os.path.join(path, "MLmodel"))
 
 
+class ExportFixedShape(Exception):
+    """torch.export fixed a dimension of what preprocess returns that the model takes at
+    other sizes: the export would refuse batches the fit and `transform` score."""
+
+
+def _check_export(module, data: str, inputs, dtype) -> None:
+    """ExportFixedShape when the exported program (in `data`) refuses the probe batch with
+    one row dimension (longer than 1) grown by one, where `module` itself takes it: a guard
+    torch.export drew from the sample (code branching on a length). A dimension the module
+    refuses too (a Linear's width) is the model's own, and fine."""
+    from sparkdl_avg.data.probe_batch import probe_batch
+
+    exported = torch.export.load(os.path.join(data, "model.pt2")).module()
+    base = probe_batch(inputs, dtype).inputs
+    for i, field in enumerate(inputs.inputs):
+        for dim in range(1, base[i].dim()):
+            if base[i].shape[dim] <= 1:
+                continue
+            shape = list(base[i].shape)
+            shape[dim] += 1
+            grown = (*base[:i], base[i].new_zeros(shape), *base[i + 1:])
+            if _runs(module, grown) and not _runs(exported, grown):
+                raise ExportFixedShape(
+                    f"torch.export fixed dimension {dim} of {field.key!r} at "
+                    f"{base[i].shape[dim]}, which the model takes at other sizes (preprocess "
+                    "may return other lengths)")
+
+
+def _runs(module, inputs) -> bool:
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    except Exception:  # noqa: BLE001 - any refusal: a guard, a shape mismatch
+        return False
+    return True
+
+
 def _spec_shape(field) -> tuple[int, ...]:
     return (-1, *field.shape)  # a ragged field's first dimension is -1 already
 
 
-def tensor_signature(schema):
-    """Every input as a tensor spec: dtype as the model gets it, -1 for batch and ragged."""
+def tensor_signature(schema, varying: bool = False):
+    """Every input as a tensor spec: dtype as the model gets it, -1 for batch and ragged; the
+    pytorch flavor exports the -1 dimensions dynamic (`torch.export.Dim.AUTO`: one the model
+    fixes, a Linear's width, is exported static, not refused). `varying`: what a preprocess
+    returns, whose lengths may change from batch to batch (a tokenizer padding to the
+    longest): every row dimension is -1 too, but one of size 1 in the probe batch (a grey
+    image's channel), which torch.export would only specialise, with a warning."""
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
+    def shape(f):
+        return (-1, *(-1 if d > 1 else d for d in f.shape)) if varying else _spec_shape(f)
+
     return ModelSignature(inputs=Schema([
-        TensorSpec(np.dtype(_model_dtype(f)), _spec_shape(f), f.key) for f in schema.inputs]))
+        TensorSpec(np.dtype(_model_dtype(f)), shape(f), f.key) for f in schema.inputs]))
 
 
 def _model_dtype(field) -> str:
@@ -147,7 +195,7 @@ def signature(schema):
     columns = []
     for f in schema.inputs:
         if f.encoded:  # a binary column (`fit(preprocess=)`): bytes, decoded by preprocess
-            columns.append(ColSpec(DataType.binary, f.key))
+            columns.append(ColSpec(_image_object() if f.image else DataType.binary, f.key))
             continue
         # the widest of each kind: MLflow's check refuses to narrow, and a DataFrame built by
         # hand holds Python ints and floats (int64, float64); reading casts them as the fit did
@@ -157,6 +205,19 @@ def signature(schema):
             kind = Array(kind)
         columns.append(ColSpec(kind, f.key))
     return ModelSignature(inputs=Schema(columns), params=params)
+
+
+def _image_object():
+    """Spark's image struct as an MLflow object: a cell is a dict (or a pyspark Row) of its
+    fields. Its ints as longs: MLflow's check refuses a Python int for an `integer`."""
+    from mlflow.types import DataType
+    from mlflow.types.schema import Object, Property
+
+    from sparkdl_avg.data.schema import IMAGE_FIELDS
+
+    return Object([Property("origin", DataType.string, required=False),
+                   *(Property(n, DataType.long) for n in IMAGE_FIELDS),
+                   Property("data", DataType.binary)])
 
 
 def merged(model):

@@ -281,21 +281,20 @@ class RunLogger:
 
     def log_model(self, model, *, schema, heads, names=None,
                   registered_model_name: str | None = None, preprocess: bytes | None = None,
-                  model_schema=None) -> None:
+                  model_schema=None, preprocess_fn=None) -> None:
         """The model, scoring `schema`'s inputs (`tracking/model`), and, named, a new
-        registered version of it, ready before this returns."""
+        registered version of it, ready before this returns. `preprocess_fn`: the function
+        `preprocess` pickles, whose packages join the requirements."""
         import mlflow
-        import torch
 
         from sparkdl_avg.tracking.model import log_model
+        from sparkdl_avg.tracking.requirements import model_requirements
 
         self._warmed_up()  # never an export beside the warm-up's
         # Explicit requirements: MLflow's inference imports the model in a subprocess (~9 s).
-        requirements = [f"torch=={torch.__version__.split('+')[0]}",
-                        f"mlflow=={mlflow.__version__}"]
         with mlflow.start_run(run_id=self.run_id, nested=True):
             log_model(model, schema=schema, heads=heads, names=names,
-                      pip_requirements=requirements,
+                      pip_requirements=model_requirements(preprocess_fn),
                       registered_model_name=registered_model_name,
                       preprocess=preprocess, model_schema=model_schema)
 
