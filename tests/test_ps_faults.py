@@ -163,7 +163,9 @@ def test_a_reinit_with_fewer_workers_replaces_the_clocks():
     """The driver re-inits for 2 workers after 3: no phantom clock of worker 2 holds the
     real workers at bound 0 (they used to wait on it until the server's timeout), and a
     connected worker 2 is no member any more."""
-    ps = ParameterServer(ServerSettings(timeout=3, staleness_bound=0), secret=SECRET)
+    # The server's timeout is far above the bound asserted below, so a loaded machine
+    # cannot make the phantom wait and a slow pass look alike.
+    ps = ParameterServer(ServerSettings(timeout=20, staleness_bound=0), secret=SECRET)
     with ps, client(ps, DRIVER) as driver:
         driver.init(np.zeros(4, np.float32), workers=3)
         leftover = client(ps, 2)
@@ -175,7 +177,7 @@ def test_a_reinit_with_fewer_workers_replaces_the_clocks():
                 b.pull()
                 a.push(np.ones(4, np.float32))
                 b.push(np.ones(4, np.float32))
-            assert time.monotonic() - started < 2  # no wait on worker 2
+            assert time.monotonic() - started < 10  # no wait on worker 2
             assert ps.stats()["clocks"] == {"0": 3, "1": 3}
         with pytest.raises(ProtocolError, match="not announced") as info:
             leftover.pull()
