@@ -219,7 +219,7 @@ class ParameterServer(FitLifecycle, Server):
         """Answer one request; False ends the connection."""
         if isinstance(message, msg.Pull):
             return self._pull(conn, worker, message.evaluate)
-        if isinstance(message, msg.Update):
+        if isinstance(message, msg.Update) and worker != DRIVER:  # the driver has no clock
             return self._apply(conn, worker, update, message)
         if isinstance(message, msg.Eval) and worker != DRIVER:
             self._answer(conn, worker, message)
