@@ -94,6 +94,10 @@ def test_dcasgd_refuses_a_tiny_lr_and_keeps_its_state(algorithm):
         c.pull()
         raw_update(c, np.full(4, 1e-3, np.float32), lr=1e-300)
         assert refused(c) == "non_finite"
+        # read before the pull below, which would copy the parameters into the backup
+        assert np.array_equal(ps.rule.backups[0], w0) and np.array_equal(ps.rule.params, w0)
+        if algorithm == "dcasgd-adaptive":
+            assert ps.rule.meansquare is None or not ps.rule.meansquare.any()
         c.pull()
         assert np.array_equal(c.params, w0)
         c.push(good, lr=0.1)
@@ -101,6 +105,18 @@ def test_dcasgd_refuses_a_tiny_lr_and_keeps_its_state(algorithm):
         np.testing.assert_array_equal(c.params, expected.params)
         if algorithm == "dcasgd-adaptive":
             np.testing.assert_array_equal(ps.rule.meansquare, expected.meansquare)
+
+
+def test_an_update_from_the_driver_is_refused_and_changes_nothing(handler_errors):
+    """The driver's id holds no clock: its UPDATE passed the gates, was applied, and then
+    the handler died on a KeyError (parameters changed, no answer, connection dropped)."""
+    with server() as ps, client(ps, DRIVER) as driver:
+        driver.pull()
+        raw_update(driver, np.ones(4, np.float32))
+        assert refused(driver) == "unexpected"
+        assert driver.pull() == 0 and driver.params.tolist() == [0.0] * 4  # still served
+        assert ps.stats()["applied"] == 0 and ps.stats()["refused"] == {"unexpected": 1}
+        assert handler_errors() == []
 
 
 def test_an_init_that_is_not_finite_is_refused():
@@ -169,6 +185,7 @@ def test_a_reinit_with_fewer_workers_replaces_the_clocks():
     with ps, client(ps, DRIVER) as driver:
         driver.init(np.zeros(4, np.float32), workers=3)
         leftover = client(ps, 2)
+        leftover.stats()  # a round trip: it is connected (as a member) before the re-INIT
         driver.init(np.zeros(4, np.float32), workers=2)
         with client(ps, 0) as a, client(ps, 1) as b:
             started = time.monotonic()
@@ -238,6 +255,7 @@ def test_a_takeover_mid_request_refuses_the_older_request_and_applies_nothing(
         raw_update(old, np.ones(4, np.float32))  # waits for worker 1's next read
         time.sleep(0.3)
         new = client(ps, 0, ca)  # the restarted task
+        new.stats()  # a round trip: its handler owns worker 0 now (WELCOME comes before)
         other.push(np.ones(4, np.float32))
         other.pull()  # would open the older push's gate
         reply, _ = msg.receive(old._conn)
