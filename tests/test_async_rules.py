@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sparkdl_avg.ps.rules import RULES, make_rule
+from sparkdl_avg.ps.rules import CHUNK, RULES, make_rule
 from sparkdl_avg.ps.staleness import may_apply, may_read, pushes_between_fetches
 
 
@@ -211,3 +211,28 @@ def test_clocks_a_new_set_replaces_the_old_and_a_newcomer_starts_level_with_the_
     clocks.leave(1)
     clocks.leave(5)
     assert clocks.may_read(0, bound=0) and clocks.may_apply(0, bound=0)
+
+
+@pytest.mark.parametrize("algorithm", sorted(RULES))
+def test_an_overflow_in_the_last_chunk_changes_nothing(algorithm):
+    """The rules compute chunk by chunk: an update that overflows only in the last chunk,
+    after every earlier chunk computed finite values, leaves the parameters, the worker's
+    backup and the mean square as they were (nothing half-applied)."""
+    rng = np.random.default_rng(0)
+    n = 2 * CHUNK + 17
+    s = make_rule(algorithm, rng.standard_normal(n).astype(np.float32), lr=0.1,
+                  update_scale=0.5)
+    s.pull(0)
+    assert s.apply(0, (rng.standard_normal(n) * 1e-2).astype(np.float32), lr=0.05)
+    s.params[-1] = -3.4e38
+    params, backups = s.params.copy(), {w: b.copy() for w, b in getattr(s, "backups", {}).items()}
+    meansquare = getattr(s, "meansquare", None)
+    meansquare = None if meansquare is None else meansquare.copy()
+    update = (rng.standard_normal(n) * 1e-2).astype(np.float32)  # every chunk moves
+    update[-1] = 3.4e38  # only the last element overflows (DC-ASGD: g = update / lr too)
+    assert not s.apply(0, update, lr=0.05)
+    np.testing.assert_array_equal(s.params, params)
+    for w, backup in backups.items():
+        np.testing.assert_array_equal(s.backups[w], backup)
+    if meansquare is not None:
+        np.testing.assert_array_equal(s.meansquare, meansquare)
