@@ -236,3 +236,20 @@ def test_an_overflow_in_the_last_chunk_changes_nothing(algorithm):
         np.testing.assert_array_equal(s.backups[w], backup)
     if meansquare is not None:
         np.testing.assert_array_equal(s.meansquare, meansquare)
+
+
+@pytest.mark.parametrize("algorithm", sorted(RULES))
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_an_update_holding_nan_or_inf_is_refused_by_every_rule(algorithm, bad):
+    """The server makes no NaN/Inf pass of its own over an update: each rule's check of what
+    it computed refuses one, in any chunk, at update_scale 0 and at lr 0 too (DC-ASGD then
+    takes no step, but the backup still takes the update)."""
+    n = 2 * CHUNK + 5
+    for scale, lr, where in ((1.0, 0.05, 3), (0.0, 0.05, CHUNK + 1), (0.5, 0.0, n - 1)):
+        s = make_rule(algorithm, np.ones(n), lr=0.1, update_scale=scale)
+        s.pull(0)
+        update = np.full(n, 1e-3)
+        update[where] = bad
+        assert not s.apply(0, update, lr=lr)
+        assert np.all(s.params == 1.0)
+        assert all(np.all(b == 1.0) for b in getattr(s, "backups", {}).values())
