@@ -266,3 +266,32 @@ def test_a_takeover_mid_request_refuses_the_older_request_and_applies_nothing(
         assert new.pull() == 2 and new.params.tolist() == [-2.0] * 4
         new.close()
         assert handler_errors() == []
+
+
+def test_a_reply_in_flight_at_a_takeover_arrives_whole(handler_errors):
+    """The older connection's handler is sending it parameters larger than the socket
+    buffers (its peer not reading yet) when a newer connection takes over worker 0: the
+    reply still arrives whole, since a take-over only ends the older one's reads. Closing
+    its socket under the handler (as before) cut such a send short with EBADF, as it did an
+    applied update's ACK."""
+    n = 1 << 23  # 32 MiB of float32: more than the loopback buffers hold
+    w = np.arange(n, dtype=np.float32)
+
+    def connect() -> PSClient:
+        return PSClient(ps.address, secret=SECRET, worker=0, numel=n, dtype=np.float32,
+                        timeout=10)
+
+    with server(params=w.copy()) as ps, connect() as old:
+        old._conn.send(Kind.PULL, {})  # its answer is not read yet
+        wait_for(lambda: ps.clocks.read.get(0) == 0)  # the handler has copied them: it sends
+        time.sleep(0.2)
+        with connect() as new:
+            new.stats()  # a round trip: it owns worker 0 now
+            reply, _ = msg.expect(old._conn, msg.Params,
+                                  into=msg.into_checked(old.params, "the parameter server"))
+            assert reply.version == 0 and np.array_equal(old.params, w)
+            with pytest.raises(ProtocolError) as info:  # then it is refused: taken over
+                old.pull()
+            assert info.value.reason in ("unexpected", "closed")
+            assert new.pull() == 0 and np.array_equal(new.params, w)
+    assert handler_errors() == []
