@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 
 import numpy as np
@@ -295,3 +296,39 @@ def test_a_reply_in_flight_at_a_takeover_arrives_whole(handler_errors):
             assert info.value.reason in ("unexpected", "closed")
             assert new.pull() == 0 and np.array_equal(new.params, w)
     assert handler_errors() == []
+
+
+def test_a_refused_result_fails_the_task_as_a_refused_nan_update_does(monkeypatch):
+    """A fit fails at once, naming the partition, on a refused NaN update
+    (tests/test_faults_async.py). A refused *result* (finite updates that overflow) reaches
+    the task the same way: the worker's call raises the same PeerRefused (no lost server, so
+    no reconnect), the task ends with a final error, and the driver's error reads the same."""
+    from sparkdl_avg._errors import FinalTaskError, PeerRefused, TrainingError, from_task
+    from sparkdl_avg.task import entry, memory, probe
+    from sparkdl_avg.task.async_loop import ServerLink
+
+    refusals = []
+    with server() as ps, client(ps, 0) as c:
+        c.pull()
+        c.push(np.full(4, 3e38, np.float32))
+        for update in (np.array([np.nan, 0, 0, 0], np.float32), np.full(4, 3e38, np.float32)):
+            with pytest.raises(PeerRefused) as info:
+                ServerLink._call(None, c.push, update)  # a worker's push (self is unused)
+            refusals.append(info.value)
+    monkeypatch.setattr(probe, "warmed_up", lambda: None)
+    monkeypatch.setattr(memory, "release_task_memory", lambda: None)
+    texts = []
+    for refusal in refusals:
+        assert refusal.reason == "non_finite"
+
+        def run(spec, batches, refusal=refusal):
+            raise refusal
+
+        monkeypatch.setattr(entry, "_run", run)
+        with pytest.raises(FinalTaskError) as info:  # the task's own wrapper: final
+            next(entry.run_task(None, iter(())))
+        error = from_task("partition 0", str(info.value))  # as the driver reads it
+        assert isinstance(error, TrainingError)
+        assert re.fullmatch(r"partition 0 failed: PeerRefused: .*NaN or Inf.*", str(error))
+        texts.append(str(error))
+    assert texts[0] == texts[1]  # one message for both: the update, or its result
