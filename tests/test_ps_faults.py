@@ -332,3 +332,28 @@ def test_a_refused_result_fails_the_task_as_a_refused_nan_update_does(monkeypatc
         assert re.fullmatch(r"partition 0 failed: PeerRefused: .*NaN or Inf.*", str(error))
         texts.append(str(error))
     assert texts[0] == texts[1]  # one message for both: the update, or its result
+
+
+def test_a_finished_from_a_taken_over_connection_changes_nothing():
+    """A FINISHED read on the older connection just before a take-over reaches its handler
+    after it: it used to mark the worker finished for the evaluations (whose final request
+    waits for every worker) though the newer connection goes on pushing. Called here as
+    that handler would, on a connection that no longer owns worker 0."""
+    import socket
+
+    from sparkdl_avg.net.frames import Connection
+
+    ps = ParameterServer(ServerSettings(timeout=10), secret=SECRET)
+    ours, theirs = socket.socketpair()
+    with ps, client(ps, DRIVER) as driver, ours, theirs:
+        driver.init(np.zeros(4, np.float32), workers=2)
+        with client(ps, 0) as newer:
+            newer.stats()  # the owner of worker 0
+            stale = Connection(theirs, timeout=5, max_payload=0)
+            ps._finished(stale, 0, msg.Finished(wait_s=0.0))
+            with pytest.raises(ProtocolError, match="took over") as info:
+                msg.expect(Connection(ours, timeout=5, max_payload=0), msg.Ack)
+            assert info.value.reason == "unexpected"
+            assert ps.evaluations.finished == set() and 0 in ps.clocks.pushed
+            assert newer.finished(wait_s=0.0) is not None  # its own FINISHED counts
+            assert ps.evaluations.finished == {0}
