@@ -1,8 +1,9 @@
 """What checking the result of every update costs the parameter server (issue 33): each rule
 as it is (computing into preallocated spares in chunks, checking them, swapping them in)
 against the unchecked in-place arithmetic it replaced, on one thread, per update of a
-25M-parameter float32 model. The best of `--reps` runs of each, in turns; the machine's load
-is recorded with the result.
+25M-parameter float32 model; and the server's own NaN/Inf pass over the update, which the
+rules' check made redundant (dropped). The best of `--reps` runs of each, in turns; the
+machine's load is recorded with the result.
 
     nice -n 5 python bench/ps_rule_cost.py [--numel 25000000] [--reps 10]
 """
@@ -86,7 +87,12 @@ def main() -> None:
                               "ratio": round(new / old, 2),
                               "spare_mb": round(sum(a.nbytes for a in
                                                     rule._spares.values()) / 2 ** 20)}
+    # The server's own NaN/Inf pass over each update, before any rule (main's), is dropped:
+    # every rule's check of its result refuses such an update. What it cost:
+    update_pass, _ = best_of_alternating(lambda: np.isfinite(pushed).all(), lambda: None,
+                                         args.reps)
     report("ps_rule_cost", {"numel": args.numel, "dtype": "float32", "reps": args.reps,
+                            "dropped_update_pass_ms": round(update_pass * 1e3, 1),
                             "note": "best of reps, one thread; each time includes copying "
                                     "the update into the scratch buffer (the server's "
                                     "receive buffer is reused the same way)",

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sparkdl_avg.ps.rules import RULES, make_rule
+from sparkdl_avg.ps.rules import CHUNK, RULES, make_rule
 from sparkdl_avg.ps.staleness import may_apply, may_read, pushes_between_fetches
 
 
@@ -211,3 +211,45 @@ def test_clocks_a_new_set_replaces_the_old_and_a_newcomer_starts_level_with_the_
     clocks.leave(1)
     clocks.leave(5)
     assert clocks.may_read(0, bound=0) and clocks.may_apply(0, bound=0)
+
+
+@pytest.mark.parametrize("algorithm", sorted(RULES))
+def test_an_overflow_in_the_last_chunk_changes_nothing(algorithm):
+    """The rules compute chunk by chunk: an update that overflows only in the last chunk,
+    after every earlier chunk computed finite values, leaves the parameters, the worker's
+    backup and the mean square as they were (nothing half-applied)."""
+    rng = np.random.default_rng(0)
+    n = 2 * CHUNK + 17
+    s = make_rule(algorithm, rng.standard_normal(n).astype(np.float32), lr=0.1,
+                  update_scale=0.5)
+    s.pull(0)
+    assert s.apply(0, (rng.standard_normal(n) * 1e-2).astype(np.float32), lr=0.05)
+    s.params[-1] = -3.4e38
+    params, backups = s.params.copy(), {w: b.copy() for w, b in getattr(s, "backups", {}).items()}
+    meansquare = getattr(s, "meansquare", None)
+    meansquare = None if meansquare is None else meansquare.copy()
+    update = (rng.standard_normal(n) * 1e-2).astype(np.float32)  # every chunk moves
+    update[-1] = 3.4e38  # only the last element overflows (DC-ASGD: g = update / lr too)
+    assert not s.apply(0, update, lr=0.05)
+    np.testing.assert_array_equal(s.params, params)
+    for w, backup in backups.items():
+        np.testing.assert_array_equal(s.backups[w], backup)
+    if meansquare is not None:
+        np.testing.assert_array_equal(s.meansquare, meansquare)
+
+
+@pytest.mark.parametrize("algorithm", sorted(RULES))
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_an_update_holding_nan_or_inf_is_refused_by_every_rule(algorithm, bad):
+    """The server makes no NaN/Inf pass of its own over an update: each rule's check of what
+    it computed refuses one, in any chunk, at update_scale 0 and at lr 0 too (DC-ASGD then
+    takes no step, but the backup still takes the update)."""
+    n = 2 * CHUNK + 5
+    for scale, lr, where in ((1.0, 0.05, 3), (0.0, 0.05, CHUNK + 1), (0.5, 0.0, n - 1)):
+        s = make_rule(algorithm, np.ones(n), lr=0.1, update_scale=scale)
+        s.pull(0)
+        update = np.full(n, 1e-3)
+        update[where] = bad
+        assert not s.apply(0, update, lr=lr)
+        assert np.all(s.params == 1.0)
+        assert all(np.all(b == 1.0) for b in getattr(s, "backups", {}).values())

@@ -207,47 +207,63 @@ def test_the_coordinator_survives_mutated_frames(handler_errors):
         send_and_read(coord.address, AUTH, None)  # still accepting and answering
 
 
-EXTREMES = st.sampled_from([0.0, 1e-45, -1e-38, 1.0, -2.5, 1e30, 3e38, -3.4e38])
+EXTREMES = st.sampled_from([0.0, 1e-45, -1e-38, 1.0, -2.5, 1e30, 3e38, -3.4e38, 1.7e308])
+"""Finite values at the edges of float32's range and float64's (cast into float32, 1.7e308 is
+its largest finite value instead: `finite_array`)."""
 LRS = st.sampled_from([None, 0.0, 1e-300, 1e-38, 0.1, 1e30, 1e308])
+PUSH = st.tuples(
+    st.just("push"), st.sampled_from([0, 1, 0, 1, "driver"]),  # the driver: refused
+    st.sampled_from([True, True, False]),  # pull first: most DC-ASGD pushes are then taken
+    st.lists(EXTREMES, min_size=4, max_size=4), LRS,
+    st.sampled_from([0.0, -1e308, 1.7e308]), st.sampled_from([0, 1, 2 ** 52, 2 ** 53]))
 STEPS = st.one_of(
     st.tuples(st.just("init"), st.lists(EXTREMES, min_size=4, max_size=4),
               st.sampled_from([0, 3])),
     st.tuples(st.just("pull"), st.integers(0, 1)),
-    st.tuples(st.just("push"), st.integers(0, 1), st.lists(EXTREMES, min_size=4, max_size=4),
-              LRS, st.sampled_from([0.0, -1e308, 1.7e308]),
-              st.sampled_from([0, 1, 2 ** 52, 2 ** 53])),
+    PUSH, PUSH,  # pushes twice as often as the other steps
     st.tuples(st.just("finished"), st.integers(0, 1)),
     st.tuples(st.just("evaluate"),))
+
+
+def finite_array(values: list[float], dtype: str) -> np.ndarray:
+    """`values` in `dtype`, each clipped to its finite range (a cast would make Inf)."""
+    largest = float(np.finfo(dtype).max)
+    return np.array(np.clip(values, -largest, largest), dtype)
 
 
 @settings(max_examples=300, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @seed(20261126)
 @given(algorithm=st.sampled_from(sorted(RULES)), dtype=st.sampled_from(["float32", "float64"]),
-       steps=st.lists(STEPS, max_size=12))
-def test_authenticated_sequences_of_extreme_finite_values(algorithm, dtype, steps):
+       bound=st.sampled_from([None, 1000]), steps=st.lists(STEPS, max_size=12))
+def test_authenticated_sequences_of_extreme_finite_values(algorithm, dtype, bound, steps):
     """Inits, pulls, pushes (updates, lrs, losses and sample counts at the edges of their
-    ranges) and FINISHED, in any order, from authenticated peers. After every step the
-    parameters an honest worker (2) pulls are finite, every refusal carries a reason and
-    is counted, and no connection is dropped."""
-    ps = ParameterServer(ServerSettings(timeout=5, algorithm=algorithm), secret=SECRET,
-                         rule=make_rule(algorithm, np.zeros(4, dtype), lr=0.1))
+    ranges; the driver's too) and FINISHED, in any order, from authenticated peers. After
+    every step the parameters an honest worker (2) pulls are finite, every refusal carries a
+    reason and is counted, and no connection is dropped. Half the runs have a staleness
+    bound, one no sequence reaches (12 steps at most), so its gates and membership checks
+    run and no request waits."""
+    ps = ParameterServer(ServerSettings(timeout=5, algorithm=algorithm, staleness_bound=bound),
+                         secret=SECRET, rule=make_rule(algorithm, np.zeros(4, dtype), lr=0.1))
     refusals = 0
     with ps:
         peers = [PSClient(ps.address, secret=SECRET, worker=w, numel=4, dtype=dtype,
                           timeout=5) for w in (DRIVER, 0, 1, 2)]
         driver, workers, honest = peers[0], peers[1:3], peers[3]
+        pushers = {0: workers[0], 1: workers[1], "driver": driver}
         try:
             for step in steps:
                 try:
                     if step[0] == "init":
-                        driver.init(np.array(step[1], dtype), workers=step[2])
+                        driver.init(finite_array(step[1], dtype), workers=step[2])
                     elif step[0] == "pull":
                         workers[step[1]].pull()
                     elif step[0] == "push":
-                        _, w, values, lr, loss_sum, samples = step
-                        workers[w].push(np.array(values, dtype), lr=lr, loss_sum=loss_sum,
-                                        samples=samples)
+                        _, w, pull_first, values, lr, loss_sum, samples = step
+                        if pull_first:
+                            pushers[w].pull()
+                        pushers[w].push(finite_array(values, dtype), lr=lr,
+                                        loss_sum=loss_sum, samples=samples)
                     elif step[0] == "finished":
                         workers[step[1]].finished(wait_s=0.0)
                     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 
 import numpy as np
@@ -94,6 +95,10 @@ def test_dcasgd_refuses_a_tiny_lr_and_keeps_its_state(algorithm):
         c.pull()
         raw_update(c, np.full(4, 1e-3, np.float32), lr=1e-300)
         assert refused(c) == "non_finite"
+        # read before the pull below, which would copy the parameters into the backup
+        assert np.array_equal(ps.rule.backups[0], w0) and np.array_equal(ps.rule.params, w0)
+        if algorithm == "dcasgd-adaptive":
+            assert ps.rule.meansquare is None or not ps.rule.meansquare.any()
         c.pull()
         assert np.array_equal(c.params, w0)
         c.push(good, lr=0.1)
@@ -101,6 +106,18 @@ def test_dcasgd_refuses_a_tiny_lr_and_keeps_its_state(algorithm):
         np.testing.assert_array_equal(c.params, expected.params)
         if algorithm == "dcasgd-adaptive":
             np.testing.assert_array_equal(ps.rule.meansquare, expected.meansquare)
+
+
+def test_an_update_from_the_driver_is_refused_and_changes_nothing(handler_errors):
+    """The driver's id holds no clock: its UPDATE passed the gates, was applied, and then
+    the handler died on a KeyError (parameters changed, no answer, connection dropped)."""
+    with server() as ps, client(ps, DRIVER) as driver:
+        driver.pull()
+        raw_update(driver, np.ones(4, np.float32))
+        assert refused(driver) == "unexpected"
+        assert driver.pull() == 0 and driver.params.tolist() == [0.0] * 4  # still served
+        assert ps.stats()["applied"] == 0 and ps.stats()["refused"] == {"unexpected": 1}
+        assert handler_errors() == []
 
 
 def test_an_init_that_is_not_finite_is_refused():
@@ -169,6 +186,7 @@ def test_a_reinit_with_fewer_workers_replaces_the_clocks():
     with ps, client(ps, DRIVER) as driver:
         driver.init(np.zeros(4, np.float32), workers=3)
         leftover = client(ps, 2)
+        leftover.stats()  # a round trip: it is connected (as a member) before the re-INIT
         driver.init(np.zeros(4, np.float32), workers=2)
         with client(ps, 0) as a, client(ps, 1) as b:
             started = time.monotonic()
@@ -238,6 +256,7 @@ def test_a_takeover_mid_request_refuses_the_older_request_and_applies_nothing(
         raw_update(old, np.ones(4, np.float32))  # waits for worker 1's next read
         time.sleep(0.3)
         new = client(ps, 0, ca)  # the restarted task
+        new.stats()  # a round trip: its handler owns worker 0 now (WELCOME comes before)
         other.push(np.ones(4, np.float32))
         other.pull()  # would open the older push's gate
         reply, _ = msg.receive(old._conn)
@@ -248,3 +267,93 @@ def test_a_takeover_mid_request_refuses_the_older_request_and_applies_nothing(
         assert new.pull() == 2 and new.params.tolist() == [-2.0] * 4
         new.close()
         assert handler_errors() == []
+
+
+def test_a_reply_in_flight_at_a_takeover_arrives_whole(handler_errors):
+    """The older connection's handler is sending it parameters larger than the socket
+    buffers (its peer not reading yet) when a newer connection takes over worker 0: the
+    reply still arrives whole, since a take-over only ends the older one's reads. Closing
+    its socket under the handler (as before) cut such a send short with EBADF, as it did an
+    applied update's ACK."""
+    n = 1 << 23  # 32 MiB of float32: more than the loopback buffers hold
+    w = np.arange(n, dtype=np.float32)
+
+    def connect() -> PSClient:
+        return PSClient(ps.address, secret=SECRET, worker=0, numel=n, dtype=np.float32,
+                        timeout=10)
+
+    with server(params=w.copy()) as ps, connect() as old:
+        old._conn.send(Kind.PULL, {})  # its answer is not read yet
+        wait_for(lambda: ps.clocks.read.get(0) == 0)  # the handler has copied them: it sends
+        time.sleep(0.2)
+        with connect() as new:
+            new.stats()  # a round trip: it owns worker 0 now
+            reply, _ = msg.expect(old._conn, msg.Params,
+                                  into=msg.into_checked(old.params, "the parameter server"))
+            assert reply.version == 0 and np.array_equal(old.params, w)
+            with pytest.raises(ProtocolError) as info:  # then it is refused: taken over
+                old.pull()
+            assert info.value.reason in ("unexpected", "closed")
+            assert new.pull() == 0 and np.array_equal(new.params, w)
+    assert handler_errors() == []
+
+
+def test_a_refused_result_fails_the_task_as_a_refused_nan_update_does(monkeypatch):
+    """A fit fails at once, naming the partition, on a refused NaN update
+    (tests/test_faults_async.py). A refused *result* (finite updates that overflow) reaches
+    the task the same way: the worker's call raises the same PeerRefused (no lost server, so
+    no reconnect), the task ends with a final error, and the driver's error reads the same."""
+    from sparkdl_avg._errors import FinalTaskError, PeerRefused, TrainingError, from_task
+    from sparkdl_avg.task import entry, memory, probe
+    from sparkdl_avg.task.async_loop import ServerLink
+
+    refusals = []
+    with server() as ps, client(ps, 0) as c:
+        c.pull()
+        c.push(np.full(4, 3e38, np.float32))
+        for update in (np.array([np.nan, 0, 0, 0], np.float32), np.full(4, 3e38, np.float32)):
+            with pytest.raises(PeerRefused) as info:
+                ServerLink._call(None, c.push, update)  # a worker's push (self is unused)
+            refusals.append(info.value)
+    monkeypatch.setattr(probe, "warmed_up", lambda: None)
+    monkeypatch.setattr(memory, "release_task_memory", lambda: None)
+    texts = []
+    for refusal in refusals:
+        assert refusal.reason == "non_finite"
+
+        def run(spec, batches, refusal=refusal):
+            raise refusal
+
+        monkeypatch.setattr(entry, "_run", run)
+        with pytest.raises(FinalTaskError) as info:  # the task's own wrapper: final
+            next(entry.run_task(None, iter(())))
+        error = from_task("partition 0", str(info.value))  # as the driver reads it
+        assert isinstance(error, TrainingError)
+        assert re.fullmatch(r"partition 0 failed: PeerRefused: .*NaN or Inf.*", str(error))
+        texts.append(str(error))
+    assert texts[0] == texts[1]  # one message for both: the update, or its result
+
+
+def test_a_finished_from_a_taken_over_connection_changes_nothing():
+    """A FINISHED read on the older connection just before a take-over reaches its handler
+    after it: it used to mark the worker finished for the evaluations (whose final request
+    waits for every worker) though the newer connection goes on pushing. Called here as
+    that handler would, on a connection that no longer owns worker 0."""
+    import socket
+
+    from sparkdl_avg.net.frames import Connection
+
+    ps = ParameterServer(ServerSettings(timeout=10), secret=SECRET)
+    ours, theirs = socket.socketpair()
+    with ps, client(ps, DRIVER) as driver, ours, theirs:
+        driver.init(np.zeros(4, np.float32), workers=2)
+        with client(ps, 0) as newer:
+            newer.stats()  # the owner of worker 0
+            stale = Connection(theirs, timeout=5, max_payload=0)
+            ps._finished(stale, 0, msg.Finished(wait_s=0.0))
+            with pytest.raises(ProtocolError, match="took over") as info:
+                msg.expect(Connection(ours, timeout=5, max_payload=0), msg.Ack)
+            assert info.value.reason == "unexpected"
+            assert ps.evaluations.finished == set() and 0 in ps.clocks.pushed
+            assert newer.finished(wait_s=0.0) is not None  # its own FINISHED counts
+            assert ps.evaluations.finished == {0}

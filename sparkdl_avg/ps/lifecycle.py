@@ -100,21 +100,32 @@ class FitLifecycle:
             self.refuse("unexpected", "the server has no parameters yet (no INIT)", worker,
                         conn)
             return
-        evaluations = self.evaluations
         with self._lock:
-            evaluations.finish(worker, self.rule.params, self.applied)
-            if self._owners.get(worker) is conn:  # not a replaced one's: the id's clocks
+            # taken over since it was read: the newer connection speaks for the worker now
+            replaced = self._owners.get(worker) is not conn
+            if not replaced:
+                self.evaluations.finish(worker, self.rule.params, self.applied)
                 self.clocks.leave(worker)
-            self._lock.notify_all()
-            deadline = time.monotonic() + min(message.wait_s, self.settings.timeout)
-            while evaluations.offer(worker) is None and not evaluations.done(worker):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed.is_set():
-                    break
-                self._lock.wait(timeout=min(left, 0.5))
-            ack = msg.Ack(applied=self.applied, evaluate=evaluations.offer(worker),
-                          done=evaluations.done(worker))
+                self._lock.notify_all()
+                ack = self._await_request(worker, min(message.wait_s, self.settings.timeout))
+        if replaced:
+            self.refuse("unexpected", "a newer connection took over this worker id", worker,
+                        conn)
+            return
         msg.send(conn, ack)
+
+    def _await_request(self, worker: int, wait_s: float) -> msg.Ack:
+        """With the lock held: wait up to `wait_s` for a request for a finished `worker`, or
+        until it may end; the answer to its FINISHED."""
+        evaluations = self.evaluations
+        deadline = time.monotonic() + wait_s
+        while evaluations.offer(worker) is None and not evaluations.done(worker):
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed.is_set():
+                break
+            self._lock.wait(timeout=min(left, 0.5))
+        return msg.Ack(applied=self.applied, evaluate=evaluations.offer(worker),
+                       done=evaluations.done(worker))
 
     def _evaluate(self, conn: Connection) -> None:
         """The driver's EVALUATE: a request of the current parameters (none once the final

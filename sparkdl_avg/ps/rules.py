@@ -20,13 +20,19 @@ worker itself took). The rules:
 
 Every rule computes into spare arrays and swaps them in only when everything it computed is
 finite: an update or an lr that would overflow (two updates of 3e38 in float32; DC-ASGD's
-g = update / lr with lr = 1e-300) is refused and changes nothing (`apply` returns False). The
-spares are preallocated once, so the check costs no allocation per update: the result is
-computed and checked in cache-sized chunks (`CHUNK`).
+g = update / lr with lr = 1e-300) is refused and changes nothing (`apply` returns False). So
+is an update holding NaN or Inf: every element of it reaches a checked value (a NaN or Inf
+times any update_scale is not finite, and DC-ASGD's backup takes the update unscaled), so
+the server makes no pass of its own over it. The spares are preallocated once, so the check
+costs no allocation per update: the result is computed and checked in cache-sized chunks
+(`CHUNK`). The arrays swap roles: the `params` array a rule is made with becomes one of its
+spares after the first update it applies (scratch, overwritten by later ones), so a caller
+that keeps using it must pass a copy.
 
 A new rule is one class here, decorated with `@register`: its name, its defaults and its
-`_step`, which must apply `update_scale` itself and commit only finite results. Everything
-else (TrainConfig's check, the command line's choices) reads `RULES`.
+`_step`, which must apply `update_scale` itself, commit only finite results and let every
+NaN or Inf of the update reach a checked value. Everything else (TrainConfig's check, the
+command line's choices) reads `RULES`.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ class ParameterServer(FitLifecycle, Server):
         """Answer one request; False ends the connection."""
         if isinstance(message, msg.Pull):
             return self._pull(conn, worker, message.evaluate)
-        if isinstance(message, msg.Update):
+        if isinstance(message, msg.Update) and worker != DRIVER:  # the driver has no clock
             return self._apply(conn, worker, update, message)
         if isinstance(message, msg.Eval) and worker != DRIVER:
             self._answer(conn, worker, message)
@@ -264,9 +264,6 @@ class ParameterServer(FitLifecycle, Server):
 
     def _apply(self, conn: Connection, worker: int, update: np.ndarray,
                message: msg.Update) -> bool:
-        if not np.isfinite(update).all():
-            self.refuse("non_finite", "update holds NaN or Inf: refused", worker, conn)
-            return True
         if self.stopped:  # computed before the worker heard: the fit ended at the stop
             msg.send(conn, msg.Ack(applied=self.applied, stop=True))
             return True
@@ -274,9 +271,11 @@ class ParameterServer(FitLifecycle, Server):
             why = self._gate(worker, conn, self.clocks.may_apply) or self._totals_stay(message)
             if why is None:
                 try:
+                    # NaN/Inf in the update always reach the result the rule checks
                     if not self.rule.apply(worker, update, lr=message.lr):
-                        why = ("non_finite", "the update would leave parameters NaN or Inf "
-                               "(too large, or lr too small): refused, nothing changed")
+                        why = ("non_finite", "the update holds NaN or Inf, or would leave "
+                               "the parameters NaN or Inf (too large, or lr too small): "
+                               "refused, nothing changed")
                 except ValueError as exc:
                     why = ("malformed", exc)
             if why is None:
