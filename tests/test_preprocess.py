@@ -216,7 +216,7 @@ def _sleepy(batch, *, training, rng):
 
 
 @pytest.mark.spark
-def test_preprocess_runs_beside_the_training_step(records):
+def test_preprocess_runs_beside_the_training_step(records, mlflow_client):
     slow = dict(num_workers=1, epochs=5, batch_size=8, averaging_frequency=60)
     instant = _fit(records, SlowStep, **slow)
     sleepy = _fit(records, SlowStep, preprocess=_sleepy, **slow)
@@ -224,6 +224,14 @@ def test_preprocess_runs_beside_the_training_step(records):
     assert instant.timings["train_s"] > steps * 0.025  # the steps did sleep
     # serially each step would cost about 50 ms: about 2x
     assert sleepy.timings["train_s"] <= 1.3 * instant.timings["train_s"]
+    # batch_wait_s: one thread preprocessing 25 ms a batch for an instant step keeps the
+    # training thread waiting about 25 ms a step; the instant preprocess, for little
+    serial = _fit(records, preprocess=_sleepy, num_workers=1, epochs=1, batch_size=8,
+                  averaging_frequency=12, preprocess_threads=1)
+    per_step = serial.workers[0]["batch_wait_s"] / (ROWS // 8)
+    assert per_step > 0.025 / 2 and per_step > 4 * instant.workers[0]["batch_wait_s"] / steps
+    metrics = mlflow_client.get_run(serial.run_id).data.metrics  # the docs' MLflow metric
+    assert metrics["worker_0_batch_wait_s"] == pytest.approx(serial.workers[0]["batch_wait_s"])
 
 
 @pytest.mark.spark
@@ -397,15 +405,16 @@ def _threads_in_evaluation(log: str, batch, *, training, rng):
 
 @pytest.mark.spark
 def test_evaluation_preprocesses_on_the_pool(records, decoded, tmp_path):
-    """Evaluation's chunks are decoded off the training thread (on the pool's threads, as
-    training's steps), with the same losses as the numbers give."""
+    """Evaluation's chunks are decoded off the training thread, on a pool of their own
+    (not training's, whose threads stay busy prefetching steps), with the same losses as the
+    numbers give."""
     log = tmp_path / "threads"
     result = _fit(records, preprocess=partial(_threads_in_evaluation, str(log)),
                   eval_batch_size=16, data_cache="disk")
     names = log.read_text().split()
     # 2 evaluations x 2 workers x 3 chunks of 16 of their 48 rows
     assert len(names) == 12 and {n.rpartition("_")[0] for n in names} == \
-        {"sparkdl-avg-preprocess"}
+        {"sparkdl-avg-preprocess-eval"}
     assert [h["eval_loss"] for h in result.history if "eval_loss" in h] == \
         [h["eval_loss"] for h in decoded.history if "eval_loss" in h]
 
@@ -423,21 +432,27 @@ class Embedded(torch.nn.Module):
     def forward(self, x, ids):
         if self.training:
             open(self.marker, "w").close()
+        elif not x.any():  # the probe must run on the decoded sample, not on zeros
+            raise ValueError("probed on zeros")
         return self.linear(x) + self.ids(ids)
 
 
 @pytest.mark.spark
-def test_an_id_beyond_its_embedding_is_refused_before_training(spark, tmp_path):
+@pytest.mark.parametrize("driver_model", ["full", "meta"])
+def test_an_id_beyond_its_embedding_is_refused_before_training(spark, tmp_path,
+                                                               driver_model):
     """The id column passes through preprocess: the probe on the sample still holds its
-    largest id, beyond the embedding's 5, though the sample's first rows hold 0..3."""
+    largest id, beyond the embedding's 5, though the sample's first rows hold 0..3; with
+    driver_model="meta" the executor that builds the model probes it on the sample shipped
+    from the driver (the model refuses a probe of zeros)."""
     x = np.random.default_rng(3).normal(size=(24, WIDTH))
     rows = [(bytearray(x[i].tobytes()), i % 4 if i < 23 else 9, i % 2) for i in range(24)]
     df = spark.createDataFrame(rows, "content binary, ids long, label long")
     marker = tmp_path / "trained"
     with pytest.raises(ModelError, match="out of range.*ids.* up to 9"):
-        fit(df, partial(Embedded, str(marker)), TrainConfig(**SYNC),
+        fit(df, partial(Embedded, str(marker)), TrainConfig(**SYNC, driver_model=driver_model),
             inputs=["content", "ids"], preprocess=_decode)
-    assert not marker.exists()  # refused on the driver: no task trained
+    assert not marker.exists()  # refused by the probe: no task trained
 
 
 @pytest.mark.spark

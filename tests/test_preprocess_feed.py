@@ -1,34 +1,43 @@
 """`fit(preprocess=)`'s feed without Spark (issue 31, the training side): evaluation chunks
-preprocessed on the pool, in order, its threads gone on every way out; integers kept at
-fn's width to the device and widened there to what the model gets; the probe's sample
-carrying the ranges of the integer columns preprocess passes through."""
+preprocessed on a pool of their own, in order, one chunk ahead, its threads gone on every way
+out; a stopped feed starting no more calls; no minibatch past the last step; integers kept at
+fn's width to the device and widened there to what the model gets (the replica's choice);
+the probe's sample carrying the ranges of the integer columns preprocess passes through,
+left as it was, and shipped as its two rows alone."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from sparkdl_avg import PreprocessError
+from sparkdl_avg.data.batches import TrainBatches
 from sparkdl_avg.data.cache import batch_of, tensors_of
 from sparkdl_avg.data.feed import (
     PreprocessFeed,
     Preprocessor,
+    eval_feed,
     eval_jobs,
     model_schema,
     raw_batch,
     step_rng,
 )
-from sparkdl_avg.data.probe_batch import passed_ranges, with_ranges
+from sparkdl_avg.data.order import Cut
+from sparkdl_avg.data.probe_batch import first_rows, passed_ranges, with_ranges
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
+from sparkdl_avg.task.replica import _preprocessor
 
 X = FieldSpec("input", "x", "x", "_x0", "float64", (2,))
 IDS = FieldSpec("input", "ids", "ids", "_x1", "int32", ())
 IMAGE = FieldSpec("input", "content", "content", "_x2", "uint8", (-1,), "binary", True)
 LABEL = FieldSpec("label", "label", "label", "_y0", "int64", ())
+FLAG = FieldSpec("input", "flag", "flag", "_x3", "bool", ())
 POOL = "sparkdl-avg-preprocess"
 
 
@@ -106,6 +115,94 @@ def test_the_evaluation_feed_stops_its_threads_on_every_way_out():
     assert _gone()
 
 
+def test_evaluation_holds_at_most_two_chunks_beyond_the_one_evaluated():
+    """`eval_feed` (what a replica evaluates through) prefetches one chunk, on a pool named
+    for evaluation, with training's threads: a consumer slower than `fn` finds at most 3
+    chunks decoded and not yet evaluated (training's prefetch_batches=4 would give 6)."""
+    started, done, most = [], [0], [0]
+
+    def fn(batch, *, training, rng):
+        started.append(threading.current_thread().name)
+        most[0] = max(most[0], len(started) - done[0])
+        return batch
+
+    raw = DataSchema(inputs=(X,), binding="single", labels=(LABEL,), label_list=False,
+                     float_dtype="float64")
+    prep = Preprocessor(fn, raw, raw, torch.float64, seed=7, partition=1)
+    with eval_feed(Rows(30), 3, prep, torch.device("cpu"), threads=2, timeout=60) as feed:
+        for _ in feed:
+            time.sleep(0.02)  # the model's forward on the chunk
+            done[0] += 1
+    assert done[0] == 10 and most[0] <= 3
+    assert {name.rpartition("_")[0] for name in started} == {POOL + "-eval"}
+    assert _gone()
+
+
+def test_a_stopped_feed_starts_no_more_calls():
+    """The producer checks `stopped` before each submit: a job gathered while the feed
+    stops is not preprocessed (it would outlive the feed's `stop`)."""
+    submitted = []
+
+    def jobs():
+        for k, parts in enumerate(Rows(9).parts(3)):
+            if k == 1:
+                feed.stopped.set()  # as `stop` does, while the producer gathers job 1
+            yield [parts], False, step_rng(0, 0, 0, k)
+
+    feed = _eval_feed(lambda batch, **_: batch)
+    feed.jobs = jobs()
+    submit = feed.pool.submit
+    feed.pool.submit = lambda *a, **kw: submitted.append(1) or submit(*a, **kw)
+    feed.start()
+    feed.thread.join(5)
+    feed.stop()
+    assert len(submitted) == 1
+    assert _gone()
+
+
+def test_training_batches_past_the_last_step_raise():
+    """The feed's end is no minibatch: a step beyond `total_steps` raises, as the disk
+    cache's producer does, instead of handing the training loop None."""
+
+    class Memory:
+        in_memory, rows, assemble_s, assembled_bytes = True, 6, 0.0, 0
+
+        def part(self, index):
+            return [np.stack([index, -index], 1).astype(np.float64), index % 3]
+
+    raw = DataSchema(inputs=(X,), binding="single", labels=(LABEL,), label_list=False,
+                     float_dtype="float64")
+    prep = Preprocessor(lambda batch, **_: batch, raw, raw, torch.float64, seed=0,
+                        partition=0)
+    batches = TrainBatches(Memory(), cut=Cut(6, 1), seed=0, worker=0, shuffle=False,
+                           batch_size=3, steps_per_epoch=2, total_steps=2,
+                           device=torch.device("cpu"), preprocess=prep, threads=1,
+                           prefetch=1)
+    batches.start(0)
+    try:
+        assert [batches.next().rows for _ in range(2)] == [3, 3]
+        with pytest.raises(RuntimeError, match="no minibatch at step 2: the fit has 2"):
+            batches.next()
+    finally:
+        batches.close()
+    assert _gone()
+
+
+@pytest.mark.parametrize(("device", "narrow"), [("cpu", False), ("meta", True)])
+def test_a_replica_keeps_integers_narrow_only_for_a_copy_to_another_device(device, narrow):
+    """The replica's choice (`replica._preprocessor`): on the CPU the pool converts to the
+    model's dtypes at once; for any other device (a GPU, here "meta": no CUDA needed)
+    integers stay narrow until the copy. Pinned memory is for CUDA alone."""
+    import cloudpickle
+
+    raw = DataSchema(inputs=(IMAGE,), binding="single", labels=(LABEL,), label_list=False)
+    spec = SimpleNamespace(preprocess=cloudpickle.dumps(_images), schema=raw,
+                           model_schema=raw)
+    prep = _preprocessor(spec, SimpleNamespace(seed=3), 1, torch.float32,
+                         torch.device(device))
+    assert (prep.narrow, prep.pin, prep.seed, prep.partition) == (narrow, False, 3, 1)
+
+
 def _images(batch, *, training, rng):
     """uint8 pixels, as a decoder gives them."""
     return {"content": np.stack([np.frombuffer(b, np.uint8) for b in batch["content"]])}
@@ -148,8 +245,39 @@ def test_the_probe_sample_holds_the_ranges_of_the_columns_preprocess_passes_thro
     passed = passed_ranges(raw, schema, ranges)
     assert passed == {"_x1": (0.0, 9.0), "_y0": (0.0, 2.0)}
     assert passed_ranges(raw, None, ranges) == ranges
-    sample = batch_of(schema, [torch.full((1, 3), 0.5), torch.tensor([3]), torch.tensor([1])])
-    probe = with_ranges(sample, schema, low={"_x1": 0, "_y0": 0}, high={"_x1": 9, "_y0": 2})
+    one = batch_of(schema, [torch.full((1, 3), 0.5), torch.tensor([3]), torch.tensor([1])])
+    probe = with_ranges(one, schema, low={"_x1": 0, "_y0": 0}, high={"_x1": 9, "_y0": 2})
     assert probe.inputs[0].tolist() == [[0.5] * 3] * 2  # one real row, repeated
     assert probe.inputs[1].tolist() == [0, 9] and probe.labels[0].tolist() == [0, 2]
-    assert sample.inputs[1].tolist() == [3]  # the sample is left as it was
+
+
+def test_the_probe_leaves_its_sample_as_it_was():
+    """A sample of two rows (the probe's own number: nothing is repeated, so nothing is
+    copied on the way) keeps its values; a negative least id goes in; a bool field, whose
+    range validation knows too, is no integer column and stays as it was."""
+    raw = DataSchema(inputs=(IMAGE, IDS, FLAG), binding="positional", labels=(LABEL,),
+                     label_list=False)
+    schema = model_schema(raw, {"content": np.zeros((2, 3), np.float32)}, 2)
+    ranges = {"_x1": (-3.0, 9.0), "_x3": (0.0, 1.0), "_y0": (0.0, 2.0)}
+    passed = passed_ranges(raw, schema, ranges)
+    low = {w: int(r[0]) for w, r in passed.items()}
+    high = {w: int(r[1]) for w, r in passed.items()}
+    sample = batch_of(schema, [torch.full((2, 3), 0.5), torch.tensor([3, 4]),
+                               torch.tensor([True, True]), torch.tensor([1, 1])])
+    probe = with_ranges(sample, schema, low=low, high=high)
+    assert probe.inputs[1].tolist() == [-3, 9] and probe.labels[0].tolist() == [0, 2]
+    assert probe.inputs[2].tolist() == [True, True]
+    assert sample.inputs[1].tolist() == [3, 4] and sample.labels[0].tolist() == [1, 1]
+    assert sample.inputs[2].tolist() == [True, True]
+
+
+def test_the_probe_ships_two_rows_not_the_buffer_they_were_cut_from():
+    """`first_rows` copies: a view of a sample's two rows would pickle the whole sample
+    to the executor that probes (driver_model="meta")."""
+    schema = DataSchema(inputs=(X,), binding="single", labels=(LABEL,), label_list=False,
+                        float_dtype="float64")
+    big = batch_of(schema, [torch.ones(10_000, 2, dtype=torch.float64),
+                            torch.zeros(10_000, dtype=torch.int64)])
+    cut = first_rows(big)
+    assert [t.shape[0] for t in tensors_of(cut)] == [2, 2]
+    assert len(pickle.dumps(cut)) < 10_000  # the whole is 240 kB

@@ -44,7 +44,8 @@ class TrainBatches:
         they are."""
         self.feed_args = {"threads": threads, "prefetch": prefetch,
                           "timeout": preprocess_timeout}
-        """`feed.PreprocessFeed`'s settings (evaluation's feed takes them too)."""
+        """`feed.PreprocessFeed`'s settings (evaluation's feed takes its threads and timeout,
+        prefetching one chunk: `feed.eval_feed`)."""
         self._feed: PreprocessFeed | None = None
         self.epoch_rows = columns.rows if epoch_rows is None else epoch_rows
         self._order_args = {"worker": worker, "seed": seed, "shuffle": shuffle, "cut": cut}
@@ -77,6 +78,9 @@ class TrainBatches:
         t0 = time.perf_counter()
         if self._feed is not None:
             out = self._feed.get()
+            if out is None:  # the feed's end: a step beyond `total_steps` has no batch
+                raise RuntimeError(f"no minibatch at step {self.step}: the fit has "
+                                   f"{self.total_steps} steps")
         elif self.columns.in_memory:
             out = self._take(self.step)
         elif self.device.type == "cuda":

@@ -30,6 +30,8 @@ from sparkdl_avg.data.ragged import longest, pad_counts
 from sparkdl_avg.data.schema import IMAGE_FIELDS, Batch, DataSchema, FieldSpec
 
 _POLL_S = 1.0
+POOL = "sparkdl-avg-preprocess"
+"""The pool threads' name prefix (training's; evaluation's adds "-eval")."""
 EVAL_STREAM = 1 << 31
 """The rng's second word in evaluation (no epoch reaches it): a chunk's rng differs from
 every training step's."""
@@ -262,11 +264,12 @@ class PreprocessFeed:
     manager: `stop` on every path out."""
 
     def __init__(self, jobs, preprocessor: Preprocessor, device, *, threads: int,
-                 prefetch: int, timeout: float = 600.0) -> None:
+                 prefetch: int, timeout: float = 600.0, name: str = POOL) -> None:
         self.jobs, self.prep, self.device, self.timeout = jobs, preprocessor, device, timeout
         self.queue: queue.Queue = queue.Queue(prefetch)
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="sparkdl-avg-preprocess")
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
         self.stopped = threading.Event()
+        self._submitting = threading.Lock()  # `stop` waits out a submit under way
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name="sparkdl-avg-preprocess-feed")
@@ -302,7 +305,8 @@ class PreprocessFeed:
                      self.prep.float_dtype)
 
     def stop(self) -> None:
-        self.stopped.set()
+        with self._submitting:  # no call starts after this
+            self.stopped.set()
         while self.thread.is_alive():
             with contextlib.suppress(queue.Empty):
                 _cancel(self.queue.get(timeout=0.05))
@@ -315,7 +319,10 @@ class PreprocessFeed:
     def _run(self) -> None:
         try:
             for parts, training, rng in self.jobs:
-                future = self.pool.submit(self.prep, parts, training=training, rng=rng)
+                with self._submitting:  # a stopped feed starts no call that outlives it
+                    if self.stopped.is_set():
+                        return
+                    future = self.pool.submit(self.prep, parts, training=training, rng=rng)
                 if not self._put(future):  # stopped
                     future.cancel()
                     return
@@ -339,6 +346,17 @@ class PreprocessFeed:
 def _cancel(future) -> None:
     if future is not None:
         future.cancel()
+
+
+def eval_feed(columns, size: int, prep: Preprocessor, device, *, threads: int,
+              timeout: float) -> PreprocessFeed:
+    """Evaluation's chunks of `size` rows as a feed on a pool of its own (named
+    `POOL`-eval) with `threads` threads, prefetching one chunk: training's feed keeps its
+    `prefetch_batches` steps decoded meanwhile, so evaluation adds at most two decoded chunks
+    (one queued, one being decoded) to the one being evaluated."""
+    jobs = eval_jobs(columns, size, prep.seed, prep.partition)
+    return PreprocessFeed(jobs, prep, device, threads=threads, prefetch=1, timeout=timeout,
+                          name=POOL + "-eval")
 
 
 def eval_jobs(columns, size: int, seed: int, partition: int):

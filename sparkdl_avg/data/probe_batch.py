@@ -61,6 +61,17 @@ def passed_ranges(raw: DataSchema, model: DataSchema | None, ranges: dict) -> di
     return {wire: r for wire, r in ranges.items() if wire in kept}
 
 
+def first_rows(batch: Batch, rows: int = ROWS) -> Batch:
+    """`batch`'s first `rows` rows, copied: the probe's sample without the rest of the rows
+    it was cut from (a view pickles its whole buffer when it is shipped to an executor)."""
+    def cut(t):
+        return t[:rows].clone()
+
+    return Batch(tuple(map(cut, batch.inputs)), tuple(map(cut, batch.labels)),
+                 None if batch.weights is None else cut(batch.weights), batch.padded,
+                 batch.positions)
+
+
 def with_ranges(batch: Batch, schema: DataSchema, *, low: dict[str, int],
                 high: dict[str, int]) -> Batch:
     """`batch` (real rows, in the model's dtypes) with each integer field `low` and `high`

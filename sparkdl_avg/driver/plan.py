@@ -26,7 +26,7 @@ from sparkdl_avg.averaging.flat_buffer import averaged_tensors, wire_dtype
 from sparkdl_avg.averaging.frozen import Fingerprint
 from sparkdl_avg.data.order import epoch_length, padded_rows
 from sparkdl_avg.data.prepare import PreparedData, prepare
-from sparkdl_avg.data.probe_batch import passed_ranges
+from sparkdl_avg.data.probe_batch import first_rows, passed_ranges
 from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
@@ -204,8 +204,9 @@ def check_preprocess(preprocess) -> None:
 def sample_schema(data: PreparedData, preprocess, dtype: torch.dtype, seed: int,
                   rows: int = 4):
     """What the model gets, learned from `preprocess` (training=False) on the first `rows`
-    rows of train_df, read as the tasks read them: (the model's `DataSchema`, that sample
-    as the model's `Batch`: the probe's forward runs on these real rows)."""
+    rows of train_df, read as the tasks read them: (the model's `DataSchema`, the first
+    `probe_batch.ROWS` of that sample as the model's `Batch`, copied: the probe's forward
+    runs on these real rows)."""
     from sparkdl_avg.data.arrow_columns import read_column
     from sparkdl_avg.data.feed import Preprocessor, model_schema, raw_batch, step_rng
 
@@ -223,7 +224,8 @@ def sample_schema(data: PreparedData, preprocess, dtype: torch.dtype, seed: int,
                         f"train_df: {exc!r}") from exc
     schema = model_schema(raw, out, table.num_rows)
     prep = Preprocessor(preprocess, raw, schema, dtype, seed=seed, partition=0)
-    return schema, prep([parts], training=False, rng=step_rng(seed, 0, 0, 0))
+    # the rows the probe runs on, alone: with driver_model="meta" they are shipped
+    return schema, first_rows(prep([parts], training=False, rng=step_rng(seed, 0, 0, 0)))
 
 
 def warn_eval_mode_trainers(model: torch.nn.Module) -> None:

@@ -206,12 +206,12 @@ class Replica:
         if self.preprocessor is None:
             return evaluate_batches(self.model, self.data.eval.chunks(self._eval_rows),
                                     self.objective, self.call)
-        from sparkdl_avg.data.feed import PreprocessFeed, eval_jobs
+        from sparkdl_avg.data.feed import eval_feed
 
-        # on a pool of its own, as training's (whose pool stays busy prefetching its steps)
-        prep = self.preprocessor
-        jobs = eval_jobs(self.data.eval, self._eval_rows, prep.seed, prep.partition)
-        with PreprocessFeed(jobs, prep, self.device, **self.batches.feed_args) as chunks:
+        # on a pool of its own (training's stays busy prefetching its steps), one chunk ahead
+        args = self.batches.feed_args  # training's threads and timeout
+        with eval_feed(self.data.eval, self._eval_rows, self.preprocessor, self.device,
+                       threads=args["threads"], timeout=args["timeout"]) as chunks:
             return evaluate_batches(self.model, chunks, self.objective, self.call)
 
 
