@@ -88,3 +88,20 @@ def test_a_pyspark_below_the_floor_is_refused_before_any_work(spark, monkeypatch
     monkeypatch.setattr(pyspark, "__version__", "3.5.3")
     with pytest.raises(ConfigError, match=r"pyspark 4\.0 or newer .*toArrow.* 3\.5\.3"):
         fit(spark.range(3), lambda: torch.nn.Linear(3, 2), TrainConfig(num_workers=1))
+
+
+def test_the_executors_run_the_drivers_pyspark(spark):
+    """CI's lowest-line run puts its pyspark ahead of the environment's on PYTHONPATH: the
+    Python workers must import that one too, or the run would test a mix of two lines."""
+    import pyspark
+
+    def version(batches):  # nested: pickled by value
+        import pyarrow as pa
+        import pyspark
+
+        for _ in batches:
+            pass
+        yield pa.RecordBatch.from_pydict({"v": [pyspark.__version__]})
+
+    rows = spark.range(2, numPartitions=2).mapInArrow(version, "v string").collect()
+    assert {r.v for r in rows} == {pyspark.__version__}
