@@ -24,8 +24,10 @@ STRICT = ("import runpy, sys, warnings; "
           "warnings.filterwarnings('error', module=r'(sparkdl_avg(\\.|$)|__main__$)'); "
           "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 # A Python warning as `warnings` prints it (torch.export's, MLflow's, pandas', on the driver
-# or from an executor's Python worker, whose stderr the local JVM passes on).
-WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning: ")
+# or from an executor's Python worker, whose stderr the local JVM passes on), or a Spark log
+# line at WARN. (The JVM's own "WARNING: Using incubator modules" is not one: Spark's launcher
+# always adds that module and no JVM option hides the line.)
+WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning: | WARN ")
 
 
 def run_job(cmd: list[str], tmp_path: Path, tracking_uri: str, small: list[str] | None = None,
