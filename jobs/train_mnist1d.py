@@ -99,7 +99,12 @@ def main(argv: list[str]) -> int:
     if args.master:
         builder = builder.master(args.master)
     elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # plain `python`, not spark-submit
+        # one machine: loopback, where Spark would warn that the hostname resolves to it
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = builder.master(f"local[{args.num_workers}]").config("spark.ui.enabled", "false")
+        log4j = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
+        builder = builder.config("spark.driver.extraJavaOptions",
+                                 f"-Dlog4j2.configurationFile={log4j}")
         # the workers run this Python, which has sparkdl-avg: they can start with torch loaded
         # (on a cluster, pass SPARK_CONF with --conf where the executors have it installed)
         builder = builder.config(map=SPARK_CONF)

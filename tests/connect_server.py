@@ -1,6 +1,7 @@
-"""A Spark Connect server on loopback (`sbin/start-connect-server.sh` from pip's pyspark,
-master local[2]), for the Connect tests. Its Python workers import the tests' helper modules
-(PYTHONPATH). Stopped on leaving, even after a failure.
+"""A Spark Connect server on loopback, master local[2], for the Connect tests: what
+`sbin/start-connect-server.sh` runs, called as `sbin/spark-daemon.sh` directly, which pip's
+pyspark carries on every 4.x line (4.0's wheel lacks the start and stop scripts). Its Python
+workers import the tests' helper modules (PYTHONPATH). Stopped on leaving, even after a failure.
 
     python tests/connect_server.py up --dir /tmp/connect     # prints the sc:// URL
     python tests/connect_server.py down --dir /tmp/connect
@@ -24,6 +25,7 @@ from standalone_cluster import stop_daemons
 from sparkdl_avg import SPARK_CONF
 
 SPARK_HOME = Path(pyspark.__file__).parent
+SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 TESTS = Path(__file__).parent
 
 
@@ -53,7 +55,8 @@ class ConnectServer:
         (self.folder / "state.json").write_text(json.dumps({"port": self.port}))
         try:
             subprocess.run(
-                ["bash", str(SPARK_HOME / "sbin" / "start-connect-server.sh"),
+                ["bash", str(SPARK_HOME / "sbin" / "spark-daemon.sh"), "submit", SERVER_CLASS,
+                 "1", "--name", "Spark Connect server",
                  "--master", "local[2]", "--driver-memory", "2g",
                  "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
                  "--conf", f"spark.connect.grpc.binding.port={self.port}",
@@ -82,10 +85,12 @@ class ConnectServer:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        """stop-connect-server.sh, then SIGKILL if the server is still alive 10 s later."""
+        """What stop-connect-server.sh runs, then SIGKILL if the server is still alive 10 s
+        later."""
         def stop_script() -> None:
             with contextlib.suppress(subprocess.SubprocessError, OSError):
-                subprocess.run(["bash", str(SPARK_HOME / "sbin" / "stop-connect-server.sh")],
+                subprocess.run(["bash", str(SPARK_HOME / "sbin" / "spark-daemon.sh"), "stop",
+                                SERVER_CLASS, "1"],
                                env=self._env(), capture_output=True, timeout=60)
 
         stop_daemons(self.folder / "pids", stop_script, b"SparkConnectServer")

@@ -20,7 +20,11 @@ TESTS = Path(__file__).parent
 
 
 @pytest.mark.cluster
-def test_the_session_tests_and_the_quickstart_pass_on_spark_connect(spark, tmp_path):
+@pytest.mark.core
+def test_the_session_tests_and_the_quickstart_pass_on_spark_connect(spark, tmp_path, request):
+    """The inner run selects as this one did: `-m core` (CI's lowest pyspark line) runs only
+    test_sessions' core tests there, and so no notebook."""
+    markexpr = request.config.getoption("markexpr")
     reference = tmp_path / "classic.npz"
     np.savez(reference, **parameters(sync_fit(dataset(spark).cache()).model))
     with ConnectServer(tmp_path / "server") as server:
@@ -29,6 +33,7 @@ def test_the_session_tests_and_the_quickstart_pass_on_spark_connect(spark, tmp_p
         env.pop("MLFLOW_TRACKING_URI", None)  # the inner session makes its own store
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+             *(["-m", markexpr] if markexpr else []),
              "--durations=5", str(TESTS / "test_sessions.py"),
              f"{TESTS / 'test_notebooks.py'}::test_notebook_runs_cell_by_cell[quickstart]"],
             cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=600)

@@ -22,6 +22,7 @@ from sparkdl_avg import ConfigError, TrainConfig, fit
 pytestmark = pytest.mark.spark
 
 
+@pytest.mark.core
 def test_staleness_bound_zero_reproduces_synchronous_averaging(spark):
     sync, lockstep = sync_and_lockstep(spark, rows=400, epochs=3)
     assert max_param_diff(sync, lockstep) < 1e-10

@@ -84,6 +84,7 @@ def sync_and_lockstep(spark, rows: int, epochs: int, **async_fields):
 
 
 @pytest.mark.parametrize(("momentum", "rows"), [(0.0, 411), (0.9, 400)])
+@pytest.mark.core
 def test_averaging_every_step_equals_large_batch_sgd(spark, momentum, rows):
     # Plain SGD on 411 rows: shards of 206 and 205 rows (the short one pads its epoch with its
     # first row) and a partial last batch. Momentum on equal shards (400 rows), where the

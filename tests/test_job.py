@@ -18,14 +18,33 @@ SMALL = ["--samples", "3000", "--epochs", "3", "--hidden", "64", "--lr", "3e-3",
          "--no-log-model"]
 
 
-def run_job(cmd: list[str], tmp_path: Path, tracking_uri: str, small: list[str] | None = None
-            ) -> str:
+# The job's script run with the project's own warnings (the package's and the job's) made
+# errors: a warning the job could cause and a user could not act on fails it.
+STRICT = ("import runpy, sys, warnings; "
+          "warnings.filterwarnings('error', module=r'(sparkdl_avg(\\.|$)|__main__$)'); "
+          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+# A Python warning as `warnings` prints it (torch.export's, MLflow's, pandas', on the driver
+# or from an executor's Python worker, whose stderr the local JVM passes on), or a Spark log
+# line at WARN. (The JVM's own "WARNING: Using incubator modules" is not one: Spark's launcher
+# always adds that module and no JVM option hides the line.)
+WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning: | WARN ")
+
+
+def run_job(cmd: list[str], tmp_path: Path, tracking_uri: str, small: list[str] | None = None,
+            quiet: bool = False) -> str:
+    """The job's stdout; `quiet`: run under STRICT, and no warning printed on either stream."""
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
            "MLFLOW_TRACKING_URI": tracking_uri}
     small = SMALL + ["--data-dir", str(tmp_path.parent / "data")] if small is None else small
+    if quiet:
+        cmd = [cmd[0], "-c", STRICT, *cmd[1:]]
     proc = subprocess.run(cmd + small, env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if quiet:
+        printed = [line for line in (proc.stdout + proc.stderr).splitlines()
+                   if WARNING_LINE.search(line)]
+        assert not printed, printed
     return proc.stdout
 
 
@@ -41,13 +60,18 @@ def check_output(stdout: str, client, **params: str) -> None:
 
 
 @pytest.mark.cluster
-def test_job_runs_with_plain_python(tmp_path, mlflow_store, mlflow_client):
+def test_job_runs_with_plain_python_and_prints_no_warning(tmp_path, mlflow_store,
+                                                         mlflow_client):
+    """The main job, logging its model as the README's command does (torch.export's pt2),
+    with its warnings made errors and none printed."""
     ckpt = tmp_path / "ckpt"
     # overlapped rounds (checkpoint rounds wait): the job's flag reaches the fit
     cmd = [sys.executable, str(JOB), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
            "--overlap-averaging"]
-    check_output(run_job(cmd, tmp_path, mlflow_store), mlflow_client,
-                 overlap_averaging="True")
+    logged = [a for a in SMALL if a != "--no-log-model"]
+    check_output(run_job(cmd, tmp_path, mlflow_store,
+                         logged + ["--data-dir", str(tmp_path.parent / "data")], quiet=True),
+                 mlflow_client, overlap_averaging="True")
     rounds = sorted(p.name for p in ckpt.glob("round-*"))
     assert len(rounds) == 2  # the newest two are kept
     assert all((ckpt / r / "checkpoint.json").exists() for r in rounds)

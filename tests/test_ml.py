@@ -38,6 +38,7 @@ def pipeline(**params):
         AveragingEstimator(model_fn=FaultyMLP, config=CONFIG, **params)])
 
 
+@pytest.mark.core
 def test_a_pipeline_fits_saves_loads_and_predicts_the_same(columns, tmp_path):
     from pyspark.ml import PipelineModel
 

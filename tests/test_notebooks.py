@@ -4,6 +4,7 @@ be markdown; `%pip install` cells are skipped (the test environment has the pack
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -52,15 +53,26 @@ def test_notebook_runs_cell_by_cell(path, spark):
     namespace = {"spark": spark, "display": display, "dbutils": DbutilsStandIn(),
                  "__name__": "__main__"}
     kinds = []
-    for index, (kind, source) in enumerate(cells(path)):
-        kinds.append(kind)
-        if kind == "python":
-            exec(compile(source, f"{path.name}[cell {index}]", "exec"), namespace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index, (kind, source) in enumerate(cells(path)):
+            kinds.append(kind)
+            if kind == "python":
+                exec(compile(source, f"{path.name}[cell {index}]", "exec"), namespace)
+    assert not shown(caught), [f"{w.category.__name__}: {w.message}" for w in shown(caught)]
     assert kinds[0] == "md" and "pip" in kinds  # introduced, and installs like Databricks
     if path.stem == "tune":
         _check_the_pruning(namespace["study"])
     if path.stem == "recommender":
         _check_the_recommender(namespace)
+
+
+def shown(caught: list) -> list:
+    """The warnings a notebook would show its user: not the deprecations Python hides unless
+    the notebook's own code triggers them (those are the libraries' business)."""
+    hidden = (DeprecationWarning, PendingDeprecationWarning)
+    return [w for w in caught if not issubclass(w.category, hidden)
+            or "[cell " in w.filename]
 
 
 def _check_the_pruning(study) -> None:

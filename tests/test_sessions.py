@@ -76,6 +76,7 @@ def synced(data):
     return sync_fit(data)
 
 
+@pytest.mark.core
 def test_a_sync_fit_with_eval_df_learns_and_matches_the_classic_one_bit_for_bit(synced):
     assert synced.history[-1]["eval_accuracy"] > 0.6
     assert [w["partition"] for w in synced.workers] == [0, 1]
@@ -87,6 +88,7 @@ def test_a_sync_fit_with_eval_df_learns_and_matches_the_classic_one_bit_for_bit(
                 assert np.array_equal(reference[name], value), name
 
 
+@pytest.mark.core
 def test_an_async_fit_trains_and_returns_the_servers_model(data):
     result = fit(data, FaultyMLP, TrainConfig(mode="async", num_workers=2, epochs=2,
                                               batch_size=15, lr=0.05, log_model=False,
@@ -95,6 +97,7 @@ def test_an_async_fit_trains_and_returns_the_servers_model(data):
     assert not same_parameters(result.model, FaultyMLP())  # it trained
 
 
+@pytest.mark.core
 def test_transform_and_predict_udf_score_as_the_model_does(synced, data):
     local = data.toPandas()
     with torch.no_grad():
@@ -151,6 +154,7 @@ def test_bad_input_is_refused_before_training_with_a_failed_run(data, mlflow_cli
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.core
 def test_a_task_failure_is_restarted_to_the_same_parameters(synced, data, tmp_path):
     result = fit(data, partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired"),
                                steps_dir=str(tmp_path)),

@@ -22,6 +22,7 @@ from sparkdl_avg._model import (
     pickle_for_executors,
 )
 from sparkdl_avg._model_output import model_head
+from sparkdl_avg._spark_compat import check_pyspark
 from sparkdl_avg.averaging.flat_buffer import averaged_tensors, wire_dtype
 from sparkdl_avg.averaging.frozen import Fingerprint
 from sparkdl_avg.data.order import epoch_length, padded_rows
@@ -119,6 +120,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
               inputs=None, label_col, weight_col: str | None = None, loss,
               loss_weights=None, resume: Resume | None = None,
               on_round: Callable[[dict], bool] | None = None, preprocess=None) -> FitPlan:
+    check_pyspark()
     if on_round is not None and not callable(on_round):
         raise ConfigError(f"on_round must be a callable metrics -> bool, got "
                           f"{type(on_round).__name__}")

@@ -88,6 +88,10 @@ def executors(spark) -> tuple[str, ...] | None:
     if is_connect(spark):
         return None
     sc = spark.sparkContext
+    if re.fullmatch(r"local(\[.*\])?", sc.master):
+        # no executors to list; and asking Spark's local backend logs a warning a user
+        # cannot act on ("Requesting executors is not supported by current scheduler")
+        return (sc.applicationId,)
     ids = sc._jsc.sc().getExecutorIds()
     return (sc.applicationId, *sorted(ids.apply(i) for i in range(ids.size())))
 

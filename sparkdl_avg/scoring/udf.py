@@ -1,7 +1,8 @@
 """Scoring a DataFrame with a trained model on the executors, batched through Arrow.
 
 `make_predict_udf` is an iterator Arrow UDF over the model's input columns (one argument per
-input, in the fit's order): each task unpickles the model once, puts it on the GPU Spark gave
+input, in the fit's order; on pyspark 4.0 an iterator pandas UDF around the same function:
+`_spark_compat.batch_udf`): each task unpickles the model once, puts it on the GPU Spark gave
 the task (else the CPU), reads each Arrow batch's columns into numpy without a Python loop over
 rows (`data/arrow_columns`), and scores `batch_size` rows per forward call. What it writes, and
 its Spark type, were decided on the driver (`outputs.describe_outputs`)."""
@@ -16,6 +17,7 @@ import torch
 
 from sparkdl_avg._errors import ConfigError
 from sparkdl_avg._model import pickle_for_executors
+from sparkdl_avg._spark_compat import batch_udf
 from sparkdl_avg.data.arrow_columns import Column
 from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.scoring import columns as cols
@@ -40,11 +42,6 @@ def make_predict_udf(model: torch.nn.Module, *, schema: DataSchema, heads: tuple
     input fails the task with a DataError naming the column. `preprocess` (with
     `model_schema`, the inputs it returns): run with training=False on each chunk's raw
     input columns."""
-    try:
-        from pyspark.sql.functions import arrow_udf
-    except ImportError:
-        raise ConfigError("scoring needs pyspark 4.1 or newer (its arrow_udf); this is "
-                          "pyspark " + __import__("pyspark").__version__) from None
     check_scoring(device, batch_size)
     schema = schema.without_targets()
     model_in = (model_schema or schema).without_targets()
@@ -61,7 +58,7 @@ def make_predict_udf(model: torch.nn.Module, *, schema: DataSchema, heads: tuple
         finally:
             _release_gpu()
 
-    return arrow_udf(predict, outputs.spark_type())
+    return batch_udf(predict, outputs.spark_type())
 
 
 def check_scoring(device: str, batch_size: int) -> None:

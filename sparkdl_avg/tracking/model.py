@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -80,12 +81,19 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
     common = {"mlflow_model": mlflow_model, "pip_requirements": pip_requirements,
               "code_paths": [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]}
     try:
-        mlflow.pytorch.save_model(module.eval(), path, serialization_format="pt2",
-                                  input_example=example, signature=tensor_signature(
-                                      inputs, varying=preprocess is not None), **common)
-        if preprocess is not None:
-            _check_export(module, os.path.join(path, mlflow_model.flavors["pytorch"][
-                "model_data"]), inputs, dtype)
+        with warnings.catch_warnings():
+            # The result's parameters are views into one block (the averaged buffer), so
+            # torch.export's weight packaging finds no tensor owning the whole storage and
+            # says so, for weights not on the CPU; these are on the CPU and it saves the
+            # block once, correctly: nothing a user could act on.
+            warnings.filterwarnings("ignore", "No complete tensor found in the group",
+                                    UserWarning)
+            mlflow.pytorch.save_model(module.eval(), path, serialization_format="pt2",
+                                      input_example=example, signature=tensor_signature(
+                                          inputs, varying=preprocess is not None), **common)
+            if preprocess is not None:
+                _check_export(module, os.path.join(path, mlflow_model.flavors["pytorch"][
+                    "model_data"]), inputs, dtype)
     except Exception as exc:  # noqa: BLE001 - torch.export refuses many real models
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         log.warning("torch.export could not export the model (%s: %s); it is logged pickled: "

@@ -1,0 +1,107 @@
+"""What differs between pyspark lines (`sparkdl_avg/_spark_compat.py`): scoring's pandas UDF
+fallback (pyspark 4.0, no `arrow_udf`) must write exactly what the Arrow UDF writes and what
+the model computes locally, for every output shape scoring has; a pyspark below the floor is
+refused before any work. CI runs this file on the newest line and on 4.0 (`-m core`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from sparkdl_avg import ConfigError, DataError, TrainConfig, _spark_compat
+from sparkdl_avg.scoring.columns import vector_schema
+from sparkdl_avg.scoring.udf import make_predict_udf
+
+pytestmark = [pytest.mark.spark, pytest.mark.core]
+MODES = ("prediction", "probability", "raw")
+
+
+class TwoHeads(torch.nn.Module):
+    """A classifier head and a regression head: scoring writes a struct per mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = torch.nn.Linear(3, 5)
+
+    def forward(self, x):
+        h = self.body(x)
+        return h[:, :3], h[:, 3:]
+
+
+def features(rows: int) -> np.ndarray:
+    return np.random.default_rng(7).normal(size=(rows, 3)).astype(np.float32)
+
+
+def score(spark, model, x, kind, monkeypatch, **kwargs) -> list:
+    """`model`'s outputs for `x` as Spark writes them, through the UDF `kind` says, in 3
+    partitions (a batch of 7 rows each forward call, so a partition spans several)."""
+    monkeypatch.setattr(_spark_compat, "scoring_udf_kind", lambda: kind)
+    udf = make_predict_udf(model, schema=vector_schema("features", 3, "float32"),
+                           batch_size=7, **kwargs)
+    df = spark.createDataFrame(pd.DataFrame({"id": range(len(x)), "features": list(x)}))
+    rows = df.repartition(3).select("id", udf("features").alias("out")).orderBy("id").collect()
+    return [r.out.asDict(recursive=True) if hasattr(r.out, "asDict") else r.out for r in rows]
+
+
+def kinds() -> list[str]:
+    return ["arrow", "pandas"] if _spark_compat.scoring_udf_kind() == "arrow" else ["pandas"]
+
+
+def test_the_pandas_udf_fallback_writes_what_the_arrow_udf_and_the_model_do(spark,
+                                                                              monkeypatch):
+    x = features(40)
+    model = TwoHeads().eval()
+    with torch.no_grad():
+        logits, values = model(torch.from_numpy(x))
+    every = {k: score(spark, model, x, k, monkeypatch, heads=("class", "value"), output=MODES,
+                      names=("kind", "size")) for k in kinds()}
+    got = every["pandas"]
+    assert [r["prediction"]["kind"] for r in got] == logits.argmax(1).tolist()
+    np.testing.assert_array_equal([r["raw"]["kind"] for r in got], logits.double().numpy())
+    np.testing.assert_array_equal([r["raw"]["size"] for r in got], values.double().numpy())
+    np.testing.assert_allclose([r["probability"]["kind"] for r in got],
+                               logits.softmax(1).double().numpy(), rtol=1e-6)
+    assert all(v == got for v in every.values())  # the Arrow UDF's, value for value
+
+    single = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    one = {k: score(spark, single, x, k, monkeypatch, heads=("class",)) for k in kinds()}
+    assert one["pandas"] == single(torch.from_numpy(x)).argmax(1).tolist()
+    assert all(v == one["pandas"] for v in one.values())
+
+
+def test_the_pandas_udf_fallback_refuses_nan_as_the_arrow_udf_does(spark, monkeypatch):
+    x = features(10)
+    x[4, 1] = np.nan
+    with pytest.raises(Exception, match="NaN or infinite") as caught:
+        score(spark, torch.nn.Linear(3, 2), x, "pandas", monkeypatch, heads=("class",))
+    assert DataError.__name__ in str(caught.value)
+
+
+def test_a_pyspark_below_the_floor_is_refused_before_any_work(spark, monkeypatch):
+    import pyspark
+
+    from sparkdl_avg import fit
+
+    monkeypatch.setattr(pyspark, "__version__", "3.5.3")
+    with pytest.raises(ConfigError, match=r"pyspark 4\.0 or newer .*toArrow.* 3\.5\.3"):
+        fit(spark.range(3), lambda: torch.nn.Linear(3, 2), TrainConfig(num_workers=1))
+
+
+def test_the_executors_run_the_drivers_pyspark(spark):
+    """CI's lowest-line run puts its pyspark ahead of the environment's on PYTHONPATH: the
+    Python workers must import that one too, or the run would test a mix of two lines."""
+    import pyspark
+
+    def version(batches):  # nested: pickled by value
+        import pyarrow as pa
+        import pyspark
+
+        for _ in batches:
+            pass
+        yield pa.RecordBatch.from_pydict({"v": [pyspark.__version__]})
+
+    rows = spark.range(2, numPartitions=2).mapInArrow(version, "v string").collect()
+    assert {r.v for r in rows} == {pyspark.__version__}
