@@ -1,8 +1,11 @@
 """The logged model's requirements name what `fit(preprocess=)` uses (issue 31): the
-third-party packages the function reaches through its globals, its imports (one inside the
-function too), its closure, a partial's arguments or a callable object's class, each mapped to
-its distribution and pinned to the installed version; the standard library and this library
-left out. (The logged model's own requirements.txt: tests/test_image_source.py.)"""
+third-party packages the function reaches through its globals, its absolute imports (one
+inside the function too), its closure, a partial's arguments, a callable object's class and
+its user base classes, or a builtin function's module, each mapped to the distribution holding
+it and pinned to the installed version without a local label; cloudpickle beside them; the
+standard library, this library and editable or local installs left out. The walk is bounded
+without recursion, strings do not use up its bound, and its failure only warns. (The logged
+model's own requirements.txt: tests/test_image_source.py.)"""
 
 from __future__ import annotations
 
