@@ -128,12 +128,15 @@ def _is_user_module(module: ModuleType) -> bool:
 
 
 def is_installed_file(path: str) -> bool:
-    """Whether `path` lies in the standard library or site-packages: not the user's own code
-    (a local folder, an editable install)."""
+    """Whether `path` lies in the standard library or a site directory: not the user's own
+    code (a local folder, an editable install)."""
     installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
                                                     "platlib")}
     path = os.path.realpath(path)
-    return any(path.startswith(os.path.realpath(p) + os.sep) for p in installed)
+    if any(path.startswith(os.path.realpath(p) + os.sep) for p in installed):
+        return True
+    # a site directory sysconfig does not name: the user's, a notebook-scoped environment's
+    return not {"site-packages", "dist-packages"}.isdisjoint(path.split(os.sep))
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

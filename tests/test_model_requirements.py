@@ -73,6 +73,11 @@ def _local_decode(batch, *, training, rng):  # this library's code, as a user's 
 
 
 def test_an_editable_or_local_install_is_the_users_code_not_a_pin(monkeypatch):
+    from sparkdl_avg._model import is_installed_file
+
+    notebook = "/local_disk0/.ephemeral_nfs/envs/pythonEnv-1/lib/python3.11/site-packages"
+    assert is_installed_file(f"{notebook}/PIL/__init__.py")  # a %pip install: pinned
+    assert not is_installed_file("/home/me/project/helpers/__init__.py")
     monkeypatch.setattr(requirements, "_OURS", "not_this_library")  # sparkdl-avg: editable
     assert "sparkdl-avg" not in preprocess_distributions(_local_decode)
     every = importlib.metadata.distributions
