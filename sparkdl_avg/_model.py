@@ -124,10 +124,19 @@ def _is_user_module(module: ModuleType) -> bool:
     path = getattr(module, "__file__", None)
     if module.__name__ == "__main__" or not path or module.__name__.startswith("sparkdl_avg"):
         return False
+    return not is_installed_file(path)
+
+
+def is_installed_file(path: str) -> bool:
+    """Whether `path` lies in the standard library or a site directory: not the user's own
+    code (a local folder, an editable install)."""
     installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
                                                     "platlib")}
     path = os.path.realpath(path)
-    return not any(path.startswith(os.path.realpath(p) + os.sep) for p in installed)
+    if any(path.startswith(os.path.realpath(p) + os.sep) for p in installed):
+        return True
+    # a site directory sysconfig does not name: the user's, a notebook-scoped environment's
+    return not {"site-packages", "dist-packages"}.isdisjoint(path.split(os.sep))
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

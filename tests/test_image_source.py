@@ -15,8 +15,6 @@ import torch
 from pyspark.sql import functions as F
 
 from sparkdl_avg import DataError, TrainConfig, fit
-from sparkdl_avg.data.feed import raw_batch
-from sparkdl_avg.data.schema import DataSchema, FieldSpec
 
 pytestmark = pytest.mark.spark
 SHAPES = [((3, 4), "RGB"), ((5, 2), "L")]  # (height, width), PIL mode
@@ -122,6 +120,16 @@ def test_the_logged_model_requires_what_the_preprocess_imports(fitted):
     assert f"numpy=={np.__version__}" in lines and lines[0].startswith("torch==")
 
 
+def test_a_model_fixing_a_width_is_logged_exported_not_pickled(fitted):
+    """The Linear fixes the returned features' width (5): the export check grows it, the model
+    itself refuses that, so the width is the model's own and the pt2 export is kept."""
+    import mlflow
+
+    data = {a.path.rsplit("/", 1)[-1] for a in
+            mlflow.MlflowClient().list_artifacts(fitted.run_id, "model/data")}
+    assert "model.pt2" in data and "model.pth" not in data
+
+
 def test_the_spark_ml_model_scores_image_structs(images, fitted, tmp_path):
     """As `AveragingEstimator(preprocess=)` builds it from the fit (its fit with a
     preprocess: tests/test_preprocess.py), saved and loaded: predict_udf's classes, which
@@ -143,48 +151,3 @@ def test_the_image_struct_without_preprocess_is_refused_saying_so(images):
                          experiment_name="image-source")
     with pytest.raises(DataError, match=r"image.*fit\(preprocess=fn\)"):
         fit(images, lambda: torch.nn.Linear(5, 2), config, features_col="image")
-
-
-def test_a_packed_header_is_split_without_a_row_loop():
-    field = FieldSpec(role="input", name="image", column="image", wire="_x0", dtype="uint8",
-                      shape=(-1,), source="struct<origin:string,...>", encoded=True)
-    schema = DataSchema(inputs=(field,), binding="single", labels=(), label_list=False,
-                        weight=None, float_dtype="float32")
-    rows = [((2, 3, 1, 0), b"abcdef"), ((1, 1, 3, 16), b"xyz")]
-    packed = [np.array(ints, ">i4").tobytes() + data for ints, data in rows]
-    values = np.frombuffer(b"".join(packed), np.uint8)
-    image = raw_batch(schema, [(values, np.array([len(p) for p in packed]))])["image"]
-    assert image["data"] == [b"abcdef", b"xyz"]
-    assert image["height"].tolist() == [2, 1] and image["nChannels"].tolist() == [1, 3]
-    assert image["width"].tolist() == [3, 1] and image["mode"].tolist() == [0, 16]
-
-
-def test_an_image_struct_is_packed_as_the_fit_carries_it_without_a_row_loop():
-    """Arrow's struct (sliced: an offset into every child) and pandas' dicts (int64 ints)
-    read as `describe.pack_image` carries them: header ints big-endian, then the pixels."""
-    import pyarrow as pa
-
-    from sparkdl_avg.data.arrow_columns import read_column
-    from sparkdl_avg.scoring.columns import read_pandas
-
-    field = FieldSpec(role="input", name="image", column="image", wire="_x0", dtype="uint8",
-                      shape=(-1,), source="struct<origin:string,...>", encoded=True)
-    rows = [{"origin": "a", "height": 9, "width": 9, "nChannels": 9, "mode": 9, "data": b"z"},
-            {"origin": "b", "height": 2, "width": 3, "nChannels": 1, "mode": 0, "data": b"abcdef"},
-            {"origin": None, "height": 1, "width": 1, "nChannels": 3, "mode": 16, "data": b"xyz"}]
-    packed = [np.array([r["height"], r["width"], r["nChannels"], r["mode"]], ">i4").tobytes()
-              + r["data"] for r in rows[1:]]
-    int32 = pa.struct([("origin", pa.string()), *((n, pa.int32()) for n in
-                       ("height", "width", "nChannels", "mode")), ("data", pa.binary())])
-    column = read_column(pa.array(rows, int32)[1:], field)
-    assert column.values.tobytes() == b"".join(packed)
-    assert column.lengths.tolist() == [len(p) for p in packed]
-    schema = DataSchema(inputs=(field,), binding="single", labels=(), label_list=False,
-                        weight=None, float_dtype="float32")
-    import pandas as pd
-
-    for given in (pd.DataFrame({"image": rows[1:]}), {"image": rows[1:]}):
-        [again] = read_pandas(given, schema)
-        assert again.values.tobytes() == b"".join(packed)
-    with pytest.raises(DataError, match="nulls"):
-        read_column(pa.array([None, rows[1]], int32), field)

@@ -103,3 +103,57 @@ def test_an_export_fixing_a_length_the_model_takes_is_logged_pickled(monkeypatch
             expected = model(torch.from_numpy(_pad({"tokens": rows}, training=False,
                                                    rng=None)["tokens"])).argmax(1)
         assert loaded.predict(pd.DataFrame({"tokens": rows})).tolist() == expected.tolist()
+
+
+def _pad_pair(batch, *, training, rng):
+    """A tokenizer's two outputs: ids and a mask, padded to the same (the batch's longest)
+    length."""
+    ids = _pad({"tokens": batch["ids"]}, training=training, rng=rng)["tokens"]
+    return {"ids": ids, "mask": (ids != 0).astype(np.int64)}
+
+
+class PairBranchesOnLength(torch.nn.Module):
+    """ids and an attention mask of one length; the code branches on it. Growing one input
+    alone makes the model itself refuse the mismatch: only growing both shows the guard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, ids, mask):
+        out = self.head((self.embed(ids) * mask.unsqueeze(-1)).sum(1))
+        return out if ids.shape[1] == 5 else out * 2
+
+
+def test_inputs_sharing_a_length_are_grown_together_in_the_export_check(monkeypatch, caplog):
+    import logging
+
+    import mlflow
+    import pandas as pd
+
+    from sparkdl_avg._model import pickle_for_executors
+    from sparkdl_avg.data.schema import DataSchema, FieldSpec
+    from sparkdl_avg.tracking.model import log_model
+
+    def schema(dtype, shape):
+        fields = tuple(FieldSpec("input", name, name, f"_x{i}", dtype, shape, "array<int>")
+                       for i, name in enumerate(("ids", "mask")))
+        return DataSchema(inputs=fields, binding="positional", labels=(), label_list=False)
+
+    model = PairBranchesOnLength().eval()
+    mlflow.set_experiment("preprocess-export")
+    with mlflow.start_run() as run, caplog.at_level(logging.WARNING, "sparkdl_avg"):
+        log_model(model, schema=schema("int32", (-1,)), heads=("class",),
+                  preprocess=pickle_for_executors("preprocess", _pad_pair),
+                  model_schema=schema("int64", (5,)), pip_requirements=["torch"])
+    assert "dimension 1 of 'ids' at 5, dimension 1 of 'mask' at 5" in caplog.text
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "true")
+    loaded = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    rows = [[1, 2, 3, 4, 5, 6, 7], [8]]  # longest 7
+    pair = _pad_pair({"ids": rows}, training=False, rng=None)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(pair["ids"]), torch.from_numpy(pair["mask"]))
+    got = loaded.predict(pd.DataFrame({"ids": rows, "mask": [[1] * len(r) for r in rows]}))
+    assert got.tolist() == expected.argmax(1).tolist()

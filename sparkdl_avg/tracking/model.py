@@ -133,25 +133,43 @@ class ExportFixedShape(Exception):
 
 def _check_export(module, data: str, inputs, dtype) -> None:
     """ExportFixedShape when the exported program (in `data`) refuses the probe batch with
-    one row dimension (longer than 1) grown by one, where `module` itself takes it: a guard
-    torch.export drew from the sample (code branching on a length). A dimension the module
-    refuses too (a Linear's width) is the model's own, and fine."""
+    row dimensions (longer than 1) grown by one, where `module` itself takes it: a guard
+    torch.export drew from the sample (code branching on a length). The dimensions grow
+    together (all at once, and each group of one sample size: a tokenizer's ids and mask
+    share a length, and growing one alone makes the model refuse the mismatch) and one at a
+    time. A dimension the module refuses too (a Linear's width) is the model's own, and
+    fine."""
     from sparkdl_avg.data.probe_batch import probe_batch
 
     exported = torch.export.load(os.path.join(data, "model.pt2")).module()
     base = probe_batch(inputs, dtype).inputs
-    for i, field in enumerate(inputs.inputs):
-        for dim in range(1, base[i].dim()):
-            if base[i].shape[dim] <= 1:
-                continue
-            shape = list(base[i].shape)
+    for grown_dims in _growths(base):
+        grown = list(base)
+        for i, dim in grown_dims:
+            shape = list(grown[i].shape)
             shape[dim] += 1
-            grown = (*base[:i], base[i].new_zeros(shape), *base[i + 1:])
-            if _runs(module, grown) and not _runs(exported, grown):
-                raise ExportFixedShape(
-                    f"torch.export fixed dimension {dim} of {field.key!r} at "
-                    f"{base[i].shape[dim]}, which the model takes at other sizes (preprocess "
-                    "may return other lengths)")
+            grown[i] = grown[i].new_zeros(shape)
+        if _runs(module, grown) and not _runs(exported, grown):
+            named = ", ".join(f"dimension {dim} of {inputs.inputs[i].key!r} at "
+                              f"{base[i].shape[dim]}" for i, dim in grown_dims)
+            raise ExportFixedShape(
+                f"torch.export fixed {named}, which the model takes at other sizes "
+                "(preprocess may return other lengths)")
+
+
+def _growths(base) -> list[tuple[tuple[int, int], ...]]:
+    """The sets of (input, dimension) to grow by one: all varying ones, each group sharing a
+    sample size, then each alone; without repeats."""
+    dims = [(i, dim) for i, t in enumerate(base) for dim in range(1, t.dim())
+            if t.shape[dim] > 1]
+    by_size: dict[int, list] = {}
+    for i, dim in dims:
+        by_size.setdefault(base[i].shape[dim], []).append((i, dim))
+    out: list[tuple[tuple[int, int], ...]] = []
+    for group in (dims, *by_size.values(), *([d] for d in dims)):
+        if group and tuple(group) not in out:
+            out.append(tuple(group))
+    return out
 
 
 def _runs(module, inputs) -> bool:
