@@ -3,8 +3,9 @@ jittered, growing pause, all within one deadline (a worker's connect_timeout).
 
 A server under a connection flood drops the oldest strangers' handshakes and, past its listen
 queue, SYNs; a client caught in either sees its connection closed, reset or timed out, or a
-refusal for "capacity", and tries again. Refusals that a retry would only repeat (a wrong key,
-a wrong version) are raised at once.
+refusal for "capacity", and tries again. Failures that a retry would only repeat (a wrong key
+or role, another protocol version, a certificate that does not verify, a name that does not
+resolve) are raised at once.
 """
 
 from __future__ import annotations
