@@ -194,7 +194,11 @@ def _worker_link(ps: ParameterServer, config):
 
     model = torch.nn.Linear(4, 1, bias=False)
     flat = FlatBuffer(averaged_tensors(model), torch.float32)
-    spec = SimpleNamespace(address=ps.address, secret=SECRET, tls_ca_pem=None,
+    from sparkdl_avg.net.auth import Credential, role_of, worker_keys
+
+    keys = worker_keys(SECRET, 1)  # what a WorkerSpec holds: the workers' keys, no secret
+    spec = SimpleNamespace(address=ps.address, tls_ca_pem=None, keys=keys,
+                           credential=lambda rank: Credential(role_of(rank), keys[rank]),
                            ps_addresses=lambda: [ps.address])
     return ServerLink(spec, config, 0, flat), flat, _Recording(model)
 
