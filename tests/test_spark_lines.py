@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparkdl_avg import ConfigError, DataError, TrainConfig, _spark_compat
+from sparkdl_avg.data.schema import DataSchema, FieldSpec
 from sparkdl_avg.scoring.columns import vector_schema
 from sparkdl_avg.scoring.udf import make_predict_udf
 
@@ -78,6 +79,26 @@ def test_the_pandas_udf_fallback_refuses_nan_as_the_arrow_udf_does(spark, monkey
     with pytest.raises(Exception, match="NaN or infinite") as caught:
         score(spark, torch.nn.Linear(3, 2), x, "pandas", monkeypatch, heads=("class",))
     assert DataError.__name__ in str(caught.value)
+
+
+def test_a_null_in_an_integer_input_is_refused_on_every_path(spark, monkeypatch):
+    """Spark's pandas conversion (the 4.0 fallback) turns a nullable integer column holding a
+    null into float64 NaN: scored as an integer it would become INT64_MIN, a made-up id."""
+    ids = FieldSpec(role="input", name="ids", column="ids", wire="_x0", dtype="int64",
+                    shape=(), source="bigint")
+    schema = DataSchema(inputs=(ids,), binding="single", labels=(), label_list=False,
+                        float_dtype="float32")
+    torch.manual_seed(0)
+    udf = {}
+    for kind in kinds():
+        monkeypatch.setattr(_spark_compat, "scoring_udf_kind", lambda k=kind: k)
+        udf[kind] = make_predict_udf(torch.nn.Embedding(8, 3), schema=schema,
+                                     heads=("class",))
+    df = spark.createDataFrame([(0, 1), (1, None), (2, 5)], "id long, ids long")
+    for kind, f in udf.items():
+        with pytest.raises(Exception, match="holds nulls") as caught:
+            df.select(f("ids")).collect()
+        assert DataError.__name__ in str(caught.value), kind
 
 
 def test_a_pyspark_below_the_floor_is_refused_before_any_work(spark, monkeypatch):

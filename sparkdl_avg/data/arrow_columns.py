@@ -27,7 +27,8 @@ class Column:
 
 def read_column(array: pa.Array, field: FieldSpec) -> Column:
     """The rows of `array` (one column of a batch) as `field` describes them. Raises DataError
-    naming the column for a null, or for a row whose shape is not the field's."""
+    naming the column for a null (NaN in floats read for an integer field too), or for a
+    row whose shape is not the field's."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
     if field.image and pa.types.is_struct(array.type):
@@ -54,6 +55,10 @@ def read_column(array: pa.Array, field: FieldSpec) -> Column:
     if array.null_count:
         raise DataError(f"{field.described} holds nulls: cannot use them")
     values = array.to_numpy(zero_copy_only=False)
+    if field.kind in ("int", "bool") and values.dtype.kind == "f" and np.isnan(values).any():
+        # pandas holds a null integer as NaN (Spark's pandas UDF on pyspark 4.0, a pyfunc's
+        # frame): cast, it would become INT64_MIN, an id nobody gave
+        raise DataError(f"{field.described} holds nulls: cannot use them")
     if values.dtype != np.dtype(field.dtype):
         check_fits(values, field)
         values = values.astype(field.dtype)
