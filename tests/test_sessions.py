@@ -49,6 +49,15 @@ def test_the_session_kind_is_told_by_the_session_object(spark):
     assert session_kind.is_connect(spark) == bool(os.environ.get("SPARKDL_AVG_TEST_CONNECT"))
 
 
+@pytest.mark.core
+def test_the_session_runs_the_spark_line_of_the_clients_pyspark(spark):
+    """CI's 4.0 run (and its Connect server, inner run) must run 4.0 on the Spark side too,
+    not a mix of two lines."""
+    import pyspark
+
+    assert spark.version == pyspark.__version__
+
+
 def test_python_workers_are_forked_from_the_warm_daemon_with_torch_loaded(spark):
     """The session has `SPARK_CONF` (conftest, and the Connect server's settings): its Python
     workers come from `task.warm_daemon`, which imported torch and the task's modules."""

@@ -111,6 +111,13 @@ def test_a_pyspark_below_the_floor_is_refused_before_any_work(spark, monkeypatch
         fit(spark.range(3), lambda: torch.nn.Linear(3, 2), TrainConfig(num_workers=1))
 
 
+def test_the_session_runs_the_drivers_pyspark(spark):
+    """CI's lowest-line run must run that line's Spark (its jars), not only its Python."""
+    import pyspark
+
+    assert spark.version == pyspark.__version__
+
+
 def test_the_executors_run_the_drivers_pyspark(spark):
     """CI's lowest-line run puts its pyspark ahead of the environment's on PYTHONPATH: the
     Python workers must import that one too, or the run would test a mix of two lines."""
