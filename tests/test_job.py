@@ -24,10 +24,12 @@ STRICT = ("import runpy, sys, warnings; "
           "warnings.filterwarnings('error', module=r'(sparkdl_avg(\\.|$)|__main__$)'); "
           "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 # A Python warning as `warnings` prints it (torch.export's, MLflow's, pandas', on the driver
-# or from an executor's Python worker, whose stderr the local JVM passes on), or a Spark log
-# line at WARN. (The JVM's own "WARNING: Using incubator modules" is not one: Spark's launcher
-# always adds that module and no JVM option hides the line.)
-WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning: | WARN ")
+# or from an executor's Python worker, whose stderr the local JVM passes on), a Spark log
+# line at WARN, or a Python log record at WARNING in the jobs' logging format
+# ("%(asctime)s %(levelname)s %(message)s": the package's own log.warning). (The JVM's own
+# "WARNING: Using incubator modules" is not one: Spark's launcher always adds that module and
+# no JVM option hides the line.)
+WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning: | WARN(ING)? ")
 
 
 def run_job(cmd: list[str], tmp_path: Path, tracking_uri: str, small: list[str] | None = None,
@@ -48,7 +50,8 @@ def run_job(cmd: list[str], tmp_path: Path, tracking_uri: str, small: list[str] 
     return proc.stdout
 
 
-def check_output(stdout: str, client, **params: str) -> None:
+def check_output(stdout: str, client, **params: str) -> str:
+    """The run's id, once its output and MLflow run are checked."""
     match = re.search(r"test accuracy (\S+) .* MLflow run (\w+)", stdout)
     assert match, stdout
     assert float(match.group(1)) > 0.3  # 10 classes: well above chance after 3 epochs
@@ -57,6 +60,7 @@ def check_output(stdout: str, client, **params: str) -> None:
     assert run.data.params["epochs"] == "3"
     for name, value in params.items():
         assert run.data.params[name] == value
+    return run.info.run_id
 
 
 @pytest.mark.cluster
@@ -69,9 +73,12 @@ def test_job_runs_with_plain_python_and_prints_no_warning(tmp_path, mlflow_store
     cmd = [sys.executable, str(JOB), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
            "--overlap-averaging"]
     logged = [a for a in SMALL if a != "--no-log-model"]
-    check_output(run_job(cmd, tmp_path, mlflow_store,
-                         logged + ["--data-dir", str(tmp_path.parent / "data")], quiet=True),
-                 mlflow_client, overlap_averaging="True")
+    run_id = check_output(run_job(cmd, tmp_path, mlflow_store,
+                                  logged + ["--data-dir", str(tmp_path.parent / "data")],
+                                  quiet=True),
+                          mlflow_client, overlap_averaging="True")
+    data = {a.path.rsplit("/", 1)[-1] for a in mlflow_client.list_artifacts(run_id, "model/data")}
+    assert "model.pt2" in data and "model.pth" not in data  # torch.export's, not pickled
     rounds = sorted(p.name for p in ckpt.glob("round-*"))
     assert len(rounds) == 2  # the newest two are kept
     assert all((ckpt / r / "checkpoint.json").exists() for r in rounds)
