@@ -32,7 +32,6 @@ import logging
 import os
 import shutil
 import sys
-import warnings
 
 import numpy as np
 import torch
@@ -70,9 +69,9 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
 
     raw = schema.without_targets()
     inputs = (model_schema or schema).without_targets()
-    module, dtype = torch_model, next(torch_model.parameters()).dtype
+    module, dtype = _owning_copy(torch_model), next(torch_model.parameters()).dtype
     if dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
-        module, dtype = copy.deepcopy(module).float(), torch.float32
+        module, dtype = module.float(), torch.float32
     example = probe_batch(inputs, dtype).inputs
     if inputs.binding == "keyword" or _returns_model_output(module, example):
         module = _Positional(module, inputs)
@@ -81,19 +80,12 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
     common = {"mlflow_model": mlflow_model, "pip_requirements": pip_requirements,
               "code_paths": [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]}
     try:
-        with warnings.catch_warnings():
-            # The result's parameters are views into one block (the averaged buffer), so
-            # torch.export's weight packaging finds no tensor owning the whole storage and
-            # says so, for weights not on the CPU; these are on the CPU and it saves the
-            # block once, correctly: nothing a user could act on.
-            warnings.filterwarnings("ignore", "No complete tensor found in the group",
-                                    UserWarning)
-            mlflow.pytorch.save_model(module.eval(), path, serialization_format="pt2",
-                                      input_example=example, signature=tensor_signature(
-                                          inputs, varying=preprocess is not None), **common)
-            if preprocess is not None:
-                _check_export(module, os.path.join(path, mlflow_model.flavors["pytorch"][
-                    "model_data"]), inputs, dtype)
+        mlflow.pytorch.save_model(module.eval(), path, serialization_format="pt2",
+                                  input_example=example, signature=tensor_signature(
+                                      inputs, varying=preprocess is not None), **common)
+        if preprocess is not None:
+            _check_export(module, os.path.join(path, mlflow_model.flavors["pytorch"][
+                "model_data"]), inputs, dtype)
     except Exception as exc:  # noqa: BLE001 - torch.export refuses many real models
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         log.warning("torch.export could not export the model (%s: %s); it is logged pickled: "
@@ -244,6 +236,20 @@ def _image_object():
     return Object([Property("origin", DataType.string, required=False),
                    *(Property(n, DataType.long) for n in IMAGE_FIELDS),
                    Property("data", DataType.binary)])
+
+
+def _owning_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` whose parameters and buffers each own their storage. A fit's
+    result's parameters are views into one block (the averaged buffer): torch.export's weight
+    packaging then finds no tensor owning a group's whole storage and warns (a filter around
+    it would change the process's warnings, which is not thread-safe). Costs one copy of the
+    model on the driver per logged model. Tied weights stay tied (one Parameter, cloned
+    once)."""
+    out = copy.deepcopy(module)
+    with torch.no_grad():
+        for t in (*out.parameters(), *out.buffers()):
+            t.data = t.data.clone()
+    return out
 
 
 def merged(model):
