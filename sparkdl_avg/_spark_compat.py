@@ -1,5 +1,6 @@
 """What differs between the pyspark lines this library supports (4.0 and newer), decided once
-here, by what the installed pyspark has, so that no other module checks a version.
+here, by what the installed pyspark (and a Connect session's server) has, so that no other
+module checks a version.
 
 - Scoring's column function (`batch_udf`): on 4.1 and newer an iterator Arrow UDF
   (`pyspark.sql.functions.arrow_udf`), which hands the scorer Arrow arrays as they are; on
@@ -12,13 +13,16 @@ here, by what the installed pyspark has, so that no other module checks a versio
   starts (pip's floor, pyspark>=4.0, stops it at install unless a platform's own pyspark
   was kept, as on Databricks).
 
+The installed pyspark is the client; on Spark Connect the server's Spark can be another line,
+so where the two differ in what they run (`arrow_udf`, the floor) the session's line, its
+`spark.version`, decides too: the older of the two wins.
+
 Everything else the library uses (barrier `mapInArrow`, job tags, `spark.conf`, Spark ML)
 is the same on every 4.x line, on classic and Spark Connect sessions alike.
 """
 
 # No `from __future__ import annotations`: pyspark reads the pandas UDF's annotations as
 # objects to choose its kind.
-import functools
 from collections.abc import Callable
 
 import pyarrow as pa
@@ -29,12 +33,27 @@ LOWEST = (4, 0)
 """The lowest pyspark line CI tests (`.ci/run`'s second environment)."""
 
 
-@functools.cache
 def scoring_udf_kind() -> str:
-    """"arrow" where pyspark has `arrow_udf` (4.1 and newer), else "pandas"."""
+    """"arrow" where pyspark has `arrow_udf` (4.1 and newer) and the active session's Spark
+    runs it (a Connect server may be 4.0 under a newer client), else "pandas"."""
     from pyspark.sql import functions
 
-    return "arrow" if hasattr(functions, "arrow_udf") else "pandas"
+    if not hasattr(functions, "arrow_udf"):
+        return "pandas"
+    session = _active_session()
+    return "arrow" if session is None or line(session.version) >= (4, 1) else "pandas"
+
+
+def line(version: str) -> tuple[int, ...]:
+    """"4.0.5" -> (4, 0)."""
+    return tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+
+
+def _active_session():
+    """The session UDFs are made for (a Connect one where this process made one), or None."""
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession()
 
 
 def batch_udf(fn: Callable, return_type):
@@ -93,12 +112,15 @@ def to_pandas(array: pa.Array):
     return array.to_pandas()
 
 
-def check_pyspark() -> None:
-    """A ConfigError, before any work, when the installed pyspark is below `LOWEST`."""
+def check_pyspark(spark=None) -> None:
+    """A ConfigError, before any work, when the installed pyspark, or `spark`'s own Spark (a
+    Connect server's can be older than its client), is below `LOWEST`."""
     import pyspark
 
-    found = tuple(int(p) for p in pyspark.__version__.split(".")[:2] if p.isdigit())
-    if found < LOWEST:
-        raise ConfigError(
-            f"sparkdl-avg needs pyspark {LOWEST[0]}.{LOWEST[1]} or newer (DataFrame.toArrow and "
-            f"mapInArrow(profile=) arrived in 4.0); this is pyspark {pyspark.__version__}")
+    need = (f"sparkdl-avg needs pyspark {LOWEST[0]}.{LOWEST[1]} or newer (DataFrame.toArrow "
+            f"and mapInArrow(profile=) arrived in 4.0)")
+    if line(pyspark.__version__) < LOWEST:
+        raise ConfigError(f"{need}; this is pyspark {pyspark.__version__}")
+    if spark is not None and line(spark.version) < LOWEST:
+        raise ConfigError(f"{need}; this session's Spark is {spark.version} (a Spark Connect "
+                          f"server older than its pyspark {pyspark.__version__} client)")

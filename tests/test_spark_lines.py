@@ -111,6 +111,24 @@ def test_a_pyspark_below_the_floor_is_refused_before_any_work(spark, monkeypatch
         fit(spark.range(3), lambda: torch.nn.Linear(3, 2), TrainConfig(num_workers=1))
 
 
+def test_a_connect_server_older_than_its_client_decides(monkeypatch):
+    """On Spark Connect the server's Spark may be an older line than the client's pyspark:
+    scoring must not send it an `arrow_udf` it cannot run, nor a fit start on a 3.5 server."""
+    from types import SimpleNamespace
+
+    from pyspark.sql import functions
+
+    server = SimpleNamespace(version="4.0.5")
+    monkeypatch.setattr(_spark_compat, "_active_session", lambda: server)
+    assert _spark_compat.scoring_udf_kind() == "pandas"
+    server.version = "4.1.0"
+    assert _spark_compat.scoring_udf_kind() == ("arrow" if hasattr(functions, "arrow_udf")
+                                                else "pandas")
+    _spark_compat.check_pyspark(server)
+    with pytest.raises(ConfigError, match=r"4\.0 or newer .*session's Spark is 3\.5\.1"):
+        _spark_compat.check_pyspark(SimpleNamespace(version="3.5.1"))
+
+
 def test_the_session_runs_the_drivers_pyspark(spark):
     """CI's lowest-line run must run that line's Spark (its jars), not only its Python."""
     import pyspark

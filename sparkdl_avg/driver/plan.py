@@ -120,7 +120,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
               inputs=None, label_col, weight_col: str | None = None, loss,
               loss_weights=None, resume: Resume | None = None,
               on_round: Callable[[dict], bool] | None = None, preprocess=None) -> FitPlan:
-    check_pyspark()
+    check_pyspark(spark)
     if on_round is not None and not callable(on_round):
         raise ConfigError(f"on_round must be a callable metrics -> bool, got "
                           f"{type(on_round).__name__}")
