@@ -101,6 +101,20 @@ def test_a_null_in_an_integer_input_is_refused_on_every_path(spark, monkeypatch)
         assert DataError.__name__ in str(caught.value), kind
 
 
+def test_the_pyfuncs_pandas_and_numpy_input_refuse_a_null_integer_as_well():
+    """The MLflow model's input holds a null integer as pandas does: NaN in floats."""
+    from sparkdl_avg.scoring.columns import read_pandas
+
+    ids = FieldSpec(role="input", name="ids", column="ids", wire="_x0", dtype="int64",
+                    shape=(), source="bigint")
+    schema = DataSchema(inputs=(ids,), binding="single", labels=(), label_list=False,
+                        float_dtype="float32")
+    for data in (pd.DataFrame({"ids": [1, None, 3]}), {"ids": np.array([1.0, np.nan])}):
+        with pytest.raises(DataError, match="'ids' .*holds nulls"):
+            read_pandas(data, schema)
+    assert read_pandas({"ids": np.array([1.0, 2.0])}, schema)[0].values.tolist() == [1, 2]
+
+
 def test_a_pyspark_below_the_floor_is_refused_before_any_work(spark, monkeypatch):
     import pyspark
 

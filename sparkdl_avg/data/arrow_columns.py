@@ -55,10 +55,6 @@ def read_column(array: pa.Array, field: FieldSpec) -> Column:
     if array.null_count:
         raise DataError(f"{field.described} holds nulls: cannot use them")
     values = array.to_numpy(zero_copy_only=False)
-    if field.kind in ("int", "bool") and values.dtype.kind == "f" and np.isnan(values).any():
-        # pandas holds a null integer as NaN (Spark's pandas UDF on pyspark 4.0, a pyfunc's
-        # frame): cast, it would become INT64_MIN, an id nobody gave
-        raise DataError(f"{field.described} holds nulls: cannot use them")
     if values.dtype != np.dtype(field.dtype):
         check_fits(values, field)
         values = values.astype(field.dtype)
@@ -117,7 +113,12 @@ def _image_column(array: pa.StructArray, field: FieldSpec) -> Column:
 
 def check_fits(values: np.ndarray, field: FieldSpec) -> None:
     """Integers narrowed to the field's width (a pandas frame scored by the MLflow model holds
-    int64) must fit it: a wrapped id would be scored as another one."""
+    int64) must fit it: a wrapped id would be scored as another one. Floats for an integer or
+    bool field must hold no NaN: pandas holds a null integer as NaN (Spark's pandas UDF on
+    pyspark 4.0, a pyfunc's frame or arrays), which the cast would make INT64_MIN, an id
+    nobody gave."""
+    if field.kind in ("int", "bool") and values.dtype.kind == "f" and np.isnan(values).any():
+        raise DataError(f"{field.described} holds nulls: cannot use them")
     if field.kind != "int" or values.dtype.kind not in "iu" or not values.size:
         return
     info = np.iinfo(np.dtype(field.dtype))
