@@ -6,8 +6,9 @@ and hands a task's CPU fallback to `on_cpu_fallback` once, as soon as it hears o
 It is also where each task claims its own worker key (`task.enrolment`): the key of rank r
 under `worker_secret` (the coordinator's or the parameter server's; None: no keys, as for
 the probe job), handed out once per
-(rank, Spark stage attempt). A second claim, or one for an attempt not after the rank's last
-claimed one, is refused ("claimed"), counted and logged: the task refused fails the fit."""
+(rank, Spark's task attempt). A second claim, or one for an attempt not after the rank's
+last claimed one (an impostor claimed a later attempt first), is refused ("claimed"),
+counted and logged: the task refused fails the fit."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class LoadMonitor(Server):
         self._fallbacks: set[int] = set()
         self._worker_secret = worker_secret
         self._claimed: dict[int, int] = {}
-        """Per rank, the last stage attempt that claimed its key."""
+        """Per rank, the last attempt that claimed its key."""
 
     @property
     def secret(self) -> bytes:
@@ -82,12 +83,12 @@ class LoadMonitor(Server):
                 raise ProtocolError(f"rank {claim.rank} of {self.num_workers}", "unexpected")
             with self._lock:
                 last = self._claimed.get(claim.rank, -1)
-                if claim.stage_attempt <= last:
+                if claim.attempt <= last:
                     raise ProtocolError(
-                        f"worker {claim.rank}'s key was claimed already (stage attempt "
-                        f"{last}; this claim: attempt {claim.stage_attempt}): another holder "
+                        f"worker {claim.rank}'s key was claimed already (attempt "
+                        f"{last}; this claim: attempt {claim.attempt}): another holder "
                         "of this launch's secret may act as that worker", "claimed")
-                self._claimed[claim.rank] = claim.stage_attempt
+                self._claimed[claim.rank] = claim.attempt
         except ProtocolError as exc:
             self.refuse(exc.reason, exc, f"a claim for worker {hello.get('rank')!r}", conn)
             return

@@ -3,9 +3,16 @@
 Spark ships one closure to every task of a barrier job, so a key in the `WorkerSpec` would be
 every task's. The spec carries only the launch's load-monitor secret; each task claims the
 key of its rank, `HMAC(secret, "worker:<rank>")`, from the driver's `LoadMonitor`, which
-hands it out once per (rank, Spark stage attempt). A holder of the launch secret who claims
-a rank first gets its key, but the real task's claim is then refused ("claimed") and the
-fit fails naming it: an impostor is found out, never silent.
+hands it out once per (rank, attempt). The attempt is Spark's attempt number of the task
+(`TaskContext.attemptNumber()`: PySpark exposes no stage attempt number). It is 0 in every
+launch: a failed task of a barrier stage fails the stage, and Spark never retries a failed
+barrier result stage ("Could not recover from a failed barrier ResultStage"), so the driver's
+restart loop makes a new launch, with a new monitor, where every task claims afresh. Should
+Spark ever run a task again within a launch, its higher attempt claims once more.
+
+A holder of the launch secret who claims a rank first gets its key, but the real task's claim
+is then refused ("claimed") and the fit fails naming it: an impostor is found out, never
+silent.
 
 The key travels XORed with a pad, `HMAC(the task's key at the monitor, "enrol|" + nonce)`
 for a fresh nonce, so an eavesdropper on the driver's network without the launch secret
@@ -27,20 +34,20 @@ ENROL_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class Enrolment(Message):
-    """A task's claim (its AUTH's hello at the load monitor): the key of `rank`, in Spark's
-    stage attempt `stage_attempt` (a new attempt of the stage claims again)."""
+    """A task's claim (its AUTH's hello at the load monitor): the key of `rank`, for Spark's
+    attempt `attempt` of the task."""
 
     rank: int
-    stage_attempt: int
+    attempt: int
 
     def check(self) -> None:
-        if self.rank < 0 or self.stage_attempt < 0:
-            raise self.invalid(f"rank {self.rank}, stage attempt {self.stage_attempt}")
+        if self.rank < 0 or self.attempt < 0:
+            raise self.invalid(f"rank {self.rank}, attempt {self.attempt}")
 
 
 def is_enrolment(hello: dict) -> bool:
     """Whether a hello at the load monitor is a claim (else a `LoadReport`)."""
-    return "stage_attempt" in hello
+    return "attempt" in hello
 
 
 def seal(load_secret: bytes, rank: int, nonce: bytes, key: bytes) -> bytes:
@@ -50,7 +57,7 @@ def seal(load_secret: bytes, rank: int, nonce: bytes, key: bytes) -> bytes:
     return bytes(a ^ b for a, b in zip(key, pad, strict=True))
 
 
-def enrol(address: tuple[str, int], load_secret: bytes, rank: int, stage_attempt: int,
+def enrol(address: tuple[str, int], load_secret: bytes, rank: int, attempt: int,
           limit_s: float = ENROL_TIMEOUT_S) -> Credential:
     """The credential of worker `rank`, claimed from the load monitor at `address`. A lost or
     busy connection is retried within `limit_s`, then raised as a `WorkerLostError` (a restart
@@ -66,7 +73,7 @@ def enrol(address: tuple[str, int], load_secret: bytes, rank: int, stage_attempt
         conn = connect(address, timeout=connect_s, max_payload=0, tries=tries)
         try:
             conn.set_timeout(handshake_s)
-            authenticate_to_server(conn, load_secret, Enrolment(rank, stage_attempt))
+            authenticate_to_server(conn, load_secret, Enrolment(rank, attempt))
             reply, _ = msg.expect(conn, msg.Enrolled)
         finally:
             conn.close()
