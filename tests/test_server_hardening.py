@@ -46,7 +46,8 @@ def test_a_second_connection_with_the_same_worker_id_replaces_the_first():
         old = client(ps, 0)
         old.pull()
         new = client(ps, 0)  # the same id: the newer connection takes over
-        new.close()          # and leaves first, which used to break the older one's PULL
+        new.pull()   # answered: the take-over, which follows the handshake, has run
+        new.close()  # the newer leaves first, which used to break the older one's PULL
         with pytest.raises((ProtocolError, OSError)):
             old.pull()       # the older connection was closed when it was replaced
         old.close()

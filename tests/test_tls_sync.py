@@ -73,3 +73,55 @@ def test_tls_settings_are_checked_before_any_task(spark, tmp_path):
         fit(frame(spark, x, y), make_model_f64, TrainConfig(
             tls_cert=str(tmp_path / "missing.pem"), tls_key=str(tmp_path / "key.pem"),
             log_model=False))
+
+
+def test_a_worker_that_does_not_trust_the_driver_fails_at_once(tmp_path):
+    """A wrong tls_ca is no busy server: the connect is not retried for connect_timeout."""
+    import time
+
+    from sparkdl_avg.averaging.driver_channel import DriverChannel
+    from sparkdl_avg.net.auth import Credential
+
+    cert, key, _ = self_signed(tmp_path)
+    secret = new_secret()
+    with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1, secret=secret,
+                     timeout=5, dtype=np.float32, model_numel=2, check_job=lambda w: None,
+                     tls=server_context(str(cert), str(key))) as coord:
+        channel = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=20,
+                                reply_timeout=5, tls_ca_pem=_other_ca(tmp_path))
+        started = time.monotonic()
+        with pytest.raises(ssl.SSLCertVerificationError):
+            channel.open(msg.WorkerHello(rank=0, host="h"))
+        assert time.monotonic() - started < 2
+
+
+def test_a_slow_tls_handshake_gets_the_handshake_s_time_not_the_tcp_connect_s(tmp_path):
+    """The driver takes 1.5 s to start TLS (a loaded driver): the worker's TLS handshake is
+    held to the handshake's deadline, not to the TCP connect's limit (0.2 to 1 s), which
+    no retry would ever have outlasted."""
+    import time
+
+    from sparkdl_avg.averaging.driver_channel import DriverChannel
+    from sparkdl_avg.net.auth import Credential
+
+    class SlowTLS:
+        def __init__(self, context: ssl.SSLContext) -> None:
+            self.context = context
+
+        def wrap_socket(self, sock, **kwargs):
+            time.sleep(1.5)
+            return self.context.wrap_socket(sock, **kwargs)
+
+    cert, key, pem = self_signed(tmp_path)
+    secret = new_secret()
+    with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1, secret=secret,
+                     timeout=5, dtype=np.float32, model_numel=2, check_job=lambda w: None,
+                     tls=SlowTLS(server_context(str(cert), str(key)))) as coord:
+        channel = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=8,
+                                reply_timeout=5, tls_ca_pem=pem)
+        try:
+            channel.open(msg.WorkerHello(rank=0, host="h"))
+            coord.accept_workers(np.zeros(2, np.float32), deadline_s=5)
+            assert channel.receive_start(np.zeros(2, np.float32)).round == 0
+        finally:
+            channel.close()

@@ -24,6 +24,7 @@ from sparkdl_avg.averaging.driver_channel import DriverChannel
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import Credential, new_secret, role_key, worker_keys
 from sparkdl_avg.net.frames import HEADER, MAGIC, VERSION, Connection, Kind
+from sparkdl_avg.net.server import BACKLOG
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.rules import make_rule
 from sparkdl_avg.ps.server import DRIVER, ParameterServer
@@ -67,10 +68,10 @@ def _flood(address, stop, count, per_s: float) -> None:
             s.connect_ex(address)
             s.close()
         n += 100
+        count.value = n  # read while the flood runs: attempts before and during the connect
         ahead = n / per_s - (time.monotonic() - started)
         if ahead > 0:
             time.sleep(ahead)
-    count.value = n
 
 
 def _connect_workers(coord: Coordinator, secret: bytes, workers: int) -> None:
@@ -100,12 +101,13 @@ def _connect_workers(coord: Coordinator, secret: bytes, workers: int) -> None:
     assert not errors, errors
 
 
-def _timed_connects(flood: bool, rounds: int = 4) -> tuple[list[float], float]:
-    """Seconds of each of `rounds` sync connects of 4 workers (each a fit's), and the flood's
-    connection attempts a second."""
+def _timed_connects(flood: bool, rounds: int = 4) -> tuple[list[float], list[tuple[int, int]]]:
+    """Seconds of each of `rounds` sync connects of 4 workers (each a fit's), and per round
+    the flood's connection attempts before the workers came (0.3 s) and while they
+    connected."""
     secret = new_secret()
     ctx = multiprocessing.get_context("fork")
-    times, attempts, flooded_s = [], 0, 0.0
+    times, attempts = [], []
     for _ in range(rounds):
         with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=4,
                          secret=secret, timeout=30, dtype=np.float32, model_numel=4,
@@ -118,17 +120,18 @@ def _timed_connects(flood: bool, rounds: int = 4) -> tuple[list[float], float]:
             for p in floods:
                 p.start()
             time.sleep(0.3 if flood else 0)  # the flood is on before the workers come
+            before = sum(c.value for c in counts)
             started = time.monotonic()
             try:
                 _connect_workers(coord, secret, 4)
             finally:
                 times.append(time.monotonic() - started)
+                during = sum(c.value for c in counts) - before
                 stop.set()
                 for p in floods:
                     p.join(10)
-            attempts += sum(c.value for c in counts)
-            flooded_s += times[-1] + 0.3
-    return times, attempts / flooded_s
+            attempts.append((before, during))
+    return times, attempts
 
 
 def test_a_connection_flood_adds_under_two_seconds_to_a_typical_sync_connect():
@@ -139,13 +142,17 @@ def test_a_connection_flood_adds_under_two_seconds_to_a_typical_sync_connect():
     as much as the server (it has taken up to 3.8 s; the old code's workers did not
     connect at all)."""
     quiet, _ = _timed_connects(False, rounds=3)
-    flooded, rate = _timed_connects(True, rounds=5)
-    logging.getLogger("test").info("flood of %.0f attempts/s: %s against %s quiet", rate,
-                                   flooded, quiet)
-    # 2 shared cores at load 14 made 20k to 38k: the flood must at least have been on
-    assert rate > FLOOD_PER_S / 2, f"the flood made only {rate:.0f} attempts a second"
-    assert np.median(flooded) - max(quiet) <= 2.0, (quiet, flooded, rate)
-    assert max(flooded) <= 10.0, (quiet, flooded, rate)  # the issue saw 19 s
+    flooded, attempts = _timed_connects(True, rounds=5)
+    logging.getLogger("test").info("flood attempts (before, during) the connects %s: %s "
+                                   "against %s quiet", attempts, flooded, quiet)
+    # How many attempts a second the flood reaches depends on the machine (paced at 40k, 2
+    # shared cores made 20k to 38k): what must hold is that before the workers came it had
+    # made more attempts than the listen queue holds (it runs until they are in; a connect
+    # may take 10 ms, too short to count what it made meanwhile, in steps of 100).
+    for before, _ in attempts:
+        assert before > BACKLOG, (attempts, flooded)
+    assert np.median(flooded) - max(quiet) <= 2.0, (quiet, flooded, attempts)
+    assert max(flooded) <= 10.0, (quiet, flooded, attempts)  # the issue saw 19 s
 
 
 # --- fault 4: an ERROR frame instead of AUTH --------------------------------------------------
@@ -267,17 +274,19 @@ def test_a_worker_key_is_good_for_its_own_rank_only_at_the_coordinator():
 
 
 @pytest.mark.spark
-def test_no_key_nor_the_secret_reaches_a_task(spark, monkeypatch):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_no_key_nor_the_secret_reaches_a_task(spark, monkeypatch, mode):
     """The spec the barrier job ships to every task (pickled whole, as Spark does) holds no
-    worker's key, nor the secret, nor the driver's key, raw or as hex: each task claims its
-    own key (`task.enrolment`), and the fit's tasks train with the keys they claimed."""
+    worker's key, nor the secret, nor the driver's key, as bytes or as hex: each task claims
+    its own key (`task.enrolment`), and the fit's tasks train with the keys they claimed."""
     from test_fit_sync import frame, make_data, make_model_f64
 
     from sparkdl_avg import TrainConfig, fit
-    from sparkdl_avg.driver import barrier, sync
+    from sparkdl_avg.driver import asynchronous, barrier, sync
 
     secret = new_secret()
-    monkeypatch.setattr(sync, "new_secret", lambda: secret)
+    monkeypatch.setattr(sync if mode == "sync" else asynchronous, "new_secret",
+                        lambda: secret)
     shipped = []
     training = barrier.BarrierJob.training.__func__
 
@@ -288,7 +297,10 @@ def test_no_key_nor_the_secret_reaches_a_task(spark, monkeypatch):
     monkeypatch.setattr(barrier.BarrierJob, "training", classmethod(recording))
     x, y = make_data(40, seed=5)
     fit(frame(spark, x, y), make_model_f64, TrainConfig(
-        num_workers=2, epochs=1, batch_size=10, log_model=False, experiment_name="roles"))
+        mode=mode, num_workers=2, epochs=1, batch_size=10, log_model=False,
+        experiment_name="roles"))
     assert len(shipped) == 1
     for key in (secret, role_key(secret, "driver"), *worker_keys(secret, 2)):
-        assert key not in shipped[0] and key.hex().encode() not in shipped[0]
+        assert key not in shipped[0]
+        assert key.hex().encode() not in shipped[0]
+        assert key.hex().upper().encode() not in shipped[0]

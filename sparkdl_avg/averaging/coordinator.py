@@ -30,7 +30,7 @@ from sparkdl_avg.averaging.arithmetic import (
 )
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
-from sparkdl_avg.net.server import Server
+from sparkdl_avg.net.server import Server, escaped
 from sparkdl_avg.task.evaluate import eval_means
 
 log = logging.getLogger("sparkdl_avg")
@@ -72,12 +72,15 @@ class Coordinator(Server):
                  timeout: float, dtype: np.dtype, model_numel: int,
                  check_job: Callable[[float], None], tls: ssl.SSLContext | None = None,
                  port: int = 0) -> None:
-        super().__init__(secret=secret, host=host, port=port, max_connections=num_workers,
-                         tls=tls, name="coordinator")
+        # room for each rank's retry beside a connection it replaces (`serve`)
+        super().__init__(secret=secret, host=host, port=port,
+                         max_connections=2 * num_workers, tls=tls, name="coordinator")
         self.num_workers = num_workers
         self._timeout = timeout
         self._check_job = check_job
         self._workers: dict[int, Connection] = {}
+        self._sealed = False
+        """Every rank connected and accept_workers goes on: no connection is replaced."""
         self.hellos: dict[int, msg.WorkerHello] = {}
         self._io: ThreadPoolExecutor | None = None
         self._advertise = advertise
@@ -117,15 +120,29 @@ class Coordinator(Server):
         conn.set_timeout(self._timeout)
         conn.max_payload = self._max_state_bytes
         with self._lock:
-            taken = worker.rank in self._workers
-            if worker.rank < self.num_workers and not taken:
+            known, stale = worker.rank < self.num_workers, None
+            if known and not self._sealed:
+                # The same rank again, before the fit starts: a retried connect whose first
+                # try the worker gave up on, or Spark's next attempt of the task. Only the
+                # rank's key gets here, so the newest connection is the live one.
+                stale = self._workers.get(worker.rank)
                 self._workers[worker.rank] = conn
                 self.hellos[worker.rank] = worker
+                self._conns.discard(stale)
                 self._lock.notify_all()
-                return True
+                sealed = False
+            else:
+                sealed = self._sealed
+        if known and not sealed:
+            if stale is not None:
+                log.info("worker rank %d connected again (%s): its earlier connection is "
+                         "closed", worker.rank, escaped(worker.host))
+                stale.close()
+            return True
         # answered outside the lock, which the driver's loop polls under
         self.refuse("unexpected", f"worker rank {worker.rank} is "
-                    f"{'taken' if taken else 'unknown'}", worker.host, conn)
+                    f"{'taken: the fit has started' if known else 'unknown'}", worker.host,
+                    conn)
         return False
 
     def accept_workers(self, initial: np.ndarray, deadline_s: float, *, start_round: int = 0,
@@ -143,6 +160,7 @@ class Coordinator(Server):
                                     f"{self.failure!r}")
             with self._lock:
                 if len(self._workers) == self.num_workers:
+                    self._sealed = True  # these connections get the start: none replaced
                     break
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.num_workers)) - set(self._workers))

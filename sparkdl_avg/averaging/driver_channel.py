@@ -12,7 +12,7 @@ from sparkdl_avg.averaging.coordinator import MAX_STATE_FACTOR
 from sparkdl_avg.averaging.flat_buffer import WireBuffer
 from sparkdl_avg.averaging.transport import RoundReply, RoundReport, StartPoint, Transport
 from sparkdl_avg.net import messages as msg
-from sparkdl_avg.net.auth import Credential, authenticate_to_server
+from sparkdl_avg.net.auth import HANDSHAKE_S, Credential, authenticate_to_server
 from sparkdl_avg.net.dial import dial
 from sparkdl_avg.net.frames import Connection, connect
 from sparkdl_avg.net.tls import client_context
@@ -31,18 +31,20 @@ class DriverChannel(Transport):
         self._conn: Connection | None = None
 
     def open(self, hello: msg.WorkerHello) -> None:
-        def attempt(connect_s: float, handshake_s: float, tries: int) -> Connection:
+        def attempt(connect_s: float, until: float, tries: int) -> Connection:
             conn = connect(self._address, timeout=connect_s, max_payload=1 << 20,
-                           tls=self._tls, tries=tries)
+                           tls=self._tls, tries=tries, until=until)
             try:
-                conn.set_timeout(handshake_s)
                 authenticate_to_server(conn, self._key, hello)
             except BaseException:
                 conn.close()
                 raise
             return conn
 
-        self._conn = dial(attempt, self._connect_timeout)
+        # the handshake gets what the driver gives it (HANDSHAKE_S): a client that gave up
+        # sooner would leave the driver holding its rank for a dead connection
+        self._conn = dial(attempt, self._connect_timeout, HANDSHAKE_S)
+        self._conn.deadline = None
         self._conn.set_timeout(self._connect_timeout)
 
     def receive_start(self, params: np.ndarray) -> StartPoint:

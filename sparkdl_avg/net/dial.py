@@ -3,16 +3,19 @@ jittered, growing pause, all within one deadline (a worker's connect_timeout).
 
 A server under a connection flood drops the oldest strangers' handshakes and, past its listen
 queue, SYNs; a client caught in either sees its connection closed, reset or timed out, or a
-refusal for "capacity", and tries again. Refusals that a retry would only repeat (a wrong key,
-a wrong version) are raised at once.
+refusal for "capacity", and tries again. Failures that a retry would only repeat (a wrong key
+or role, another protocol version, a certificate that does not verify, a name that does not
+resolve) are raised at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import random
 import selectors
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -32,17 +35,20 @@ MAX_TRIES = 8
 """Connects started at once, doubling with each attempt from one: under a flood each SYN has a
 small chance of a place in the server's listen queue, and the first of several to get one
 wins. The first attempt is a single connect, so a server that is not flooded sees one."""
-FIRST_HANDSHAKE_S = 2.0
-"""The handshake's limit once connected, doubling with each attempt: a busy server gets
-longer."""
 _PASSING = ("capacity", "timeout", "closed")
+_TLS_CLOSED = (ssl.SSLEOFError, ssl.SSLZeroReturnError)
+"""A TLS handshake the server dropped (a flood's oldest stranger): it may pass."""
 
 
 def retryable(exc: BaseException) -> bool:
-    """A failure that may pass: a lost, reset or timed-out connection, or a busy server."""
+    """A failure that may pass: a lost, reset or timed-out connection, or a busy server. A
+    name that does not resolve or a certificate that does not verify would fail the same
+    way again: raised at once."""
     if isinstance(exc, ProtocolError):
         return exc.reason in _PASSING
-    return isinstance(exc, OSError)
+    if isinstance(exc, ssl.SSLError):
+        return isinstance(exc, _TLS_CLOSED)
+    return isinstance(exc, OSError) and not isinstance(exc, socket.gaierror)
 
 
 def pause_s(attempt: int) -> float:
@@ -52,18 +58,29 @@ def pause_s(attempt: int) -> float:
 
 
 def first_connected(address: tuple[str, int], tries: int, timeout_s: float) -> socket.socket:
-    """A TCP connection to `address`: `tries` connects at once, the first to complete kept
-    (blocking), the others closed."""
-    family, kind, proto, _, target = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0]
-    socks = [socket.socket(family, kind, proto) for _ in range(tries)]
+    """A TCP connection to `address`: `tries` connects at once, spread over every address
+    the name resolves to (at least one each), the first to complete kept (blocking), the
+    others closed."""
+    targets = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)
+    socks: list[socket.socket] = []
+    error: int | None = None
     try:
         with selectors.DefaultSelector() as waiting:
-            for sock in socks:
+            for i in range(max(tries, len(targets))):
+                family, kind, proto, _, target = targets[i % len(targets)]
+                try:
+                    sock = socket.socket(family, kind, proto)
+                except OSError as exc:  # a family this host lacks (IPv6 off): the others
+                    error = exc.errno
+                    continue
+                socks.append(sock)
                 sock.setblocking(False)
-                sock.connect_ex(target)
+                started = sock.connect_ex(target)
+                if started not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+                    error = started  # refused at once (a closed port on this host)
+                    continue
                 waiting.register(sock, selectors.EVENT_WRITE)
             deadline = time.monotonic() + timeout_s
-            error = 0
             while waiting.get_map():
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -76,23 +93,29 @@ def first_connected(address: tuple[str, int], tries: int, timeout_s: float) -> s
                         socks.remove(sock)
                         sock.setblocking(True)
                         return sock
-            raise ConnectionRefusedError(error, f"cannot connect to {address[0]}:{address[1]}")
+            raise ConnectionRefusedError(error or errno.ECONNREFUSED,
+                                         f"cannot connect to {address[0]}:{address[1]}")
     finally:
         for sock in socks:
             with contextlib.suppress(OSError):
                 sock.close()
 
 
-def dial(attempt_once: Callable[[float, float, int], T], limit_s: float) -> T:
-    """`attempt_once(connect_s, handshake_s, tries)` until it succeeds; the last failure is
-    raised when it cannot be retried or `limit_s` has passed."""
+def dial(attempt_once: Callable[[float, float, int], T], limit_s: float,
+         handshake_s: float) -> T:
+    """`attempt_once(connect_s, until, tries)` until it succeeds: a TCP connect within
+    `connect_s`, then the handshake by the time `until` (time.monotonic()), which gives it
+    `handshake_s` (the server's own limit: less would give up on a server that still
+    counts on us) and never passes `limit_s`. The last failure is raised when it cannot be
+    retried or `limit_s` has passed."""
     deadline = time.monotonic() + limit_s
     attempt = 0
     while True:
-        left = max(0.01, deadline - time.monotonic())
+        now = time.monotonic()
+        connect_s = max(0.01, min(deadline - now, FIRST_CONNECT_S * 1.5 ** attempt,
+                                  MAX_CONNECT_S))
         try:
-            return attempt_once(min(left, FIRST_CONNECT_S * 1.5 ** attempt, MAX_CONNECT_S),
-                                min(left, FIRST_HANDSHAKE_S * 2 ** attempt),
+            return attempt_once(connect_s, min(deadline, now + connect_s + handshake_s),
                                 min(MAX_TRIES, 2 ** attempt))
         except Exception as exc:
             pause = pause_s(attempt)

@@ -191,19 +191,26 @@ class Connection:
 
 
 def connect(address: tuple[str, int], *, timeout: float, max_payload: int,
-            tls: ssl.SSLContext | None = None, tries: int = 1) -> Connection:
-    """`tries` > 1: that many connects at once, the first to complete kept (`net.dial`)."""
+            tls: ssl.SSLContext | None = None, tries: int = 1,
+            until: float | None = None) -> Connection:
+    """`timeout` bounds the TCP connect and, after it, each call. `tries` > 1: that many
+    connects at once, the first to complete kept (`net.dial`). `until` (time.monotonic()):
+    the handshake's deadline, set on the connection (`Connection.deadline`, for the caller
+    to clear) and bounding TLS, which comes after the TCP connect and is not held to its
+    limit (the server wraps under its own handshake deadline)."""
     if tries > 1:
         from sparkdl_avg.net.dial import first_connected  # dial knows nothing of frames
 
         sock = first_connected(address, tries, timeout)
-        sock.settimeout(timeout)
     else:
         sock = socket.create_connection(address, timeout=timeout)
-    if tls is not None:
-        try:
+    try:
+        sock.settimeout(timeout if until is None else max(0.001, until - time.monotonic()))
+        if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=address[0])
-        except BaseException:
-            sock.close()
-            raise
-    return Connection(sock, timeout=timeout, max_payload=max_payload)
+        conn = Connection(sock, timeout=sock.gettimeout(), max_payload=max_payload)
+    except BaseException:
+        sock.close()
+        raise
+    conn.deadline = until
+    return conn

@@ -65,14 +65,13 @@ def enrol(address: tuple[str, int], load_secret: bytes, rank: int, attempt: int,
     monitor's reason ("claimed": someone claimed this rank first), which fails the fit."""
     from sparkdl_avg._errors import WorkerLostError
     from sparkdl_avg.net import messages as msg
-    from sparkdl_avg.net.auth import authenticate_to_server
+    from sparkdl_avg.net.auth import HANDSHAKE_S, authenticate_to_server
     from sparkdl_avg.net.dial import dial, retryable
     from sparkdl_avg.net.frames import connect
 
-    def once(connect_s: float, handshake_s: float, tries: int) -> bytes:
-        conn = connect(address, timeout=connect_s, max_payload=0, tries=tries)
+    def once(connect_s: float, until: float, tries: int) -> bytes:
+        conn = connect(address, timeout=connect_s, max_payload=0, tries=tries, until=until)
         try:
-            conn.set_timeout(handshake_s)
             authenticate_to_server(conn, load_secret, Enrolment(rank, attempt))
             reply, _ = msg.expect(conn, msg.Enrolled)
         finally:
@@ -80,7 +79,7 @@ def enrol(address: tuple[str, int], load_secret: bytes, rank: int, attempt: int,
         return seal(load_secret, rank, bytes.fromhex(reply.nonce), bytes.fromhex(reply.sealed))
 
     try:
-        key = dial(once, limit_s)
+        key = dial(once, limit_s, HANDSHAKE_S)  # the monitor's own handshake limit
     except Exception as exc:
         if not retryable(exc):
             raise
