@@ -93,9 +93,11 @@ def test_a_task_that_cannot_reach_the_monitor_fails_retryably():
 
 
 @pytest.mark.spark
-def test_a_rank_claimed_before_its_task_fails_the_fit_naming_it(spark, monkeypatch):
+def test_a_rank_claimed_before_its_task_fails_the_fit_naming_it(spark, monkeypatch,
+                                                                mlflow_client):
     """An impostor holding the launch secret claims worker 0's key first: the real task's
-    claim is refused, and the fit fails at once, saying so, with the refusal counted."""
+    claim is refused, and the fit fails at once, saying so, with the refusal counted and a
+    FAILED run."""
     from test_fit_sync import frame, make_data, make_model_f64
 
     from sparkdl_avg import TrainConfig, fit
@@ -117,3 +119,7 @@ def test_a_rank_claimed_before_its_task_fails_the_fit_naming_it(spark, monkeypat
             experiment_name="enrolment"))
     assert len(monitors) == 1  # final: no restart made a launch the impostor missed
     assert monitors[0].refusals() == {"claimed": 1}
+    experiment = mlflow_client.get_experiment_by_name("enrolment").experiment_id
+    run = mlflow_client.search_runs([experiment], order_by=["attributes.start_time DESC"],
+                                    max_results=1)[0]
+    assert run.info.status == "FAILED"
