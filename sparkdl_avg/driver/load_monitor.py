@@ -5,10 +5,9 @@ and hands a task's CPU fallback to `on_cpu_fallback` once, as soon as it hears o
 
 It is also where each task claims its own worker key (`task.enrolment`): the key of rank r
 under `worker_secret` (the coordinator's or the parameter server's; None: no keys, as for
-the probe job), handed out once per
-(rank, Spark's task attempt). A second claim, or one for an attempt not after the rank's
-last claimed one (an impostor claimed a later attempt first), is refused ("claimed"),
-counted and logged: the task refused fails the fit."""
+the probe job), handed out once per (rank, Spark's task attempt). A second claim, or one
+for an attempt not after the rank's last claimed one (an impostor claimed a later attempt
+first), is refused ("claimed"), counted and logged: the task refused fails the fit."""
 
 from __future__ import annotations
 

@@ -100,8 +100,9 @@ class Enrolled(Message):
     def check(self) -> None:
         fields.hex_string("nonce", self.nonce, self)
         fields.hex_string("sealed", self.sealed, self)
-        if len(self.sealed) != 64:
-            raise self.invalid(f"a sealed key of {len(self.sealed) // 2} bytes")
+        if len(self.sealed) != 64 or len(self.nonce) != 64:
+            raise self.invalid(f"a sealed key of {len(self.sealed) // 2} bytes, a nonce of "
+                               f"{len(self.nonce) // 2}")
 
 
 # --- synchronous averaging: a worker and the driver's coordinator ------------------------
