@@ -375,7 +375,7 @@ def test_out_of_memory_building_the_async_averaging_buffer_is_final(monkeypatch)
     with pytest.raises(ClusterError, match="could not build its replica on cuda:0: out of "
                                            "device memory"):
         train_async(SimpleNamespace(schedule=SimpleNamespace(total_steps=1)),
-                    TrainConfig(mode="async"), 0, None, torch.device("cuda:0"))
+                    TrainConfig(mode="async"), 0, None, torch.device("cuda:0"), None)
 
 
 def test_a_task_leaves_no_reference_cycle_or_cuda_cache_behind(monkeypatch):

@@ -138,9 +138,10 @@ def test_tasks_compare_their_gpus_in_a_barrier_only_where_spark_gives_them_gpus(
         monkeypatch.setattr(session, "conf", lambda s, key, default=None: gpu_amount
                             if key == "spark.task.resource.gpu.amount"
                             else real(s, key, default))
-    spec = WorkerSpec(address=("127.0.0.1", 1), keys=(), config=b"", model_fn=b"",
+    spec = WorkerSpec(address=("127.0.0.1", 1), config=b"", model_fn=b"",
                       loss=b"", schedule=None, schema=None, train_rows=[1], eval_rows=[0])
-    job = BarrierJob.training(spark.range(1), spec, "gpu check", TrainConfig())
+    job = BarrierJob.training(spark.range(1), spec, "gpu check", TrainConfig(),
+                              secret=b"s" * 32)
     try:
         assert job._fn.args[0].gpu_tasks is compared
     finally:

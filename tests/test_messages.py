@@ -45,6 +45,7 @@ VALID = {
     msg.Orders: {"round": 2, "evaluate": True, "checkpoint": False, "stop": False,
                  "send_average": True},
     msg.Averaged: {"round": 2, "dtype": "float32", "numel": 10},
+    msg.Enrolled: {"nonce": "ab" * 32, "sealed": "cd" * 32},
 }
 
 INVALID = [
@@ -103,6 +104,10 @@ INVALID = [
     (msg.Orders, {"round": -1}, "round -1"),
     (msg.Orders, {"send_average": "yes"}, "Orders.send_average must be bool"),
     (msg.Averaged, {"numel": 0}, "a payload of 0 'float32' values"),
+    # a task's claimed key: 32 bytes, sealed, with a 32-byte nonce
+    (msg.Enrolled, {"sealed": "cd" * 31}, "a sealed key of 31 bytes"),
+    (msg.Enrolled, {"nonce": "ab" * 8}, "a nonce of 8"),
+    (msg.Enrolled, {"sealed": "zz" * 32}, "sealed is not hex"),
 ]
 
 

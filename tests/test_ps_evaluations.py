@@ -194,13 +194,12 @@ def _worker_link(ps: ParameterServer, config):
 
     model = torch.nn.Linear(4, 1, bias=False)
     flat = FlatBuffer(averaged_tensors(model), torch.float32)
-    from sparkdl_avg.net.auth import Credential, role_of, worker_keys
+    from sparkdl_avg.net.auth import Credential
 
-    keys = worker_keys(SECRET, 1)  # what a WorkerSpec holds: the workers' keys, no secret
-    spec = SimpleNamespace(address=ps.address, tls_ca_pem=None, keys=keys,
-                           credential=lambda rank: Credential(role_of(rank), keys[rank]),
+    spec = SimpleNamespace(address=ps.address, tls_ca_pem=None,
                            ps_addresses=lambda: [ps.address])
-    return ServerLink(spec, config, 0, flat), flat, _Recording(model)
+    link = ServerLink(spec, config, 0, flat, Credential.of(SECRET, 0))  # as claimed
+    return link, flat, _Recording(model)
 
 
 def test_a_worker_evaluates_the_requested_copy_and_goes_on_from_its_own_parameters():

@@ -275,10 +275,10 @@ def test_a_worker_key_is_good_for_its_own_rank_only_at_the_coordinator():
 
 @pytest.mark.spark
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_the_secret_never_reaches_a_task(spark, monkeypatch, mode):
-    """The spec the barrier job ships to every task (pickled whole, as Spark does) holds
-    each worker's key and neither the secret nor the driver's key, as bytes or as hex; the
-    fit's tasks train with those keys."""
+def test_no_key_nor_the_secret_reaches_a_task(spark, monkeypatch, mode):
+    """The spec the barrier job ships to every task (pickled whole, as Spark does) holds no
+    worker's key, nor the secret, nor the driver's key, as bytes or as hex: each task claims
+    its own key (`task.enrolment`), and the fit's tasks train with the keys they claimed."""
     from test_fit_sync import frame, make_data, make_model_f64
 
     from sparkdl_avg import TrainConfig, fit
@@ -300,10 +300,7 @@ def test_the_secret_never_reaches_a_task(spark, monkeypatch, mode):
         mode=mode, num_workers=2, epochs=1, batch_size=10, log_model=False,
         experiment_name="roles"))
     assert len(shipped) == 1
-    driver = role_key(secret, "driver")
-    for kept in (secret, driver):
-        assert kept not in shipped[0]
-        assert kept.hex().encode() not in shipped[0]
-        assert kept.hex().upper().encode() not in shipped[0]
-    for key in worker_keys(secret, 2):
-        assert key in shipped[0]
+    for key in (secret, role_key(secret, "driver"), *worker_keys(secret, 2)):
+        assert key not in shipped[0]
+        assert key.hex().encode() not in shipped[0]
+        assert key.hex().upper().encode() not in shipped[0]

@@ -102,7 +102,7 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
         server = _ServerConnection(sidecars, connect, restarts, run)
         try:
             _init(server, flat, config, run)
-            spec = plan.worker_spec(addresses[0], secret, tls_ca_pem)
+            spec = plan.worker_spec(addresses[0], tls_ca_pem)
             if len(addresses) > 1:
                 spec = dataclasses.replace(spec, ps_shards=tuple(addresses))
             t_train = time.perf_counter()  # tasks start training as they load
@@ -112,7 +112,7 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
                 server.revive(len(history))
                 with BarrierJob.training(plan.data.frame, spec, "sparkdl-avg: async "
                                          f"training, {config.num_workers} workers",
-                                         config, run) as job:
+                                         config, run, secret=secret) as job:
                     while not job.done(config.eval_interval_s):
                         server.call(intervals.log, len(history))
                     rows = job.wait(waits.finish)

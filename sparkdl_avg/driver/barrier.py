@@ -49,10 +49,12 @@ class BarrierJob:
 
     @classmethod
     def training(cls, frame: DataFrame, spec, description: str, config,
-                 run=None) -> BarrierJob:
+                 run=None, *, secret: bytes) -> BarrierJob:
         """The job of a fit's training tasks (`task.entry.run_task` on every partition),
-        with a `LoadMonitor` the tasks report their loading to; a task's CPU fallback is
-        reported (`report_cpu_fallback`, to the fit's MLflow `run`) as it loads."""
+        with a `LoadMonitor` the tasks report their loading to and claim their worker keys
+        from (derived from `secret`, the coordinator's or the parameter server's, which
+        never enters `spec`); a task's CPU fallback is reported (`report_cpu_fallback`, to
+        the fit's MLflow `run`) as it loads."""
         from sparkdl_avg.driver.cluster import driver_address, training_resources
         from sparkdl_avg.task import report
         from sparkdl_avg.task.entry import run_task
@@ -61,7 +63,7 @@ class BarrierJob:
         address = driver_address(spark, config)
         profile, gpus = training_resources(spark, config.device)
         monitor = LoadMonitor(host=address.bind, advertise=address.advertise,
-                              num_workers=len(spec.train_rows),
+                              num_workers=len(spec.train_rows), worker_secret=secret,
                               on_cpu_fallback=partial(report_cpu_fallback, run))
         monitor.start()  # here: the tasks need its port; the job closes it
         try:

@@ -1,22 +1,32 @@
 """The load phase, seen from the driver: a small authenticated server the training tasks
 report to (`task.load_report`) while they read their partitions into their data caches, so
 the driver can say how far the load has got. It keeps one (rows, of, done) per partition,
-and hands a task's CPU fallback to `on_cpu_fallback` once, as soon as it hears of it."""
+and hands a task's CPU fallback to `on_cpu_fallback` once, as soon as it hears of it.
+
+It is also where each task claims its own worker key (`task.enrolment`): the key of rank r
+under `worker_secret` (the coordinator's or the parameter server's; None: no keys, as for
+the probe job), handed out once per (rank, Spark's task attempt). A second claim, or one
+for an attempt not after the rank's last claimed one (an impostor claimed a later attempt
+first), is refused ("claimed"), counted and logged: the task refused fails the fit."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 
 from sparkdl_avg._errors import ProtocolError
-from sparkdl_avg.net.auth import new_secret
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.auth import new_secret, role_key, role_of
 from sparkdl_avg.net.frames import Connection
 from sparkdl_avg.net.server import Server
+from sparkdl_avg.task.enrolment import Enrolment, is_enrolment, seal
 from sparkdl_avg.task.load_report import LoadReport
 
 
 class LoadMonitor(Server):
-    def __init__(self, *, host: str, advertise: str, num_workers: int, port: int = 0,
-                 name: str = "load monitor",
+    def __init__(self, *, host: str, advertise: str, num_workers: int,
+                 worker_secret: bytes | None = None, port: int = 0, name: str = "load monitor",
                  on_cpu_fallback: Callable[[int, str], None] | None = None) -> None:
         super().__init__(secret=new_secret(), host=host, port=port,
                          max_connections=num_workers, name=name)
@@ -24,6 +34,9 @@ class LoadMonitor(Server):
         self._loaded: dict[int, tuple[int, int, bool]] = {}
         self._on_cpu_fallback = on_cpu_fallback
         self._fallbacks: set[int] = set()
+        self._worker_secret = worker_secret
+        self._claimed: dict[int, int] = {}
+        """Per rank, the last attempt that claimed its key."""
 
     @property
     def secret(self) -> bytes:
@@ -40,7 +53,10 @@ class LoadMonitor(Server):
         return sum(v[0] for v in values), len(values), sum(1 for v in values if v[2])
 
     def serve(self, conn: Connection, hello: dict) -> bool:
-        """A report is the connection's introduction; nothing else is read."""
+        """A report or a claim is the connection's introduction; nothing else is read."""
+        if is_enrolment(hello):
+            self._enrol(conn, hello)
+            return False
         try:
             report = LoadReport.from_meta(hello)
             if report.rank >= self.num_workers:
@@ -55,3 +71,28 @@ class LoadMonitor(Server):
         if first and self._on_cpu_fallback is not None:
             self._on_cpu_fallback(report.rank, report.cpu_fallback)
         return False
+
+    def _enrol(self, conn: Connection, hello: dict) -> None:
+        """Answer a claim with the rank's key, sealed (`enrolment.seal`), or refuse it."""
+        try:
+            claim = Enrolment.from_meta(hello)
+            if self._worker_secret is None:
+                raise ProtocolError(f"the {self._name} hands out no keys", "unexpected")
+            if claim.rank >= self.num_workers:
+                raise ProtocolError(f"rank {claim.rank} of {self.num_workers}", "unexpected")
+            with self._lock:
+                last = self._claimed.get(claim.rank, -1)
+                if claim.attempt <= last:
+                    raise ProtocolError(
+                        f"worker {claim.rank}'s key was claimed already (attempt "
+                        f"{last}; this claim: attempt {claim.attempt}): another holder "
+                        "of this launch's secret may act as that worker", "claimed")
+                self._claimed[claim.rank] = claim.attempt
+        except ProtocolError as exc:
+            self.refuse(exc.reason, exc, f"a claim for worker {hello.get('rank')!r}", conn)
+            return
+        key = role_key(self._worker_secret, role_of(claim.rank))
+        nonce = os.urandom(32)
+        with contextlib.suppress(OSError):  # gone: its retry is refused, and the fit fails
+            msg.send(conn, msg.Enrolled(nonce=nonce.hex(),
+                                        sealed=seal(self._secret, claim.rank, nonce, key).hex()))

@@ -32,7 +32,6 @@ from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
 from sparkdl_avg.driver.meta_model import assemble, build_on_meta, initial_state
-from sparkdl_avg.net.auth import worker_keys
 from sparkdl_avg.ps.shards import bounds as shard_bounds
 from sparkdl_avg.scoring.outputs import heads_of
 from sparkdl_avg.task.optimizer_step import check_schedule
@@ -87,11 +86,10 @@ class FitPlan:
     def params_of_data(self) -> dict[str, object]:
         return describe_params(self.data.schema)
 
-    def worker_spec(self, address: tuple[str, int], secret: bytes,
-                    tls_ca_pem: str | None = None) -> WorkerSpec:
+    def worker_spec(self, address: tuple[str, int], tls_ca_pem: str | None = None) -> WorkerSpec:
+        """What every task gets: no key (each task claims its own, `task.enrolment`)."""
         return WorkerSpec(
-            address=address, keys=worker_keys(secret, self.config.num_workers),
-            config=self.pickled["config"],
+            address=address, config=self.pickled["config"],
             model_fn=self.pickled["model_fn"], loss=self.pickled["loss"],
             schedule=self.schedule, schema=self.data.schema,
             ragged_values=self.data.ragged_values, longest=self.data.longest,

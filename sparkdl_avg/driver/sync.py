@@ -123,9 +123,9 @@ class _Attempt:
             timeout=waits.round, dtype=flat.array.dtype, model_numel=flat.array.size,
             check_job=lambda wait_s: job.check(wait_s), tls=self.tls,
         ) as coord, BarrierJob.training(
-            plan.data.frame, plan.worker_spec(coord.address, secret, self.tls_ca_pem),
+            plan.data.frame, plan.worker_spec(coord.address, self.tls_ca_pem),
             f"sparkdl-avg: train {config.num_workers} replicas from round {point.round}",
-            config, self.run_logger,
+            config, self.run_logger, secret=secret,
         ) as job:
             try:
                 if config.overlap_averaging:  # its checkpoint_every is a number of rounds

@@ -54,7 +54,8 @@ def role_key(secret: bytes, role: str) -> bytes:
 
 
 def worker_keys(secret: bytes, workers: int) -> tuple[bytes, ...]:
-    """Workers 0..workers-1's keys, by rank: what the driver hands the tasks."""
+    """Workers 0..workers-1's keys, by rank. No task gets them all: each claims its own from
+    the driver's load monitor (`task.enrolment`)."""
     return tuple(role_key(secret, role_of(rank)) for rank in range(workers))
 
 

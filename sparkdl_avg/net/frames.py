@@ -69,6 +69,8 @@ class Kind(enum.IntEnum):
     REPORT = 21
     ORDERS = 22
     AVERAGED = 23
+    # a task's own worker key, claimed from the driver's load monitor (`task.enrolment`)
+    KEY = 24
 
 
 @dataclass(frozen=True, slots=True)

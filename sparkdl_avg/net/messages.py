@@ -88,6 +88,23 @@ class Refusal(Message):
             raise self.invalid(f"unknown reason {self.reason!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class Enrolled(Message):
+    """The load monitor's answer to a task's claim (`task.enrolment`): the task's worker key,
+    sealed under a pad that only a holder of the launch's secret can make from `nonce`."""
+
+    KIND = Kind.KEY
+    nonce: str
+    sealed: str
+
+    def check(self) -> None:
+        fields.hex_string("nonce", self.nonce, self)
+        fields.hex_string("sealed", self.sealed, self)
+        if len(self.sealed) != 64 or len(self.nonce) != 64:
+            raise self.invalid(f"a sealed key of {len(self.sealed) // 2} bytes, a nonce of "
+                               f"{len(self.nonce) // 2}")
+
+
 # --- synchronous averaging: a worker and the driver's coordinator ------------------------
 
 @dataclass(frozen=True, slots=True)

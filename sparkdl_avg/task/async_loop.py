@@ -22,6 +22,7 @@ import numpy as np
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import peer_gone
 from sparkdl_avg.data.partition import Partition
+from sparkdl_avg.net.auth import Credential
 from sparkdl_avg.net.dial import pause_s, retryable
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.sharded_client import ShardedClient, connect
@@ -39,7 +40,7 @@ class ServerLost(ConnectionError):
 
 
 def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition,
-                device) -> dict:
+                device, credential: Credential) -> dict:
     """Train to the end; returns `Replica.outcome()` for the task's report."""
     from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
     from sparkdl_avg.task.device import final_on_device_errors
@@ -49,7 +50,7 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
     with final_on_device_errors("build its replica on", str(device)):  # as the sync loop
         replica = Replica(spec, config, rank, data, device)
         flat = FlatBuffer(averaged_tensors(replica.model), replica.wire_dtype)
-    link = ServerLink(spec, config, rank, flat)
+    link = ServerLink(spec, config, rank, flat, credential)
     evaluates = sum(spec.eval_rows) > 0  # every worker answers, with rows or without
     try:
         link.pull()
@@ -85,8 +86,10 @@ class ServerLink:
     connection breaks (`ServerLost`) it reconnects (for up to `reconnect_timeout`) to the
     same address, where a restarted server takes up its checkpoint."""
 
-    def __init__(self, spec: WorkerSpec, config: TrainConfig, rank: int, flat) -> None:
-        self.spec, self.rank, self.flat = spec, rank, flat
+    def __init__(self, spec: WorkerSpec, config: TrainConfig, rank: int, flat,
+                 credential: Credential) -> None:
+        """`credential`: this task's own, claimed by enrolment (`task.enrolment`)."""
+        self.spec, self.rank, self.flat, self.credential = spec, rank, flat, credential
         self.waits = config.waits()
         self.anchor = flat.array.copy()  # the parameters the next update is measured from
         self._own: np.ndarray | None = None  # the model's parameters while it evaluates others
@@ -97,7 +100,7 @@ class ServerLink:
         self.reconnect(None, self.waits.connect)  # a server being restarted may not be back
 
     def _connect(self) -> PSClient | ShardedClient:
-        return connect(self.spec.ps_addresses(), secret=self.spec.credential(self.rank),
+        return connect(self.spec.ps_addresses(), secret=self.credential,
                        worker=self.rank, numel=self.flat.array.size, dtype=self.flat.array.dtype,
                        timeout=self.waits.reply, tls_ca_pem=self.spec.tls_ca_pem)
 

@@ -1,10 +1,10 @@
 """The Spark task: one replica trained on one partition (`mapInArrow(barrier=True)` body).
 
-It picks its device, loads its partition once into its data cache (memory, or spill files
-under Spark's local directories that are removed on every path out), runs the sync or the
-async loop, and yields one report row with what it used. An error a
-restart would only repeat (`_errors.is_final`) leaves the task as a `FinalTaskError`, which
-the driver recognises and fails the fit on at once.
+It picks its device, claims its own worker key from the driver (`enrolment`), loads its
+partition once into its data cache (memory, or spill files under Spark's local directories
+that are removed on every path out), runs the sync or the async loop, and yields one report
+row with what it used. An error a restart would only repeat (`_errors.is_final`) leaves the
+task as a `FinalTaskError`, which the driver recognises and fails the fit on at once.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
         set_deterministic,
         task_device,
     )
+    from sparkdl_avg.task.enrolment import enrol
     from sparkdl_avg.task.load_report import LoadReporter
     from sparkdl_avg.task.report import record_batch
 
@@ -68,6 +69,9 @@ def _run(spec: WorkerSpec, batches: Iterator):
         with final_on_device_errors("start on", choice.device, choice.gpu_address):
             torch.cuda.set_device(device)
     torch.set_num_threads(max(1, ctx.cpus()))
+    # after the device gather, where a task that leaves early would take its executor down;
+    # before the load, so a refused claim fails the fit before minutes of loading
+    credential = enrol(spec.load_monitor, spec.load_secret, rank, ctx.attemptNumber())
     # without a reset the peak could be an earlier task's in this reused worker: none then
     own_peak = memory.reset_peak()
     start_rss = memory.resident_bytes()
@@ -94,7 +98,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
             from sparkdl_avg.task.sync_loop import train_sync
 
             waits = config.waits()
-            channel = DriverChannel(spec.address, spec.credential(rank),
+            channel = DriverChannel(spec.address, credential,
                                     connect_timeout=waits.connect, reply_timeout=waits.reply,
                                     tls_ca_pem=spec.tls_ca_pem)
             if config.transport == "collective":
@@ -110,7 +114,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
         else:
             from sparkdl_avg.task.async_loop import train_async
 
-            outcome = train_async(spec, config, rank, data, device)
+            outcome = train_async(spec, config, rank, data, device, credential)
         peak = memory.peak_resident_bytes() if own_peak else None
         train = data.train
         return record_batch({

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sparkdl_avg.data.schema import DataSchema
-from sparkdl_avg.net.auth import Credential, role_of
 from sparkdl_avg.task.schedule import Schedule
 
 
@@ -13,10 +12,6 @@ from sparkdl_avg.task.schedule import Schedule
 class WorkerSpec:
     address: tuple[str, int]
     """Where to connect: the driver's coordinator (sync) or the parameter server (async)."""
-    keys: tuple[bytes, ...] = field(repr=False)
-    """Each worker's key, by rank (`net.auth.role_key`): never the secret, nor the
-    driver's key, so a task cannot act as the driver. Spark hands every task of a barrier job
-    the same closure, so each task holds every worker's key (see the README's threat model)."""
     config: bytes
     """The TrainConfig, cloudpickled like model_fn (so a callable optimizer from the user's own
     module travels by value)."""
@@ -38,8 +33,11 @@ class WorkerSpec:
     """The model's parameter dtype (a torch dtype's name): the memory cache holds features in
     it, so the device keeps one copy of the partition."""
     load_monitor: tuple[str, int] | None = None
-    """Where to report loading progress (`driver.load_monitor`), with `load_secret`."""
-    load_secret: bytes = b""
+    """Where to claim this task's worker key (`task.enrolment`) and report loading progress
+    (`driver.load_monitor`), with `load_secret`: the launch's own secret, not the
+    coordinator's or the parameter server's. Spark hands every task of a barrier job the same
+    closure, so no worker key travels here (see docs/guide/security.md)."""
+    load_secret: bytes = field(default=b"", repr=False)
     tls_ca_pem: str | None = None
     """PEM text that verifies the driver's coordinator (sync) or the parameter server
     (async) over TLS; None: plain TCP."""
@@ -60,10 +58,6 @@ class WorkerSpec:
     ps_shards: tuple[tuple[str, int], ...] = ()
     """Async with several parameter-server shards: their addresses in shard order (the
     first is `address`); empty: one server at `address`."""
-
-    def credential(self, rank: int) -> Credential:
-        """What worker `rank` authenticates with."""
-        return Credential(role_of(rank), self.keys[rank])
 
     def ps_addresses(self) -> list[tuple[str, int]]:
         return list(self.ps_shards) or [self.address]

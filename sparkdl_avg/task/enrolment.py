@@ -1,0 +1,88 @@
+"""A task claiming its own worker key from the driver, once, before it trains.
+
+Spark ships one closure to every task of a barrier job, so a key in the `WorkerSpec` would be
+every task's. The spec carries only the launch's load-monitor secret; each task claims the
+key of its rank, `HMAC(secret, "worker:<rank>")`, from the driver's `LoadMonitor`, which
+hands it out once per (rank, attempt). The attempt is Spark's attempt number of the task
+(`TaskContext.attemptNumber()`: PySpark exposes no stage attempt number). It is 0 in every
+launch: a failed task of a barrier stage fails the stage, and Spark never retries a failed
+barrier result stage ("Could not recover from a failed barrier ResultStage"), so the driver's
+restart loop makes a new launch, with a new monitor, where every task claims afresh. Should
+Spark ever run a task again within a launch, its higher attempt claims once more.
+
+A holder of the launch secret who claims a rank first gets its key, but the real task's claim
+is then refused ("claimed") and the fit fails naming it: an impostor is found out, never
+silent.
+
+The key travels XORed with a pad, `HMAC(the task's key at the monitor, "enrol|" + nonce)`
+for a fresh nonce, so an eavesdropper on the driver's network without the launch secret
+learns nothing from it (the load monitor speaks plain TCP).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+from sparkdl_avg.net.auth import Credential, role_key, role_of
+from sparkdl_avg.net.message_base import Message
+
+ENROL_TIMEOUT_S = 30.0
+"""How long a task tries to reach the load monitor (a busy driver, a dropped connect)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Enrolment(Message):
+    """A task's claim (its AUTH's hello at the load monitor): the key of `rank`, for Spark's
+    attempt `attempt` of the task."""
+
+    rank: int
+    attempt: int
+
+    def check(self) -> None:
+        if self.rank < 0 or self.attempt < 0:
+            raise self.invalid(f"rank {self.rank}, attempt {self.attempt}")
+
+
+def is_enrolment(hello: dict) -> bool:
+    """Whether a hello at the load monitor is a claim (else a `LoadReport`)."""
+    return "attempt" in hello
+
+
+def seal(load_secret: bytes, rank: int, nonce: bytes, key: bytes) -> bytes:
+    """`key` XORed with a pad only holders of `load_secret` can make; its own inverse."""
+    pad = hmac.new(role_key(load_secret, role_of(rank)), b"enrol|" + nonce,
+                   hashlib.sha256).digest()
+    return bytes(a ^ b for a, b in zip(key, pad, strict=True))
+
+
+def enrol(address: tuple[str, int], load_secret: bytes, rank: int, attempt: int,
+          limit_s: float = ENROL_TIMEOUT_S) -> Credential:
+    """The credential of worker `rank`, claimed from the load monitor at `address`. A lost or
+    busy connection is retried within `limit_s`, then raised as a `WorkerLostError` (a restart
+    makes a new launch, which enrols afresh); a refused claim raises `PeerRefused` with the
+    monitor's reason ("claimed": someone claimed this rank first), which fails the fit."""
+    from sparkdl_avg._errors import WorkerLostError
+    from sparkdl_avg.net import messages as msg
+    from sparkdl_avg.net.auth import HANDSHAKE_S, authenticate_to_server
+    from sparkdl_avg.net.dial import dial, retryable
+    from sparkdl_avg.net.frames import connect
+
+    def once(connect_s: float, until: float, tries: int) -> bytes:
+        conn = connect(address, timeout=connect_s, max_payload=0, tries=tries, until=until)
+        try:
+            authenticate_to_server(conn, load_secret, Enrolment(rank, attempt))
+            reply, _ = msg.expect(conn, msg.Enrolled)
+        finally:
+            conn.close()
+        return seal(load_secret, rank, bytes.fromhex(reply.nonce), bytes.fromhex(reply.sealed))
+
+    try:
+        key = dial(once, limit_s, HANDSHAKE_S)  # the monitor's own handshake limit
+    except Exception as exc:
+        if not retryable(exc):
+            raise
+        raise WorkerLostError(f"partition {rank} could not claim its worker key from the "
+                              f"driver at {address[0]}:{address[1]}: {exc}") from exc
+    return Credential(role_of(rank), key)

@@ -1,0 +1,125 @@
+"""Each task claims its own worker key from the driver's load monitor, once per (rank, Spark
+task attempt): a second claim is refused ("claimed") and fails the fit naming it, a claim
+beyond the fit or without the launch's secret is refused, and the key never crosses the wire
+in clear."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from sparkdl_avg._errors import PeerRefused, TrainingError, WorkerLostError
+from sparkdl_avg.driver.load_monitor import LoadMonitor
+from sparkdl_avg.net import messages as msg
+from sparkdl_avg.net.auth import authenticate_to_server, new_secret, role_key
+from sparkdl_avg.net.frames import connect
+from sparkdl_avg.task.enrolment import Enrolment, enrol, seal
+
+WORKERS = b"w" * 32
+"""The coordinator's (or parameter server's) secret the keys derive from."""
+
+
+@pytest.fixture
+def monitor():
+    with LoadMonitor(host="127.0.0.1", advertise="127.0.0.1", num_workers=2,
+                     worker_secret=WORKERS) as m:
+        yield m
+
+
+def eventually(condition, seconds: float = 5.0) -> bool:
+    """A refusal is counted on the server's handler thread, just after the peer is told."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def claim(monitor, rank: int, attempt: int, secret: bytes | None = None) -> bytes:
+    return enrol(monitor.reachable_at, secret or monitor.secret, rank, attempt,
+                 limit_s=5).key
+
+
+def test_each_rank_is_claimed_once_per_attempt(monitor):
+    assert claim(monitor, 0, 0) == role_key(WORKERS, "worker:0")
+    assert claim(monitor, 1, 0) == role_key(WORKERS, "worker:1")
+    with pytest.raises(PeerRefused, match="worker 0's key was claimed already") as info:
+        claim(monitor, 0, 0)  # an impostor came first: the real task is refused
+    assert info.value.reason == "claimed"
+    assert claim(monitor, 0, 1) == role_key(WORKERS, "worker:0")  # Spark's next attempt
+    with pytest.raises(PeerRefused) as info:
+        claim(monitor, 0, 0)  # an attempt before the rank's last claimed one
+    assert info.value.reason == "claimed"
+    assert eventually(lambda: monitor.refusals() == {"claimed": 2})
+
+
+def test_a_claim_beyond_the_fit_or_without_the_launch_secret_is_refused(monitor):
+    with pytest.raises(PeerRefused, match="rank 2 of 2") as info:
+        claim(monitor, 2, 0)
+    assert info.value.reason == "unexpected"
+    with pytest.raises(PeerRefused) as info:
+        claim(monitor, 1, 0, secret=new_secret())  # a stranger: not this launch's secret
+    assert info.value.reason == "auth"
+    assert eventually(lambda: monitor.refusals() == {"unexpected": 1, "auth": 1})
+    assert claim(monitor, 1, 0) == role_key(WORKERS, "worker:1")  # neither used rank 1 up
+    with LoadMonitor(host="127.0.0.1", advertise="127.0.0.1", num_workers=2) as probe, \
+            pytest.raises(PeerRefused, match="hands out no keys"):  # the probe job's
+        claim(probe, 0, 0)
+
+
+def test_the_key_crosses_the_wire_sealed_under_the_launch_secret(monitor):
+    """What an eavesdropper sees of a claim (raw frames) does not hold the key."""
+    key = role_key(WORKERS, "worker:1")
+    conn = connect(monitor.reachable_at, timeout=5, max_payload=0)
+    try:
+        authenticate_to_server(conn, monitor.secret, Enrolment(rank=1, attempt=0))
+        reply, payload = msg.receive(conn)
+    finally:
+        conn.close()
+    assert isinstance(reply, msg.Enrolled) and payload is None
+    sealed, nonce = bytes.fromhex(reply.sealed), bytes.fromhex(reply.nonce)
+    assert sealed != key and key.hex() not in repr(reply.to_meta())
+    assert seal(monitor.secret, 1, nonce, sealed) == key
+    assert seal(new_secret(), 1, nonce, sealed) != key
+
+
+def test_a_task_that_cannot_reach_the_monitor_fails_retryably():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = s.getsockname()
+    with pytest.raises(WorkerLostError, match="partition 0 could not claim its worker key"):
+        enrol(address, new_secret(), 0, 0, limit_s=0.5)
+
+
+@pytest.mark.spark
+def test_a_rank_claimed_before_its_task_fails_the_fit_naming_it(spark, monkeypatch,
+                                                                mlflow_client):
+    """An impostor holding the launch secret claims worker 0's key first: the real task's
+    claim is refused, and the fit fails at once, saying so, with the refusal counted and a
+    FAILED run."""
+    from test_fit_sync import frame, make_data, make_model_f64
+
+    from sparkdl_avg import TrainConfig, fit
+    from sparkdl_avg.driver import barrier
+
+    monitors = []
+
+    class Impostor(LoadMonitor):
+        def start(self) -> None:
+            super().start()
+            monitors.append(self)
+            claim(self, 0, 0)
+
+    monkeypatch.setattr(barrier, "LoadMonitor", Impostor)
+    x, y = make_data(40, seed=5)
+    with pytest.raises(TrainingError, match="worker 0's key was claimed already"):
+        fit(frame(spark, x, y), make_model_f64, TrainConfig(
+            num_workers=2, epochs=1, batch_size=10, log_model=False, max_failures=3,
+            experiment_name="enrolment"))
+    assert len(monitors) == 1  # final: no restart made a launch the impostor missed
+    assert monitors[0].refusals() == {"claimed": 1}
+    experiment = mlflow_client.get_experiment_by_name("enrolment").experiment_id
+    run = mlflow_client.search_runs([experiment], order_by=["attributes.start_time DESC"],
+                                    max_results=1)[0]
+    assert run.info.status == "FAILED"
