@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sparkdl_avg._errors import PeerRefused, TrainingError, WorkerLostError
+from sparkdl_avg._errors import PeerRefused, ProtocolError, TrainingError, WorkerLostError
 from sparkdl_avg.driver.load_monitor import LoadMonitor
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import authenticate_to_server, new_secret, role_key
@@ -163,3 +163,12 @@ def test_a_rank_claimed_before_its_task_fails_the_fit_naming_it(spark, monkeypat
     run = mlflow_client.search_runs([experiment], order_by=["attributes.start_time DESC"],
                                     max_results=1)[0]
     assert run.info.status == "FAILED"
+
+
+@pytest.mark.parametrize("claim_id, error", [
+    ("ab" * 8, "a claim id of 8 bytes"), ("zz" * 16, "claim_id is not hex"),
+    (None, "claim_id")])
+def test_a_claim_needs_a_claim_id_of_16_random_bytes(claim_id, error):
+    meta = {"rank": 0, "attempt": 0} | ({} if claim_id is None else {"claim_id": claim_id})
+    with pytest.raises(ProtocolError, match=error):
+        Enrolment.from_meta(meta)
