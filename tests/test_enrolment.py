@@ -1,7 +1,7 @@
-"""Each task claims its own worker key from the driver's load monitor, once per (rank, Spark
-task attempt): a second claim is refused ("claimed") and fails the fit naming it, a claim
-beyond the fit or without the launch's secret is refused, and the key never crosses the wire
-in clear."""
+"""Each task claims its own worker key from the driver's load monitor, one claim per rank per
+launch whatever attempt it names: a second claim is refused ("claimed") and fails the fit
+naming it, the same claim retried gets its key again, a claim beyond the fit or without the
+launch's secret is refused, and the key never crosses the wire in clear."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sparkdl_avg._errors import PeerRefused, TrainingError, WorkerLostError
+from sparkdl_avg._errors import PeerRefused, ProtocolError, TrainingError, WorkerLostError
 from sparkdl_avg.driver.load_monitor import LoadMonitor
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import authenticate_to_server, new_secret, role_key
@@ -41,17 +41,39 @@ def claim(monitor, rank: int, attempt: int, secret: bytes | None = None) -> byte
                  limit_s=5).key
 
 
-def test_each_rank_is_claimed_once_per_attempt(monitor):
+def test_each_rank_is_claimed_once_whatever_the_attempt(monitor):
     assert claim(monitor, 0, 0) == role_key(WORKERS, "worker:0")
     assert claim(monitor, 1, 0) == role_key(WORKERS, "worker:1")
     with pytest.raises(PeerRefused, match="worker 0's key was claimed already") as info:
         claim(monitor, 0, 0)  # an impostor came first: the real task is refused
     assert info.value.reason == "claimed"
-    assert claim(monitor, 0, 1) == role_key(WORKERS, "worker:0")  # Spark's next attempt
     with pytest.raises(PeerRefused) as info:
-        claim(monitor, 0, 0)  # an attempt before the rank's last claimed one
+        claim(monitor, 1, 1)  # a later attempt is the claimant's word: refused as well
     assert info.value.reason == "claimed"
     assert eventually(lambda: monitor.refusals() == {"claimed": 2})
+
+
+def raw_claim(monitor, rank: int, claim_id: str) -> msg.Enrolled:
+    """One claim as an eavesdropper sees it: the monitor's reply, unopened."""
+    conn = connect(monitor.reachable_at, timeout=5, max_payload=0)
+    try:
+        authenticate_to_server(conn, monitor.secret, Enrolment(rank, 0, claim_id))
+        reply, payload = msg.expect(conn, msg.Enrolled)
+    finally:
+        conn.close()
+    assert isinstance(reply, msg.Enrolled) and payload is None
+    return reply
+
+
+def test_the_same_claim_retried_gets_its_key_again_and_no_other_claim_does(monitor):
+    """A task whose reply was lost retries with its claim id: answered anew, not refused."""
+    first = raw_claim(monitor, 1, "ab" * 16)
+    again = raw_claim(monitor, 1, "ab" * 16)
+    assert {seal(monitor.secret, 1, bytes.fromhex(r.nonce), bytes.fromhex(r.sealed))
+            for r in (first, again)} == {role_key(WORKERS, "worker:1")}
+    with pytest.raises(PeerRefused) as info:
+        raw_claim(monitor, 1, "cd" * 16)
+    assert info.value.reason == "claimed"
 
 
 def test_a_claim_beyond_the_fit_or_without_the_launch_secret_is_refused(monitor):
@@ -68,20 +90,38 @@ def test_a_claim_beyond_the_fit_or_without_the_launch_secret_is_refused(monitor)
         claim(probe, 0, 0)
 
 
+class _Lost:
+    """A connection whose reply never leaves: the monitor has recorded the claim by then."""
+
+    def send(self, *args, **kwargs) -> None:
+        raise OSError("the reply was lost")  # the server closes the connection
+
+
+def test_a_task_whose_reply_was_lost_claims_again_and_trains():
+    lost = []
+
+    class Lossy(LoadMonitor):
+        def _enrol(self, conn, hello) -> None:
+            super()._enrol(conn if lost else _Lost(), hello)
+            lost.append(hello["claim_id"])
+
+    with Lossy(host="127.0.0.1", advertise="127.0.0.1", num_workers=2,
+               worker_secret=WORKERS) as monitor:
+        assert claim(monitor, 0, 0) == role_key(WORKERS, "worker:0")
+        assert len(lost) == 2 and lost[0] == lost[1]  # the retry was the same claim
+        assert "claimed" not in monitor.refusals()
+
+
 def test_the_key_crosses_the_wire_sealed_under_the_launch_secret(monitor):
     """What an eavesdropper sees of a claim (raw frames) does not hold the key."""
     key = role_key(WORKERS, "worker:1")
-    conn = connect(monitor.reachable_at, timeout=5, max_payload=0)
-    try:
-        authenticate_to_server(conn, monitor.secret, Enrolment(rank=1, attempt=0))
-        reply, payload = msg.receive(conn)
-    finally:
-        conn.close()
-    assert isinstance(reply, msg.Enrolled) and payload is None
-    sealed, nonce = bytes.fromhex(reply.sealed), bytes.fromhex(reply.nonce)
-    assert sealed != key and key.hex() not in repr(reply.to_meta())
-    assert seal(monitor.secret, 1, nonce, sealed) == key
-    assert seal(new_secret(), 1, nonce, sealed) != key
+    replies = [raw_claim(monitor, 1, "ab" * 16) for _ in range(2)]
+    for reply in replies:
+        sealed, nonce = bytes.fromhex(reply.sealed), bytes.fromhex(reply.nonce)
+        assert sealed != key and key.hex() not in repr(reply.to_meta())
+        assert seal(monitor.secret, 1, nonce, sealed) == key
+    # a fresh nonce each time: the same key never seals the same twice
+    assert replies[0].nonce != replies[1].nonce and replies[0].sealed != replies[1].sealed
 
 
 def test_a_task_that_cannot_reach_the_monitor_fails_retryably():
@@ -123,3 +163,12 @@ def test_a_rank_claimed_before_its_task_fails_the_fit_naming_it(spark, monkeypat
     run = mlflow_client.search_runs([experiment], order_by=["attributes.start_time DESC"],
                                     max_results=1)[0]
     assert run.info.status == "FAILED"
+
+
+@pytest.mark.parametrize("claim_id, error", [
+    ("ab" * 8, "a claim id of 8 bytes"), ("zz" * 16, "claim_id is not hex"),
+    (None, "claim_id")])
+def test_a_claim_needs_a_claim_id_of_16_random_bytes(claim_id, error):
+    meta = {"rank": 0, "attempt": 0} | ({} if claim_id is None else {"claim_id": claim_id})
+    with pytest.raises(ProtocolError, match=error):
+        Enrolment.from_meta(meta)

@@ -239,7 +239,7 @@ def test_a_pull_with_a_payload_is_refused_before_the_payload_is_read():
 # --- roles: per-role keys ----------------------------------------------------------------------
 
 def test_a_worker_key_cannot_init_stop_or_act_as_another_worker():
-    mine = Credential("worker:0", worker_keys(SECRET, 2)[0])  # what task 0's spec holds
+    mine = Credential("worker:0", worker_keys(SECRET, 2)[0])  # task 0 claims it (enrolment)
     with server() as ps:
         with client(ps, mine, 0) as c:  # its own id: pulls and pushes
             c.pull()

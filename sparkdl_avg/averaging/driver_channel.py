@@ -21,10 +21,10 @@ from sparkdl_avg.net.tls import client_context
 class DriverChannel(Transport):
     def __init__(self, address: tuple[str, int], key: Credential, *, connect_timeout: float,
                  reply_timeout: float, tls_ca_pem: str | None = None) -> None:
-        """`key`: this worker's own (`WorkerSpec.credential`). `connect_timeout`: for
-        connecting (retried while the driver is busy) and for the first parameters, which
-        come once every worker has loaded its partition. `reply_timeout`: for each later
-        average."""
+        """`key`: this worker's own, claimed at the load monitor (`task.enrolment`).
+        `connect_timeout`: for connecting (retried while the driver is busy) and for the first
+        parameters, which come once every worker has loaded its partition. `reply_timeout`:
+        for each later average."""
         self._address, self._key = address, key
         self._connect_timeout, self._reply_timeout = connect_timeout, reply_timeout
         self._tls = client_context(tls_ca_pem) if tls_ca_pem else None

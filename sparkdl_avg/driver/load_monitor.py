@@ -5,9 +5,10 @@ and hands a task's CPU fallback to `on_cpu_fallback` once, as soon as it hears o
 
 It is also where each task claims its own worker key (`task.enrolment`): the key of rank r
 under `worker_secret` (the coordinator's or the parameter server's; None: no keys, as for
-the probe job), handed out once per (rank, Spark's task attempt). A second claim, or one
-for an attempt not after the rank's last claimed one (an impostor claimed a later attempt
-first), is refused ("claimed"), counted and logged: the task refused fails the fit."""
+the probe job). Each rank is claimed once per monitor (per launch), by one claim id, whatever
+attempt number the claimant gives (its word: kept for the log only). The same claim id again
+(the task's retry after a lost reply) gets the key anew, under a fresh nonce; any other claim
+for that rank is refused ("claimed"), counted and logged: the task refused fails the fit."""
 
 from __future__ import annotations
 
@@ -29,14 +30,14 @@ class LoadMonitor(Server):
                  worker_secret: bytes | None = None, port: int = 0, name: str = "load monitor",
                  on_cpu_fallback: Callable[[int, str], None] | None = None) -> None:
         super().__init__(secret=new_secret(), host=host, port=port,
-                         max_connections=num_workers, name=name)
+                         max_connections=2 * num_workers, name=name)
         self.advertise, self.num_workers = advertise, num_workers
         self._loaded: dict[int, tuple[int, int, bool]] = {}
         self._on_cpu_fallback = on_cpu_fallback
         self._fallbacks: set[int] = set()
         self._worker_secret = worker_secret
-        self._claimed: dict[int, int] = {}
-        """Per rank, the last attempt that claimed its key."""
+        self._claimed: dict[int, str] = {}
+        """Per rank, the claim id that claimed its key."""
 
     @property
     def secret(self) -> bytes:
@@ -81,18 +82,17 @@ class LoadMonitor(Server):
             if claim.rank >= self.num_workers:
                 raise ProtocolError(f"rank {claim.rank} of {self.num_workers}", "unexpected")
             with self._lock:
-                last = self._claimed.get(claim.rank, -1)
-                if claim.attempt <= last:
-                    raise ProtocolError(
-                        f"worker {claim.rank}'s key was claimed already (attempt "
-                        f"{last}; this claim: attempt {claim.attempt}): another holder "
-                        "of this launch's secret may act as that worker", "claimed")
-                self._claimed[claim.rank] = claim.attempt
+                holder = self._claimed.setdefault(claim.rank, claim.claim_id)
+            if holder != claim.claim_id:
+                raise ProtocolError(
+                    f"worker {claim.rank}'s key was claimed already (this claim: attempt "
+                    f"{claim.attempt}): another holder of this launch's secret may act as "
+                    "that worker", "claimed")
         except ProtocolError as exc:
             self.refuse(exc.reason, exc, f"a claim for worker {hello.get('rank')!r}", conn)
             return
         key = role_key(self._worker_secret, role_of(claim.rank))
         nonce = os.urandom(32)
-        with contextlib.suppress(OSError):  # gone: its retry is refused, and the fit fails
+        with contextlib.suppress(OSError):  # gone: its retry, same claim id, is answered anew
             msg.send(conn, msg.Enrolled(nonce=nonce.hex(),
                                         sealed=seal(self._secret, claim.rank, nonce, key).hex()))

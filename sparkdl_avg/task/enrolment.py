@@ -3,16 +3,17 @@
 Spark ships one closure to every task of a barrier job, so a key in the `WorkerSpec` would be
 every task's. The spec carries only the launch's load-monitor secret; each task claims the
 key of its rank, `HMAC(secret, "worker:<rank>")`, from the driver's `LoadMonitor`, which
-hands it out once per (rank, attempt). The attempt is Spark's attempt number of the task
-(`TaskContext.attemptNumber()`: PySpark exposes no stage attempt number). It is 0 in every
-launch: a failed task of a barrier stage fails the stage, and Spark never retries a failed
-barrier result stage ("Could not recover from a failed barrier ResultStage"), so the driver's
-restart loop makes a new launch, with a new monitor, where every task claims afresh. Should
-Spark ever run a task again within a launch, its higher attempt claims once more.
+hands it out to one claim per rank per launch. Spark never runs a task of a barrier stage
+again within a launch: a failed task fails the stage, and Spark never retries a failed barrier
+result stage ("Could not recover from a failed barrier ResultStage"), so the driver's restart
+loop makes a new launch, with a new monitor, where every task claims afresh. The task's attempt
+number (`TaskContext.attemptNumber()`) goes along for the log only: it is the claimant's word.
 
-A holder of the launch secret who claims a rank first gets its key, but the real task's claim
-is then refused ("claimed") and the fit fails naming it: an impostor is found out, never
-silent.
+A claim is idempotent: `enrol` draws a random claim id once and sends it on every retry, and
+the monitor answers the claim id that claimed a rank again (a reply lost on the way is sent
+anew), refusing any other ("claimed"). A holder of the launch secret who claims a rank first
+gets its key, but the real task's claim is then refused and the fit fails naming it: an
+impostor is found out, never silent (`docs/guide/security.md` says what it can do meanwhile).
 
 The key travels XORed with a pad, `HMAC(the task's key at the monitor, "enrol|" + nonce)`
 for a fresh nonce, so an eavesdropper on the driver's network without the launch secret
@@ -23,26 +24,32 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from dataclasses import dataclass
 
+from sparkdl_avg.net import fields
 from sparkdl_avg.net.auth import Credential, role_key, role_of
 from sparkdl_avg.net.message_base import Message
 
-ENROL_TIMEOUT_S = 30.0
-"""How long a task tries to reach the load monitor (a busy driver, a dropped connect)."""
-
+CLAIM_ID_BYTES = 16
+"""A claim id's random bytes: no two claims for a rank draw the same one."""
 
 @dataclass(frozen=True, slots=True)
 class Enrolment(Message):
-    """A task's claim (its AUTH's hello at the load monitor): the key of `rank`, for Spark's
-    attempt `attempt` of the task."""
+    """A task's claim (its AUTH's hello at the load monitor): the key of `rank`, by the claim
+    `claim_id` (`CLAIM_ID_BYTES` random bytes, hex; the same on every retry). `attempt`: Spark's
+    attempt number of the task, for the log only."""
 
     rank: int
     attempt: int
+    claim_id: str
 
     def check(self) -> None:
         if self.rank < 0 or self.attempt < 0:
             raise self.invalid(f"rank {self.rank}, attempt {self.attempt}")
+        fields.hex_string("claim_id", self.claim_id, self)
+        if len(self.claim_id) != 2 * CLAIM_ID_BYTES:
+            raise self.invalid(f"a claim id of {len(self.claim_id) // 2} bytes")
 
 
 def is_enrolment(hello: dict) -> bool:
@@ -58,9 +65,10 @@ def seal(load_secret: bytes, rank: int, nonce: bytes, key: bytes) -> bytes:
 
 
 def enrol(address: tuple[str, int], load_secret: bytes, rank: int, attempt: int,
-          limit_s: float = ENROL_TIMEOUT_S) -> Credential:
+          limit_s: float) -> Credential:
     """The credential of worker `rank`, claimed from the load monitor at `address`. A lost or
-    busy connection is retried within `limit_s`, then raised as a `WorkerLostError` (a restart
+    busy connection (or reply) is retried, by the same claim, within `limit_s` (the fit's
+    connect_timeout), then raised as a `WorkerLostError` (a restart
     makes a new launch, which enrols afresh); a refused claim raises `PeerRefused` with the
     monitor's reason ("claimed": someone claimed this rank first), which fails the fit."""
     from sparkdl_avg._errors import WorkerLostError
@@ -69,10 +77,12 @@ def enrol(address: tuple[str, int], load_secret: bytes, rank: int, attempt: int,
     from sparkdl_avg.net.dial import dial, retryable
     from sparkdl_avg.net.frames import connect
 
+    claim = Enrolment(rank, attempt, os.urandom(CLAIM_ID_BYTES).hex())
+
     def once(connect_s: float, until: float, tries: int) -> bytes:
         conn = connect(address, timeout=connect_s, max_payload=0, tries=tries, until=until)
         try:
-            authenticate_to_server(conn, load_secret, Enrolment(rank, attempt))
+            authenticate_to_server(conn, load_secret, claim)
             reply, _ = msg.expect(conn, msg.Enrolled)
         finally:
             conn.close()

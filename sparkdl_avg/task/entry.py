@@ -71,7 +71,8 @@ def _run(spec: WorkerSpec, batches: Iterator):
     torch.set_num_threads(max(1, ctx.cpus()))
     # after the device gather, where a task that leaves early would take its executor down;
     # before the load, so a refused claim fails the fit before minutes of loading
-    credential = enrol(spec.load_monitor, spec.load_secret, rank, ctx.attemptNumber())
+    credential = enrol(spec.load_monitor, spec.load_secret, rank, ctx.attemptNumber(),
+                       config.waits().connect)
     # without a reset the peak could be an earlier task's in this reused worker: none then
     own_peak = memory.reset_peak()
     start_rss = memory.resident_bytes()
