@@ -65,6 +65,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# What the JVM prints on every start and no user can act on: Spark's launcher always adds the
+# incubator module jdk.incubator.vector (JavaModuleOptions), and no JVM option hides the line.
+JVM_NOISE = (b"WARNING: Using incubator modules",)
+
+
+def _pass_jvm_stderr_through_a_filter() -> None:
+    """Start the JVM pyspark is about to launch with a pipe as its stderr, and copy every line
+    of it to ours except the `JVM_NOISE` ones. Our own stderr is restored by the caller: only
+    the JVM (and the Python workers it starts) write into the pipe, for as long as it runs."""
+    import threading
+
+    out = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)  # inheritable: the JVM, started next, writes its stderr here
+    os.close(write_end)
+
+    def copy() -> None:
+        with os.fdopen(read_end, "rb") as pipe:
+            for line in pipe:
+                if not line.startswith(JVM_NOISE):
+                    os.write(out, line)
+
+    threading.Thread(target=copy, name="jvm-stderr", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -109,7 +134,17 @@ def main(argv: list[str]) -> int:
         # (on a cluster, pass SPARK_CONF with --conf where the executors have it installed)
         builder = builder.config(map=SPARK_CONF)
     builder = builder.config("spark.ui.showConsoleProgress", "false")  # our own progress bar
-    spark = builder.getOrCreate()
+    if "PYSPARK_GATEWAY_PORT" in os.environ:  # spark-submit started the JVM already
+        spark = builder.getOrCreate()
+    else:
+        sys.stderr.flush()
+        ours = os.dup(2)
+        _pass_jvm_stderr_through_a_filter()
+        try:
+            spark = builder.getOrCreate()
+        finally:
+            os.dup2(ours, 2)  # our own stderr again; the JVM keeps the pipe
+            os.close(ours)
     try:
         train_df, test_df = mnist1d.load(spark, args.samples, cache_dir=args.data_dir)
         hidden = tuple(int(h) for h in args.hidden.split(",") if h)

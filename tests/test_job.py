@@ -26,10 +26,9 @@ STRICT = ("import runpy, sys, warnings; "
 # A Python warning as `warnings` prints it (torch.export's, MLflow's, pandas', on the driver
 # or from an executor's Python worker, whose stderr the local JVM passes on), a Spark log
 # line at WARN, or a Python log record at WARNING in the jobs' logging format
-# ("%(asctime)s %(levelname)s %(message)s": the package's own log.warning). (The JVM's own
-# "WARNING: Using incubator modules" is not one: Spark's launcher always adds that module and
-# no JVM option hides the line.)
-WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning: | WARN(ING)? ")
+# ("%(asctime)s %(levelname)s %(message)s": the package's own log.warning), or the JVM's own
+# "WARNING: ..." (the main job filters the incubator-module line Spark's launcher causes).
+WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning: | WARN(ING)? |^WARNING: ")
 
 
 def run_job(cmd: list[str], tmp_path: Path, tracking_uri: str, small: list[str] | None = None,
