@@ -6,9 +6,9 @@ launch's secret is refused, and the key never crosses the wire in clear."""
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
+from polling import eventually
 
 from sparkdl_avg._errors import PeerRefused, ProtocolError, TrainingError, WorkerLostError
 from sparkdl_avg.driver.load_monitor import LoadMonitor
@@ -26,14 +26,6 @@ def monitor():
     with LoadMonitor(host="127.0.0.1", advertise="127.0.0.1", num_workers=2,
                      worker_secret=WORKERS) as m:
         yield m
-
-
-def eventually(condition, seconds: float = 5.0) -> bool:
-    """A refusal is counted on the server's handler thread, just after the peer is told."""
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return condition()
 
 
 def claim(monitor, rank: int, attempt: int, secret: bytes | None = None) -> bytes:

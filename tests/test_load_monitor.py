@@ -6,18 +6,11 @@ import socket
 import time
 
 import pytest
+from polling import eventually
 
 from sparkdl_avg._errors import ProtocolError
 from sparkdl_avg.driver.load_monitor import LoadMonitor
 from sparkdl_avg.task.load_report import LoadReport, LoadReporter
-
-
-def eventually(condition, seconds: float = 5.0) -> bool:
-    """The server records a report on its handler thread, just after the handshake."""
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.fixture

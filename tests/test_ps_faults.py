@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from polling import wait_for
 
 from sparkdl_avg import ProtocolError
 from sparkdl_avg.net import messages as msg
@@ -55,13 +56,6 @@ def refused(c: PSClient) -> str:
 def handler_errors(caplog):
     caplog.set_level(logging.ERROR, logger="sparkdl_avg")
     return lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-
-
-def wait_for(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert condition()
 
 
 # --- 1. finite inputs, non-finite results ---------------------------------------------------

@@ -12,6 +12,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from polling import wait_for
 
 from sparkdl_avg import ProtocolError
 from sparkdl_avg.net import messages as msg
@@ -32,13 +33,6 @@ def server(**settings) -> ParameterServer:
 def client(ps: ParameterServer, worker: int) -> PSClient:
     return PSClient(ps.address, secret=SECRET, worker=worker, numel=4, dtype=np.float32,
                     timeout=10)
-
-
-def wait_for(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert condition()
 
 
 def test_a_second_connection_with_the_same_worker_id_replaces_the_first():

@@ -17,6 +17,7 @@ import cloudpickle
 import numpy as np
 import psutil
 import pytest
+from polling import wait_for
 
 from sparkdl_avg import ProtocolError
 from sparkdl_avg.averaging.coordinator import Coordinator
@@ -34,13 +35,6 @@ from sparkdl_avg.ps.sidecar import Sidecar
 SECRET = b"r" * 32
 FLOOD_PER_S = 40_000
 """Issue 33's flood: connection attempts a second, from two processes."""
-
-
-def wait_for(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert condition()
 
 
 def server() -> ParameterServer:
