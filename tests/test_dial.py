@@ -14,9 +14,9 @@ import warnings
 
 import numpy as np
 import pytest
+from loopback import coordinator
 
 from sparkdl_avg import ProtocolError
-from sparkdl_avg.averaging.coordinator import Coordinator
 from sparkdl_avg.averaging.driver_channel import DriverChannel
 from sparkdl_avg.net import auth
 from sparkdl_avg.net import messages as msg
@@ -25,12 +25,6 @@ from sparkdl_avg.net.dial import first_connected, retryable
 from sparkdl_avg.net.frames import HEADER, MAGIC, VERSION, Connection, Kind, connect
 
 HELLO = msg.WorkerHello(rank=0, host="h")
-
-
-def _coordinator(secret: bytes, workers: int = 1) -> Coordinator:
-    return Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=workers,
-                       secret=secret, timeout=10, dtype=np.float32, model_numel=4,
-                       check_job=lambda wait: None)
 
 
 def _channel(address, key: Credential, connect_timeout: float = 20) -> DriverChannel:
@@ -76,7 +70,7 @@ def test_a_slow_driver_handshake_is_waited_for_and_the_fit_starts(monkeypatch):
 
     monkeypatch.setattr(auth.msg, "send", slow_welcome)
     secret = new_secret()
-    with _coordinator(secret) as coord:
+    with coordinator(secret) as coord:
         channel = _channel(coord.address, Credential.of(secret, 0))
         channel.open(HELLO)
         monkeypatch.setattr(auth.msg, "send", real_send)
@@ -96,7 +90,7 @@ def test_a_rank_connecting_again_replaces_its_stale_connection():
     driver already holds: the newer connection gets the start, the older is closed. It used
     to be refused, leaving the driver with the dead one."""
     secret = new_secret()
-    with _coordinator(secret, workers=2) as coord:
+    with coordinator(secret, workers=2) as coord:
         stale = _channel(coord.address, Credential.of(secret, 0))
         stale.open(HELLO)
         fresh = _channel(coord.address, Credential.of(secret, 0))
@@ -242,9 +236,7 @@ def test_a_peer_that_sent_auth_is_never_evicted_by_strangers(monkeypatch):
         return real_key(secret_, role)
 
     monkeypatch.setattr(auth, "role_key", held)
-    coord = Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1,
-                        secret=secret, timeout=10, dtype=np.float32, model_numel=4,
-                        check_job=lambda wait: None)
+    coord = coordinator(secret)
     coord._max_pending = 2  # noqa: SLF001 - two handshakes at once: strangers must go
     with coord:
         result = {}

@@ -8,6 +8,7 @@ import ssl
 
 import numpy as np
 import pytest
+from loopback import coordinator
 from test_fit_sync import frame, make_data, make_model_f64, max_param_diff
 from test_ps_tls import _other_ca, self_signed
 
@@ -46,8 +47,7 @@ def test_a_sync_fit_over_tls_equals_one_over_plain_tcp(spark, tmp_path, monkeypa
 def test_the_tls_coordinator_refuses_plain_tcp_and_untrusting_peers(tmp_path):
     cert, key, pem = self_signed(tmp_path)
     secret = new_secret()
-    with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1, secret=secret,
-                     timeout=5, dtype=np.float32, model_numel=2, check_job=lambda w: None,
+    with coordinator(secret, timeout=5, numel=2,
                      tls=server_context(str(cert), str(key))) as coord:
         hello = msg.WorkerHello(rank=0, host="h")
         with pytest.raises(OSError):  # plain TCP: no CHALLENGE ever comes
@@ -84,8 +84,7 @@ def test_a_worker_that_does_not_trust_the_driver_fails_at_once(tmp_path):
 
     cert, key, _ = self_signed(tmp_path)
     secret = new_secret()
-    with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1, secret=secret,
-                     timeout=5, dtype=np.float32, model_numel=2, check_job=lambda w: None,
+    with coordinator(secret, timeout=5, numel=2,
                      tls=server_context(str(cert), str(key))) as coord:
         channel = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=20,
                                 reply_timeout=5, tls_ca_pem=_other_ca(tmp_path))
@@ -114,8 +113,7 @@ def test_a_slow_tls_handshake_gets_the_handshake_s_time_not_the_tcp_connect_s(tm
 
     cert, key, pem = self_signed(tmp_path)
     secret = new_secret()
-    with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1, secret=secret,
-                     timeout=5, dtype=np.float32, model_numel=2, check_job=lambda w: None,
+    with coordinator(secret, timeout=5, numel=2,
                      tls=SlowTLS(server_context(str(cert), str(key)))) as coord:
         channel = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=8,
                                 reply_timeout=5, tls_ca_pem=pem)

@@ -17,6 +17,7 @@ import cloudpickle
 import numpy as np
 import psutil
 import pytest
+from loopback import coordinator
 from polling import wait_for
 
 from sparkdl_avg import ProtocolError
@@ -103,9 +104,7 @@ def _timed_connects(flood: bool, rounds: int = 4) -> tuple[list[float], list[tup
     ctx = multiprocessing.get_context("fork")
     times, attempts = [], []
     for _ in range(rounds):
-        with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=4,
-                         secret=secret, timeout=30, dtype=np.float32, model_numel=4,
-                         check_job=lambda wait: None) as coord:
+        with coordinator(secret, 4, timeout=30) as coord:
             stop = ctx.Event()
             counts = [ctx.Value("l", 0) for _ in range(2 if flood else 0)]
             floods = [ctx.Process(target=_flood, args=(coord.address, stop, c,
@@ -178,9 +177,7 @@ def test_an_error_frame_instead_of_auth_is_counted_by_our_reason_not_the_peers(
 def test_what_a_peer_chose_is_logged_escaped(caplog):
     """An authenticated worker's host (its own text) in a refusal: one log line, escaped."""
     secret = new_secret()
-    with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=1, secret=secret,
-                     timeout=5, dtype=np.float32, model_numel=4,
-                     check_job=lambda wait: None) as coord:
+    with coordinator(secret, 1, timeout=5) as coord:
         channel = DriverChannel(coord.address, Credential.of(secret, 3), connect_timeout=5,
                                 reply_timeout=5)
         channel.open(msg.WorkerHello(rank=3, host="h\nERROR forged line" + "x" * 3000))
@@ -256,9 +253,7 @@ def test_a_worker_key_cannot_init_stop_or_act_as_another_worker():
 
 def test_a_worker_key_is_good_for_its_own_rank_only_at_the_coordinator():
     secret = new_secret()
-    with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=2, secret=secret,
-                     timeout=5, dtype=np.float32, model_numel=4,
-                     check_job=lambda wait: None) as coord:
+    with coordinator(secret, 2, timeout=5) as coord:
         channel = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=5,
                                 reply_timeout=5)
         with pytest.raises(ProtocolError) as info:
