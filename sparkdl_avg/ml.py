@@ -6,8 +6,9 @@
 
 The Params people tune (`lr`, `epochs`, `batchSize`, `averagingFrequency`, `numWorkers`)
 override the given `TrainConfig` where set. Each fit is an MLflow run; under
-`CrossValidator`, whose folds fit on pool threads, each is a child of the run that was
-active where `fit` was called.
+`CrossValidator`, whose folds fit on pool threads, over the estimator or a Pipeline holding
+it, each is a child of the run that was active where `fit` was called (`copy` keeps that
+run: `tracking/parent`).
 
 `inputCols` (a list of columns, or a dict {forward parameter: column}) and `weightCol` are
 `fit`'s `inputs` and `weight_col`. The fitted model of a classifier (a cross_entropy output
@@ -126,6 +127,21 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
                   if k not in ("model_fn", "config", "loss", "eval_df", "preprocess")
                   and v is not None}
         self._set(**kwargs)
+        self._callers_run: str | None = None
+        """The run active where this estimator was last copied (`copy`)."""
+
+    def copy(self, extra=None) -> AveragingEstimator:
+        """As pyspark's; the copy also keeps the MLflow run active here, so that its fits on
+        other threads nest under it while it runs: CrossValidator copies its estimator (a
+        Pipeline copies its stages) on the caller's thread and fits the copies on a pool's
+        threads, where MLflow's active run is not the caller's."""
+        from sparkdl_avg.tracking.parent import callers_run
+
+        that = super().copy(extra)
+        run = callers_run()
+        if run is not None:
+            that._callers_run = run
+        return that
 
     def train_config(self) -> TrainConfig:
         """`config` with the set Params in its fields (checked as any TrainConfig)."""
@@ -135,8 +151,10 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
 
     def _fit(self, dataset) -> AveragingModel:
         from sparkdl_avg._fit import fit
+        from sparkdl_avg.tracking.parent import inherited
 
-        result = fit(dataset, self.model_fn, self.train_config(), **self._fit_kwargs())
+        with inherited(self._callers_run):
+            result = fit(dataset, self.model_fn, self.train_config(), **self._fit_kwargs())
         model = AveragingModel(torch_model=result.model, schema=result.schema,
                                heads=result.heads, num_features=result.num_features,
                                classify=result.classify, run_id=result.run_id,
@@ -156,25 +174,6 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
         if self.isSet(self.weightCol) and self.getWeightCol():
             kwargs["weight_col"] = self.getWeightCol()
         return kwargs
-
-    def fitMultiple(self, dataset, paramMaps):  # noqa: N802 - pyspark's name
-        """As pyspark's, plus: the MLflow run active here (on the caller's thread) becomes
-        the parent of every fit, which CrossValidator runs on its pool threads."""
-        import mlflow
-
-        from sparkdl_avg.tracking.run import parent_run
-
-        active = mlflow.active_run()
-        parent = active.info.run_id if active is not None else None
-        estimator = self.copy()
-
-        def fit_one(index: int):
-            with parent_run(parent):
-                return estimator.fit(dataset, paramMaps[index])
-
-        from pyspark.ml.base import _FitMultipleIterator
-
-        return _FitMultipleIterator(fit_one, len(paramMaps))
 
 
 class AveragingModel(Model, HasFeaturesCol, _OutputParams, MLWritable, MLReadable):

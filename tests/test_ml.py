@@ -82,6 +82,49 @@ def test_cross_validation_over_lr_nests_every_fold_under_the_callers_run(columns
     assert len(best.avgMetrics) == 2 and isinstance(best.bestModel, AveragingModel)
 
 
+def test_cross_validation_over_a_pipeline_nests_every_fold_under_the_callers_run(columns):
+    """The guide's shape: CrossValidator over a Pipeline, whose own fitMultiple fits the
+    estimator on CrossValidator's pool thread, where the caller's run is not active."""
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    stages = pipeline(epochs=1)
+    estimator = stages.getStages()[-1]
+    grid = ParamGridBuilder().addGrid(estimator.lr, [0.03]).build()
+    cv = CrossValidator(estimator=stages, estimatorParamMaps=grid, numFolds=2,
+                        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
+    mlflow.set_experiment("ml")
+    with mlflow.start_run(run_name="pipeline tuning") as parent:
+        cv.fit(columns)
+    children = mlflow.search_runs(
+        experiment_names=["ml"], output_format="list",
+        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert len(children) == 2 + 1  # each fold, and the refit on all rows
+
+
+def test_a_copy_carries_the_callers_run_to_other_threads_only_while_it_runs():
+    import threading
+
+    from sparkdl_avg.tracking.parent import inherited, named_parent
+
+    estimator = AveragingEstimator(model_fn=FaultyMLP, config=CONFIG)
+    seen = {}
+
+    def elsewhere(copy, key):  # a pool thread: no active run of its own
+        with inherited(copy._callers_run):
+            seen[key] = named_parent()
+
+    mlflow.set_experiment("ml")
+    with mlflow.start_run() as parent:
+        copy = estimator.copy()
+        thread = threading.Thread(target=elsewhere, args=(copy, "while running"))
+        thread.start()
+        thread.join()
+    elsewhere(copy, "after it ended")
+    assert seen == {"while running": parent.info.run_id, "after it ended": None}
+    assert estimator._callers_run is None  # the original was not copied under a run
+
+
 def test_a_fit_inside_an_active_run_is_its_child_and_a_thread_may_name_the_parent(columns):
     import threading
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from sparkdl_avg._gc_pause import collector_paused
+from sparkdl_avg.tracking.parent import named_parent, parent_run  # noqa: F401 - parent_run was documented here
 
 log = logging.getLogger("sparkdl_avg")
 _FLUSH_EVERY_S = 1.0
@@ -43,22 +44,6 @@ def _clipped(kind: str, values: dict[str, Any], limit: int) -> dict[str, str]:
             text = text[:limit]
         out[key] = text
     return out
-
-
-_PARENT = threading.local()
-
-
-@contextlib.contextmanager
-def parent_run(run_id: str | None):
-    """Fits started in this block, on this thread, become children of `run_id` (as of an
-    active run). MLflow's active run is per thread, so a fit on a pool thread (CrossValidator
-    fits its folds there) would not see the caller's."""
-    previous = getattr(_PARENT, "run_id", None)
-    _PARENT.run_id = run_id
-    try:
-        yield
-    finally:
-        _PARENT.run_id = previous
 
 
 class RunLogger:
@@ -96,7 +81,7 @@ class RunLogger:
         # that has not imported mlflow has no active run.
         fluent = sys.modules.get("mlflow")
         active = fluent.active_run() if fluent is not None else None
-        parent = getattr(_PARENT, "run_id", None)
+        parent = named_parent()
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="sparkdl-avg-mlflow-open")
         self._opened = self._writes.submit(self._open, active.info if active else None, parent)
         return self
