@@ -59,13 +59,39 @@ class FitResult:
     """The MLflow run that recorded this fit."""
     history: list[dict] = field(default_factory=list)
     """The metrics logged to MLflow: one dict per averaging round in sync mode, per evaluation
-    interval (`eval_interval_s`) in async mode. MLflow's step is the round; in async mode
-    `updates_applied // num_workers`, a round being `push_every` local steps of each worker,
-    so a sync run averaging every `push_every` steps shares its x axis."""
+    interval (eval_interval_s) in async mode, with these keys:
+
+    - sync, every round: `round` (MLflow's step, from 0), `train_loss`, `lr`,
+      `samples_per_s`, `replica_divergence`, `driver_mb`, `time_round_s`, `time_compute_s`,
+      `time_communication_s`, `time_averaging_s`;
+    - sync, a round that evaluates eval_df: also `eval_loss`, `time_eval_s` and, for a loss
+      that classifies, `eval_accuracy`;
+    - async, every interval: `interval` (from 0), `round` (MLflow's step:
+      updates_applied // num_workers, a round being push_every local steps of each worker, so
+      a sync run averaging every push_every steps shares its x axis), `updates_applied`,
+      `updates_per_s`, `staleness_mean_worker_<w>` for each worker w heard from;
+    - async, an interval that has them: `train_loss` and `samples_per_s` (samples arrived),
+      `staleness_mean` and `staleness_max`, `lr`, and `eval_loss`, `time_eval_s` and
+      `eval_accuracy` (in the interval whose parameters the workers evaluated);
+    - both modes, once any stranger was refused: `refused_<reason>`, the count so far."""
     workers: list[dict] = field(default_factory=list)
-    """One dict per task: partition, host, device, GPU address, rows."""
+    """One dict per task, in partition order, as the task reported it:
+
+    - where it ran: `partition`, `host`, `pid`, `device` ("cpu", "cuda:0", ...), `gpu` (its
+      GPU's address, or None), `version` and `library` (the sparkdl-avg it imported, and
+      its folder), `warning` (what the task wants you to know, or None);
+    - its rows: `train_rows` and `eval_rows` (of train_df and eval_df), and `load_s`, the
+      seconds it took to load them;
+    - its data cache: `cache` ("memory" or "disk"), `spilled_mb` (written to disk),
+      `load_mb_s` (loading the partition), `read_mb_s` (reading minibatches as the model
+      gets them), `batch_wait_s` (the training thread's wait for its minibatches);
+    - its memory: `start_rss_mb` and `peak_rss_mb`, resident (None off Linux);
+    - its ragged inputs (None without any): `ragged_positions` trained on,
+      `pad_positions` of them padding, and their share `pad_fraction`."""
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds spent in each phase of the fit (validation, first step, training, logging)."""
+    """Seconds spent in each phase of the fit: `validate_s`, `first_step_s` (from the start
+    to the first training step), `train_s`, `log_model_s` (when it logs the model) and
+    `total_s`."""
     failures: list[dict] = field(default_factory=list)
     """The task failures the fit recovered from: partition, executor, host, error, and where
     training restarted (`restart_at`)."""
@@ -77,14 +103,15 @@ class FitResult:
     classify: bool = False
     """With no `heads`: a classifier (cross_entropy): predictions are class indices."""
     score_rows: int = 8192
-    """Rows the model scores at once (`TrainConfig.eval_rows`: eval_batch_size)."""
+    """Rows the model scores at once: the fit's eval_batch_size (by default 16 batches, at
+    most 8 MiB of features)."""
     schema: DataSchema | None = None
-    """Every input and label of the fit (`data/schema`): what scoring reads and in which
-    dtype and shape. None: one float vector of `num_features` values from `features_col`."""
+    """Every input and label of the fit: the columns scoring reads, with their dtype and
+    shape. None: one float vector of `num_features` values from `features_col`."""
     heads: tuple[str, ...] = ()
-    """Each model output's head, from the fit's loss (`scoring.outputs.output_heads`), or
-    under loss="model" from the model (`_model_output.model_head`): "class", "multilabel" or
-    "value". Empty: from `classify`."""
+    """How scoring reads each model output: "class", "multilabel" or "value", from the fit's
+    loss (under loss="model", from the model's config's problem_type). Empty: from
+    `classify`."""
     preprocess: Callable[..., dict] | None = None
     """`fit(preprocess=)`: scoring runs it (training=False) on the raw input columns."""
     model_schema: DataSchema | None = None

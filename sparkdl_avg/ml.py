@@ -65,20 +65,6 @@ SCORE_ROWS = 8192
 """Rows scored at once by a model saved without its fit's eval_batch_size."""
 
 
-class _TunedParams(Params):
-    lr = Param(Params._dummy(), "lr", "learning rate (overrides config.lr)",
-               typeConverter=TypeConverters.toFloat)
-    epochs = Param(Params._dummy(), "epochs", "passes over each partition",
-                   typeConverter=TypeConverters.toInt)
-    batchSize = Param(Params._dummy(), "batchSize", "minibatch size per worker",
-                      typeConverter=TypeConverters.toInt)
-    averagingFrequency = Param(Params._dummy(), "averagingFrequency",
-                               "sync: optimizer steps between averaging rounds",
-                               typeConverter=TypeConverters.toInt)
-    numWorkers = Param(Params._dummy(), "numWorkers", "replicas trained in parallel",
-                       typeConverter=TypeConverters.toInt)
-
-
 def _to_inputs(value) -> list[str] | dict[str, str]:
     """inputCols: a list of column names (the model's positional inputs) or a dict {forward
     parameter: column} (its keyword inputs)."""
@@ -91,17 +77,27 @@ def _to_inputs(value) -> list[str] | dict[str, str]:
                     f"{{forward parameter: column}}, got {value!r}")
 
 
-class _OutputParams(HasPredictionCol, HasRawPredictionCol, HasProbabilityCol):
-    pass
-
-
-class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _OutputParams,
-                         _TunedParams):
+class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, HasPredictionCol,
+                         HasRawPredictionCol, HasProbabilityCol):
     """A pyspark.ml `Estimator` that trains by `sparkdl_avg.fit` and returns an `AveragingModel`.
 
     `model_fn`, `config`, `loss` and `eval_df` are `sparkdl_avg.fit`'s; `inputCols` and
     `weightCol` its `inputs` and `weight_col`; the Params set here win over `config`'s
     fields."""
+
+    # the Params people tune (_TUNED), declared here rather than in a mixin: the reference
+    # page lists the bases, and a private one would be all a reader sees of them
+    lr = Param(Params._dummy(), "lr", "learning rate (overrides config.lr)",
+               typeConverter=TypeConverters.toFloat)
+    epochs = Param(Params._dummy(), "epochs", "passes over each partition",
+                   typeConverter=TypeConverters.toInt)
+    batchSize = Param(Params._dummy(), "batchSize",  # noqa: N815 - Spark ML's name
+                      "minibatch size per worker", typeConverter=TypeConverters.toInt)
+    averagingFrequency = Param(Params._dummy(), "averagingFrequency",  # noqa: N815
+                               "sync: optimizer steps between averaging rounds",
+                               typeConverter=TypeConverters.toInt)
+    numWorkers = Param(Params._dummy(), "numWorkers",  # noqa: N815 - Spark ML's name
+                       "replicas trained in parallel", typeConverter=TypeConverters.toInt)
 
     inputCols = Param(Params._dummy(), "inputCols",  # noqa: N815 - Spark ML's name
                       "the model's inputs: a list of columns (positional) or a dict {forward "
@@ -176,7 +172,8 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
         return kwargs
 
 
-class AveragingModel(Model, HasFeaturesCol, _OutputParams, MLWritable, MLReadable):
+class AveragingModel(Model, HasFeaturesCol, HasPredictionCol, HasRawPredictionCol,
+                     HasProbabilityCol, MLWritable, MLReadable):
     """A trained model in a pipeline: adds `predictionCol` from the fit's inputs, scored on
     the executors: for a classifier the class index as a double (Spark ML's evaluators expect
     that) with `rawPredictionCol` and `probabilityCol` (vectors; "" leaves one out), else the

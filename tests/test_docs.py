@@ -5,11 +5,14 @@ runs."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -78,14 +81,122 @@ def readme_example() -> str:
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.fixture(scope="module")
+def readme_run(spark):
+    """The README example run once, as it is: its namespace and what it printed."""
+    namespace, printed = {"__name__": "readme_example"}, io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(readme_example(), "README.md", "exec"), namespace)
+    return namespace, printed.getvalue()
+
+
 @pytest.mark.spark
-def test_the_readme_example_runs_and_learns(spark, capsys):
-    namespace = {"__name__": "readme_example"}
-    exec(compile(readme_example(), "README.md", "exec"), namespace)
+def test_the_readme_example_runs_and_learns(readme_run):
+    namespace, printed = readme_run
     result = namespace["result"]
     assert result.history[-1]["eval_accuracy"] > 0.85  # a linear rule: the MLP learns it
     assert namespace["scored"].count() == namespace["test_df"].count()
-    assert "test accuracy" in capsys.readouterr().out
+    assert "test accuracy" in printed
+
+
+class _Article(HTMLParser):
+    """A built page's content as a reader meets it: its text and hover titles, and under
+    each API entry (`id="sparkdl_avg..."`) its `<code>` items, by list item."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth, self.text, self.titles = 0, [], []
+        self.entry, self.heading, self.label, self.code = "", None, None, None
+        self.pre = 0
+        self.codes: dict[str, dict[str, list[str]]] = {}
+        """entry id -> list item's label (its text before its first code; "" outside any
+        list item) -> the code items in it."""
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.depth += tag == "article"
+        if not self.depth:
+            return
+        if attrs.get("title"):
+            self.titles.append(attrs["title"])
+        if (attrs.get("id") or "").startswith("sparkdl_avg."):
+            self.entry, self.heading = attrs["id"], tag  # its heading's codes are not its own
+        if tag == "li":
+            self.label = ""
+        self.pre += tag == "pre"  # a signature or an example, not a name in the text
+        if tag == "code" and self.heading is None and not self.pre:
+            self.code = ""
+
+    def handle_endtag(self, tag):
+        if not self.depth:
+            return
+        self.depth -= tag == "article"
+        if tag == self.heading:
+            self.heading = None
+        self.pre -= tag == "pre"
+        if tag == "code" and self.code is not None:
+            label = "" if self.label is None else self.label.strip()
+            self.codes.setdefault(self.entry, {}).setdefault(label, []).append(self.code)
+            self.code = None
+            if self.label is not None:
+                self.label = " " + self.label  # marks the label complete (see handle_data)
+        if tag == "li":
+            self.label = None
+
+    def handle_data(self, data):
+        if not self.depth:
+            return
+        self.text.append(data)
+        if self.code is not None:
+            self.code += data
+        elif self.label is not None and not self.label.startswith(" "):
+            self.label += data
+
+
+def read_article(path: Path) -> _Article:
+    article = _Article()
+    article.feed(path.read_text())
+    return article
+
+
+PRIVATE = re.compile(r"(?<![\w.])_[A-Za-z]\w*|\w\._[A-Za-z]\w*")
+"""A private name (`_BuiltOnRequest`, `_model_output.model_head`) or a path through one
+(`sparkdl_avg._errors.DataError`); `__version__` is neither."""
+
+
+def test_the_reference_shows_no_private_name(site):
+    for page in sorted((site / "reference").rglob("index.html")):
+        article = read_article(page)
+        shown = "".join(article.text) + "\n" + "\n".join(article.titles)
+        assert article.text and not PRIVATE.findall(shown), (page, PRIVATE.findall(shown))
+
+
+def key_documented(key: str, documented) -> bool:
+    """`key` is one of `documented`, or matches a pattern there (refused_<reason>)."""
+    return any(key == d or ("<" in d and key.startswith(d.split("<")[0])) for d in documented)
+
+
+@pytest.mark.spark
+def test_the_reference_names_the_keys_a_fit_returns(readme_run, site):
+    """The README's fit (sync, cross_entropy, eval_df, the model logged) against FitResult's
+    reference page: every key of its workers and timings, and its history rows' keys by
+    the list item that says when a row has them."""
+    result = readme_run[0]["result"]
+    codes = read_article(site / "reference" / "fit" / "index.html").codes
+    workers = [k for keys in codes["sparkdl_avg.FitResult.workers"].values() for k in keys]
+    assert {k for w in result.workers for k in w} == set(workers)
+    assert set(result.timings) == set(codes["sparkdl_avg.FitResult.timings"][""])
+    history = codes["sparkdl_avg.FitResult.history"]
+    every = history["sync, every round:"]
+    evaluated = history["sync, a round that evaluates eval_df: also"]
+    allowed = [k for label, keys in history.items() if label.startswith(("sync", "both"))
+               for k in keys]
+    assert any("eval_loss" in row for row in result.history)
+    for row in result.history:
+        assert set(every) <= set(row), set(every) - set(row)
+        assert "eval_loss" not in row or set(evaluated) <= set(row), set(evaluated) - set(row)
+        assert all(key_documented(k, allowed) for k in row), \
+            [k for k in row if not key_documented(k, allowed)]
 
 
 def test_nested_lists_written_for_github_nest_on_the_site():
