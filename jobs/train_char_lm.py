@@ -61,6 +61,7 @@ def main(argv: list[str]) -> int:
                    .config("spark.ui.enabled", "false"))
     spark = builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
     try:
+        # --8<-- [start:fit]  (docs/howto/char-lm.md shows these lines as they are)
         texts = char_lm.read_files(spark, args.text_dir or char_lm.stdlib_text_dirs(),
                                    args.glob or (None if args.text_dir else "*.py"))
         train_df, eval_df = (df.cache() for df in  # read by several jobs: cut once
@@ -70,6 +71,7 @@ def main(argv: list[str]) -> int:
                                        args.seed)
         result = fit(train_df, model_fn, config, inputs={"input_ids": "input_ids"},
                      label_col="labels", loss="cross_entropy", eval_df=eval_df)
+        # --8<-- [end:fit]
     finally:
         spark.stop()
     bpb = char_lm.bits_per_byte(result.history[-1]["eval_loss"])

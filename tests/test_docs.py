@@ -69,6 +69,12 @@ def test_getting_started_includes_the_readme_example(site):
     assert "randomSplit" in readme_example() and "randomSplit" in html
 
 
+def test_the_char_lm_recipe_shows_the_code_the_job_runs(site):
+    html = (site / "howto" / "char-lm" / "index.html").read_text()
+    text = re.sub(r"<[^>]+>", "", html)  # highlighted code: one span a token
+    assert "def windows(texts, seq_len" in text and "char_lm.windows(texts, args.seq_len" in text
+
+
 def test_the_readme_is_short_and_links_into_the_site():
     text = README.read_text()
     assert len(text.splitlines()) <= 200

@@ -31,6 +31,7 @@ def stdlib_text_dirs() -> list[str]:
     return [os.path.dirname(m.__file__) for m in (json, email, asyncio)]
 
 
+# --8<-- [start:read_files]
 def read_files(spark, paths: list[str], glob: str | None = None):
     """One row per file: `path` and `text` (the whole file). Spark skips `_`/`.` entries
     (so `__pycache__`); `glob` keeps only matching names (e.g. "*.py")."""
@@ -39,6 +40,7 @@ def read_files(spark, paths: list[str], glob: str | None = None):
     reader = spark.read.option("pathGlobFilter", glob) if glob else spark.read
     return reader.text(paths, wholetext=True).select(
         sf.col("_metadata.file_path").alias("path"), sf.col("value").alias("text"))
+# --8<-- [end:read_files]
 
 
 def read_lines(spark, paths: list[str], glob: str | None = None):
@@ -52,6 +54,7 @@ def read_lines(spark, paths: list[str], glob: str | None = None):
         sf.concat("value", sf.lit("\n")).alias("text"))
 
 
+# --8<-- [start:windows]  (docs/howto/char-lm.md shows this function as it is)
 def windows(texts, seq_len: int, *, keep_tails: bool = False, max_bytes: int | None = None,
             eval_percent: int = 5):
     """(train_df, eval_df) of `input_ids` and `labels` (array<int>, seq_len each) cut from
@@ -84,6 +87,7 @@ def windows(texts, seq_len: int, *, keep_tails: bool = False, max_bytes: int | N
     held_out = sf.pmod(sf.xxhash64("path", "k"), sf.lit(100)) < eval_percent
     return (out.where(~held_out).select("input_ids", "labels"),
             out.where(held_out).select("input_ids", "labels"))
+# --8<-- [end:windows]
 
 
 def unigram_bits_per_byte(df, labels_col: str = "labels") -> float:
