@@ -75,6 +75,15 @@ def test_the_char_lm_recipe_shows_the_code_the_job_runs(site):
     assert "def windows(texts, seq_len" in text and "char_lm.windows(texts, args.seq_len" in text
 
 
+def test_the_guide_draws_its_flows_as_diagrams(site):
+    """Mermaid blocks, which the site renders at the page's width (mermaid.js, from a CDN
+    when read), not box-drawing text in code blocks, which a page cuts off."""
+    html = (site / "guide" / "sync-async" / "index.html").read_text()
+    assert html.count('<pre class="mermaid"><code>flowchart') == 2  # sync and async
+    for page in (site / "guide").rglob("index.html"):
+        assert not re.search("[└├│]|──", page.read_text()), page
+
+
 def test_the_readme_is_short_and_links_into_the_site():
     text = README.read_text()
     assert len(text.splitlines()) <= 200
