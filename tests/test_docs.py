@@ -29,7 +29,7 @@ def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # Material's notice
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # see mkdocs.yml
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 
