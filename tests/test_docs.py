@@ -174,7 +174,7 @@ def read_article(path: Path) -> _Article:
     return article
 
 
-PRIVATE = re.compile(r"(?<![\w.])_[A-Za-z]\w*|\w\._[A-Za-z]\w*")
+PRIVATE = re.compile(r"(?<![\w.])_[A-Za-z]\w*|\w+(?:\.\w+)*\._[A-Za-z]\w*")
 """A private name (`_BuiltOnRequest`, `_model_output.model_head`) or a path through one
 (`sparkdl_avg._errors.DataError`); `__version__` is neither."""
 
