@@ -199,8 +199,10 @@ def test_the_reference_names_the_keys_a_fit_returns(readme_run, site):
     result = readme_run[0]["result"]
     codes = read_article(site / "reference" / "fit" / "index.html").codes
     workers = [k for keys in codes["sparkdl_avg.FitResult.workers"].values() for k in keys]
-    assert {k for w in result.workers for k in w} == set(workers)
-    assert set(result.timings) == set(codes["sparkdl_avg.FitResult.timings"][""])
+    returned = {k for w in result.workers for k in w}
+    assert returned == set(workers), returned ^ set(workers)
+    timings = set(codes["sparkdl_avg.FitResult.timings"][""])
+    assert set(result.timings) == timings, set(result.timings) ^ timings
     history = codes["sparkdl_avg.FitResult.history"]
     every = history["sync, every round:"]
     evaluated = history["sync, a round that evaluates eval_df: also"]
