@@ -98,9 +98,10 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
                          _TunedParams):
     """A pyspark.ml `Estimator` that trains by `sparkdl_avg.fit` and returns an `AveragingModel`.
 
-    `model_fn`, `config`, `loss` and `eval_df` are `sparkdl_avg.fit`'s; `inputCols` and
-    `weightCol` its `inputs` and `weight_col`; the Params set here win over `config`'s
-    fields."""
+    `model_fn`, `config`, `loss`, `eval_df` and `metrics` are `sparkdl_avg.fit`'s (with
+    eval_df, the fit evaluates before training too unless `config.eval_before_training` is
+    False); `inputCols` and `weightCol` its `inputs` and `weight_col`; the Params set here
+    win over `config`'s fields."""
 
     inputCols = Param(Params._dummy(), "inputCols",  # noqa: N815 - Spark ML's name
                       "the model's inputs: a list of columns (positional) or a dict {forward "
@@ -113,7 +114,7 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
                  weightCol=None, rawPredictionCol="rawPrediction",  # noqa: N803
                  probabilityCol="probability", lr=None, epochs=None,  # noqa: N803
                  batchSize=None, averagingFrequency=None, numWorkers=None,  # noqa: N803
-                 preprocess=None) -> None:
+                 preprocess=None, metrics=None) -> None:
         super().__init__()
         if model_fn is None or not callable(model_fn):
             raise ConfigError(f"AveragingEstimator needs model_fn, a zero-argument callable "
@@ -122,9 +123,11 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
             model_fn, config or TrainConfig(), loss, eval_df
         self.preprocess = preprocess
         """`fit(preprocess=)`: the model applies it too (training=False) and saves it."""
+        self.metrics = metrics
+        """`fit(metrics=)`: logged as eval_<name> in each fit's run."""
         kwargs = {k: v for k, v in self._input_kwargs.items()
-                  if k not in ("model_fn", "config", "loss", "eval_df", "preprocess")
-                  and v is not None}
+                  if k not in ("model_fn", "config", "loss", "eval_df", "preprocess",
+                               "metrics") and v is not None}
         self._set(**kwargs)
 
     def train_config(self) -> TrainConfig:
@@ -150,7 +153,8 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, _
     def _fit_kwargs(self) -> dict:
         """`fit`'s keyword arguments from the Params (inputs and weight_col only when set)."""
         kwargs = {"features_col": self.getFeaturesCol(), "label_col": self.getLabelCol(),
-                  "loss": self.loss, "eval_df": self.eval_df, "preprocess": self.preprocess}
+                  "loss": self.loss, "eval_df": self.eval_df, "preprocess": self.preprocess,
+                  "metrics": self.metrics}
         if self.isSet(self.inputCols):
             kwargs["inputs"] = self.getOrDefault(self.inputCols)
         if self.isSet(self.weightCol) and self.getWeightCol():
