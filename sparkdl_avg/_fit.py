@@ -60,7 +60,9 @@ class FitResult:
     """The MLflow run that recorded this fit."""
     history: list[dict] = field(default_factory=list)
     """The metrics logged to MLflow: one dict per averaging round in sync mode, per evaluation
-    interval (`eval_interval_s`) in async mode. MLflow's step is the round; in async mode
+    interval (`eval_interval_s`) in async mode, and first, with eval_df, round 0: the
+    evaluation before training (`TrainConfig.eval_before_training`), without train_loss.
+    MLflow's step is the round, counted as rounds done (1 after the first); in async mode
     `updates_applied // num_workers`, a round being `push_every` local steps of each worker,
     so a sync run averaging every `push_every` steps shares its x axis."""
     workers: list[dict] = field(default_factory=list)
