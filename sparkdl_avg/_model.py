@@ -112,10 +112,11 @@ def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
         for part in (value.func, *value.args, *value.keywords.values()):
             found |= _modules_of(part, depth + 1)
     if dataclasses.is_dataclass(value) and depth < 3:  # a TrainConfig's optimizer factory,
-        for f in dataclasses.fields(value):               # an objective's loss callables
-            held = getattr(value, f.name)
+        for f in dataclasses.fields(value):               # an objective's loss callables and
+            held = getattr(value, f.name)                 # its metrics' (`_metrics.Metric`)
             for part in held if isinstance(held, (tuple, list)) else (held,):
-                if callable(part):
+                if callable(part) or (dataclasses.is_dataclass(part)
+                                      and not isinstance(part, type)):
                     found |= _modules_of(part, depth + 1)
     return found
 
