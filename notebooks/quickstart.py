@@ -51,7 +51,7 @@ config = TrainConfig(num_workers=2, epochs=5, batch_size=50, averaging_frequency
                      optimizer="adam", lr=1e-3, eval_every=5, run_name="quickstart")
 result = fit(train_df, mnist1d.mlp((256, 256)), config, eval_df=test_df)
 final = result.history[-1]
-print(f"test accuracy {final['eval_accuracy']:.3f} after {len(result.history)} rounds, "
+print(f"test accuracy {final['eval_accuracy']:.3f} after {final['round']} rounds, "
       f"MLflow run {result.run_id}")
 
 # COMMAND ----------

@@ -21,6 +21,7 @@ from sparkdl_avg._errors import (
     SparkdlAvgError,
     TrainingError,
 )
+from sparkdl_avg._metrics import Metric
 from sparkdl_avg._version import __version__
 
 SPARK_CONF: dict[str, str] = {"spark.python.daemon.module": "sparkdl_avg.task.warm_daemon"}
@@ -41,6 +42,7 @@ __all__ = [
     "DataError",
     "EarlyStopping",
     "FitResult",
+    "Metric",
     "ModelError",
     "PreprocessError",
     "ProtocolError",

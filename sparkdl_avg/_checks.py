@@ -110,11 +110,14 @@ def check_cache(config, caches: tuple[str, ...]) -> None:
 
 
 def check_flags(config, names: tuple[str, ...]) -> None:
-    """Booleans that must be booleans, `log_model` (True, False or "adapters") and
-    `driver_model` ("full" or "meta")."""
+    """Booleans that must be booleans (`eval_before_training` may be None too), `log_model`
+    (True, False or "adapters") and `driver_model` ("full" or "meta")."""
     for name in names:
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"{name} must be True or False, got {getattr(config, name)!r}")
+    if not isinstance(config.eval_before_training, (bool, type(None))):
+        raise ConfigError(f"eval_before_training must be True, False or None (when eval_df "
+                          f"is given), got {config.eval_before_training!r}")
     if not isinstance(config.log_model, bool) and config.log_model != "adapters":
         raise ConfigError(f"log_model must be True, False or 'adapters', got "
                           f"{config.log_model!r}")

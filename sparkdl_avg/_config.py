@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from sparkdl_avg._checks import (
@@ -20,6 +19,7 @@ from sparkdl_avg._checks import (
 )
 from sparkdl_avg._controls import EarlyStopping, check_controls
 from sparkdl_avg._errors import ConfigError
+from sparkdl_avg._waits import Waits, waits_of
 from sparkdl_avg.net.message_base import MAX_WORKERS
 
 OptimizerName = Literal["sgd", "adam"]
@@ -44,22 +44,6 @@ ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_l
 """Fields of one mode: set to anything but their default in the other mode, a ConfigError."""
 
 
-@dataclass(frozen=True, slots=True)
-class Waits:
-    """Every wait of a fit, in seconds, resolved from a TrainConfig (`TrainConfig.waits`)."""
-
-    round: float
-    """The driver's (sync) or the server's (async) wait for a worker's next message."""
-    connect: float
-    """Workers loading their partitions and connecting."""
-    reply: float
-    """A worker's (and the async driver's) wait for the coordinator's or server's reply."""
-    finish: float
-    """The training job ending after the last round (or the last push)."""
-    reconnect: float
-    """Async: a worker reconnecting to a parameter server being restarted."""
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """How to train: workers, schedule, optimizer, averaging and logging."""
@@ -82,6 +66,11 @@ class TrainConfig:
     """Rows a replica evaluates at once (and the returned model scores at once, by default);
     None: 16 x batch_size, and at most 8 MiB of features a chunk. Bounds the device memory
     evaluation and scoring take."""
+
+    eval_before_training: bool | None = None
+    """Evaluate the initial parameters on `eval_df` before the first step, logged as round 0
+    (MLflow step 0, `FitResult.history[0]`, no train_loss), so the curves start where
+    training starts. None: when eval_df is given. A resumed fit does not evaluate again."""
 
     averaging_frequency: int = 8
     """Sync: local minibatches between two averaging rounds (1 = average after every step)."""
@@ -378,16 +367,11 @@ class TrainConfig:
 
     def waits(self) -> Waits:
         """Every wait of the fit, the unset ones derived from round_timeout."""
-        rt = self.round_timeout
-        connect = self.connect_timeout if self.connect_timeout is not None else max(300.0, rt)
-        if self.reply_timeout is not None:
-            reply = self.reply_timeout
-        else:
-            reply = 2 * rt + 30 if self.mode == "sync" else max(rt, connect)
-        return Waits(round=rt, connect=connect, reply=reply,
-                     finish=self.finish_timeout if self.finish_timeout is not None else rt,
-                     reconnect=self.reconnect_timeout if self.reconnect_timeout is not None
-                     else rt)
+        return waits_of(self)
+
+    def evaluates_first(self, has_eval: bool) -> bool:
+        """Whether the fit evaluates before its first step (`eval_before_training`)."""
+        return has_eval if self.eval_before_training is None else self.eval_before_training
 
     def to_dict(self) -> dict[str, str]:
         """Every field as a string, for MLflow params (callables by qualified name)."""

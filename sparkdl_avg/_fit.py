@@ -12,6 +12,7 @@ import torch
 from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._losses import LossFn
+from sparkdl_avg._metrics import Metric
 from sparkdl_avg._version import __version__
 from sparkdl_avg.data.describe import input_columns
 from sparkdl_avg.data.schema import DataSchema
@@ -59,20 +60,24 @@ class FitResult:
     """The MLflow run that recorded this fit."""
     history: list[dict] = field(default_factory=list)
     """The metrics logged to MLflow: one dict per averaging round in sync mode, per evaluation
-    interval (eval_interval_s) in async mode, with these keys:
+    interval (`eval_interval_s`) in async mode, and first, with eval_df, round 0: the
+    evaluation before training (`TrainConfig.eval_before_training`), without train_loss.
+    MLflow's step is the round, counted as rounds done (1 after the first). Keys:
 
-    - sync, every round: `round` (MLflow's step, from 0), `train_loss`, `lr`,
-      `samples_per_s`, `replica_divergence`, `driver_mb`, `time_round_s`, `time_compute_s`,
+    - sync, every training round: `round`, `train_loss`, `lr`, `samples_per_s`,
+      `replica_divergence`, `driver_mb`, `time_round_s`, `time_compute_s`,
       `time_communication_s`, `time_averaging_s`;
-    - sync, a round that evaluates eval_df: also `eval_loss`, `time_eval_s` and, for a loss
-      that classifies, `eval_accuracy`;
+    - sync, a round that evaluates eval_df (round 0 included): also `eval_loss`,
+      `time_eval_s`, for a loss that classifies `eval_accuracy`, and `eval_<name>` for each
+      of `fit(metrics=)`;
     - async, every interval: `interval` (from 0), `round` (MLflow's step:
       updates_applied // num_workers, a round being push_every local steps of each worker, so
       a sync run averaging every push_every steps shares its x axis), `updates_applied`,
       `updates_per_s`, `staleness_mean_worker_<w>` for each worker w heard from;
     - async, an interval that has them: `train_loss` and `samples_per_s` (samples arrived),
-      `staleness_mean` and `staleness_max`, `lr`, and `eval_loss`, `time_eval_s` and
-      `eval_accuracy` (in the interval whose parameters the workers evaluated);
+      `staleness_mean` and `staleness_max`, `lr`, and `eval_loss`, `time_eval_s`,
+      `eval_accuracy` and `eval_<name>` (in the interval whose parameters the workers
+      evaluated);
     - both modes, once any stranger was refused: `refused_<reason>`, the count so far."""
     workers: list[dict] = field(default_factory=list)
     """One dict per task, in partition order, as the task reported it:
@@ -198,6 +203,7 @@ def fit(
     resume_from: str | None = None,
     on_round: Callable[[dict], bool] | None = None,
     preprocess: Callable[..., dict] | None = None,
+    metrics: Sequence[str | Metric | Callable] | None = None,
 ) -> FitResult:
     """Train `model_fn()` on `train_df` across `config.num_workers` Spark tasks by periodic
     parameter averaging, logging the run to MLflow. The model takes `features_col` (one column
@@ -218,7 +224,11 @@ def fit(
     minibatch's raw columns off the training thread (binary columns arrive as a list of bytes;
     Spark's image source struct as {"data": list of bytes, "height", "width", "nChannels",
     "mode": int32 arrays}, without its origin); what it returns is what the model gets. The full
-    contract: the user guide's "Records that need decoding" (docs/guide/preprocess.md)."""
+    contract: the user guide's "Records that need decoding" (docs/guide/preprocess.md).
+    `metrics`: evaluation metrics beyond eval_loss and eval_accuracy, each logged as
+    eval_<name> at every evaluation (needs eval_df): "auc" (binary classifiers), "perplexity"
+    (cross_entropy), a `Metric`, or a callable (output, label, weights) -> (numerator,
+    denominator); exact over chunks and workers (docs/guide/mlflow.md#evaluation-metrics)."""
     config = TrainConfig() if config is None else config
     t_start = time.perf_counter()
     # The run opens before any check (on a thread of its own, while the checks run), so every
@@ -231,7 +241,8 @@ def fit(
             raise DataError(f"train_df must be a pyspark DataFrame, got "
                             f"{type(train_df).__name__}")
         run.log_params({**config.to_dict(), **_data_params(features_col, inputs, label_col,
-                                                           weight_col, loss, loss_weights)})
+                                                           weight_col, loss, loss_weights,
+                                                           metrics)})
         resume = None
         if resume_from is not None:
             if config.mode != "sync":
@@ -242,7 +253,7 @@ def fit(
         plan = make_plan(spark, train_df, eval_df, model_fn, config, features_col=features_col,
                          inputs=inputs, label_col=label_col, weight_col=weight_col, loss=loss,
                          loss_weights=loss_weights, resume=resume, on_round=on_round,
-                         preprocess=preprocess)
+                         preprocess=preprocess, metrics=metrics)
         run.log_params(plan.params)
         run.opened()  # MLflow's schema modules imported, by one thread only
         log_datasets(run, train_df, sum(plan.data.train_sizes), eval_df,
@@ -277,16 +288,20 @@ def fit(
                          preprocess=preprocess, model_schema=plan.model_schema)
 
 
-def _data_params(features_col, inputs, label_col, weight_col, loss, loss_weights) -> dict:
+def _data_params(features_col, inputs, label_col, weight_col, loss, loss_weights,
+                 metrics=None) -> dict:
     """The fit's data arguments as MLflow params (what each names; None where unset)."""
     def name(value):
         if isinstance(value, (list, tuple)):
             return [name(v) for v in value]
+        if isinstance(value, Metric):
+            return value.name
         return getattr(value, "__qualname__", value)
 
     params = {"features_col": features_col if inputs is None else None, "inputs": inputs,
               "label_col": label_col, "weight_col": weight_col, "loss": name(loss),
-              "loss_weights": loss_weights}
+              "loss_weights": loss_weights,
+              "metrics": name(metrics)}
     return {k: v for k, v in params.items() if v is not None}
 
 

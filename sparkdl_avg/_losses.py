@@ -155,6 +155,8 @@ class Objective:
     num_outputs: int = 1
     weighted: bool = False
     """The fit has a weight column: callables get the weights as a third argument."""
+    metrics: tuple = ()
+    """`fit(metrics=)`, checked (`_metrics.make_metrics`): what evaluation reports besides."""
 
     @property
     def joint(self) -> bool:

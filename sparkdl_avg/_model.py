@@ -112,10 +112,11 @@ def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
         for part in (value.func, *value.args, *value.keywords.values()):
             found |= _modules_of(part, depth + 1)
     if dataclasses.is_dataclass(value) and depth < 3:  # a TrainConfig's optimizer factory,
-        for f in dataclasses.fields(value):               # an objective's loss callables
-            held = getattr(value, f.name)
+        for f in dataclasses.fields(value):               # an objective's loss callables and
+            held = getattr(value, f.name)                 # its metrics' (`_metrics.Metric`)
             for part in held if isinstance(held, (tuple, list)) else (held,):
-                if callable(part):
+                if callable(part) or (dataclasses.is_dataclass(part)
+                                      and not isinstance(part, type)):
                     found |= _modules_of(part, depth + 1)
     return found
 
@@ -192,7 +193,7 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
     field its longest row; or on `batch` (real rows: `fit(preprocess=)`'s sample), whose
     integer fields that `ranges` names hold their least and largest values the same way
     (`probe_batch.with_ranges`). Then check its outputs against the labels
-    (`check_outputs`), and return them."""
+    (`check_outputs`) and the fit's metrics (`_metrics.check_metrics`), and return them."""
     from sparkdl_avg._losses import check_outputs
     from sparkdl_avg.data.probe_batch import probe_batch, with_ranges
 
@@ -212,6 +213,14 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
     except Exception as exc:
         raise _forward_failed(schema, batch, exc) from exc
     check_outputs(objective, out, batch.labels, [f.described for f in schema.labels])
+    if objective.metrics:  # each metric once on these outputs: one that cannot score fails
+        from sparkdl_avg._metrics import check_metrics
+        from sparkdl_avg._model_output import logits_of
+
+        rows = batch.labels[0].shape[0]
+        weights = torch.ones(rows, dtype=torch.float64) if objective.weighted else None
+        with torch.no_grad():
+            check_metrics(objective.metrics, logits_of(out), batch.labels, weights)
     return out
 
 

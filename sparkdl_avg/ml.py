@@ -81,9 +81,10 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, H
                          HasRawPredictionCol, HasProbabilityCol):
     """A pyspark.ml `Estimator` that trains by `sparkdl_avg.fit` and returns an `AveragingModel`.
 
-    `model_fn`, `config`, `loss` and `eval_df` are `sparkdl_avg.fit`'s; `inputCols` and
-    `weightCol` its `inputs` and `weight_col`; the Params set here win over `config`'s
-    fields."""
+    `model_fn`, `config`, `loss`, `eval_df` and `metrics` are `sparkdl_avg.fit`'s (with
+    eval_df, the fit evaluates before training too unless `config.eval_before_training` is
+    False); `inputCols` and `weightCol` its `inputs` and `weight_col`; the Params set here
+    win over `config`'s fields."""
 
     # the Params people tune (_TUNED), declared here rather than in a mixin: the reference
     # page lists the bases, and a private one would be all a reader sees of them
@@ -110,7 +111,7 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, H
                  weightCol=None, rawPredictionCol="rawPrediction",  # noqa: N803
                  probabilityCol="probability", lr=None, epochs=None,  # noqa: N803
                  batchSize=None, averagingFrequency=None, numWorkers=None,  # noqa: N803
-                 preprocess=None) -> None:
+                 preprocess=None, metrics=None) -> None:
         super().__init__()
         if model_fn is None or not callable(model_fn):
             raise ConfigError(f"AveragingEstimator needs model_fn, a zero-argument callable "
@@ -119,9 +120,11 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, H
             model_fn, config or TrainConfig(), loss, eval_df
         self.preprocess = preprocess
         """`fit(preprocess=)`: the model applies it too (training=False) and saves it."""
+        self.metrics = metrics
+        """`fit(metrics=)`: logged as eval_<name> in each fit's run."""
         kwargs = {k: v for k, v in self._input_kwargs.items()
-                  if k not in ("model_fn", "config", "loss", "eval_df", "preprocess")
-                  and v is not None}
+                  if k not in ("model_fn", "config", "loss", "eval_df", "preprocess",
+                               "metrics") and v is not None}
         self._set(**kwargs)
         self._callers_run: str | None = None
         """The run active where this estimator was last copied (`copy`)."""
@@ -164,7 +167,8 @@ class AveragingEstimator(Estimator, HasFeaturesCol, HasLabelCol, HasWeightCol, H
     def _fit_kwargs(self) -> dict:
         """`fit`'s keyword arguments from the Params (inputs and weight_col only when set)."""
         kwargs = {"features_col": self.getFeaturesCol(), "label_col": self.getLabelCol(),
-                  "loss": self.loss, "eval_df": self.eval_df, "preprocess": self.preprocess}
+                  "loss": self.loss, "eval_df": self.eval_df, "preprocess": self.preprocess,
+                  "metrics": self.metrics}
         if self.isSet(self.inputCols):
             kwargs["inputs"] = self.getOrDefault(self.inputCols)
         if self.isSet(self.weightCol) and self.getWeightCol():

@@ -223,6 +223,29 @@ def test_more_shards_than_parameters_is_refused_before_any_spark_job(good, mlflo
     assert_failed_run(mlflow_client, "ps_shards=5")
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"metrics": ["auc"], "loss": "mse"}, r"auc.*binary classifier.*loss='mse'"),
+    ({"metrics": ["f1"]}, "'f1' is not a known metric; use one of 'auc', 'perplexity'"),
+    ({"metrics": ["perplexity"], "eval_df": None}, "give fit an eval_df"),
+])
+def test_bad_metrics_are_refused_before_any_spark_job(good, mlflow_client, monkeypatch,
+                                                      kwargs, message):
+    from sparkdl_avg.driver import plan
+
+    def no_job(*_, **__):
+        raise AssertionError("a Spark job ran before the metrics' check")
+
+    monkeypatch.setattr(plan, "check_cluster", no_job)
+    with pytest.raises(ConfigError, match=message):
+        fit(good, model, CFG, **{"eval_df": good, **kwargs})
+    assert_failed_run(mlflow_client, "ConfigError")
+
+
+def test_a_metric_that_cannot_score_the_model_fails_its_probe(good):
+    with pytest.raises(ModelError, match=r"auc.*the model outputs \(2, 5\)"):
+        fit(good, lambda: torch.nn.Linear(3, 5), CFG, eval_df=good, metrics=["auc"])
+
+
 def test_not_a_dataframe(mlflow_client):
     with pytest.raises(DataError, match="train_df must be a pyspark DataFrame, got DataFrame"):
         fit(pd.DataFrame({"features": [[1.0]], "label": [0]}), model, CFG)

@@ -70,5 +70,5 @@ def test_a_channels_last_cnn_resumes_bit_identically(images, straight, tmp_path)
     fit(images, FaultyCNN, TrainConfig(**{**BASE, "epochs": 1}, checkpoint_dir=folder))
     resumed = fit(images, FaultyCNN, TrainConfig(**BASE, checkpoint_dir=folder),
                   resume_from=folder)
-    assert resumed.history[0]["round"] == 0 and len(resumed.history) == 8
+    assert resumed.history[0]["round"] == 1 and len(resumed.history) == 8
     assert same_parameters(resumed.model, straight.model)

@@ -204,13 +204,15 @@ def test_the_reference_names_the_keys_a_fit_returns(readme_run, site):
     timings = set(codes["sparkdl_avg.FitResult.timings"][""])
     assert set(result.timings) == timings, set(result.timings) ^ timings
     history = codes["sparkdl_avg.FitResult.history"]
-    every = history["sync, every round:"]
-    evaluated = history["sync, a round that evaluates eval_df: also"]
+    every = history["sync, every training round:"]
+    evaluated = history["sync, a round that evaluates eval_df (round 0 included): also"]
     allowed = [k for label, keys in history.items() if label.startswith(("sync", "both"))
                for k in keys]
     assert any("eval_loss" in row for row in result.history)
+    assert result.history[0]["round"] == 0 and "train_loss" not in result.history[0]
     for row in result.history:
-        assert set(every) <= set(row), set(every) - set(row)
+        if row["round"] > 0:  # round 0: the evaluation before training alone
+            assert set(every) <= set(row), set(every) - set(row)
         assert "eval_loss" not in row or set(evaluated) <= set(row), set(evaluated) - set(row)
         assert all(key_documented(k, allowed) for k in row), \
             [k for k in row if not key_documented(k, allowed)]

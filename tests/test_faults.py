@@ -90,7 +90,7 @@ def test_resume_from_a_directory_trains_further_bit_identically(data, tmp_path):
                   resume_from=folder)
     straight = fit(data, FaultyMLP, TrainConfig(**{**BASE, "epochs": 3}))
     assert same_parameters(resumed.model, straight.model)
-    assert resumed.history[0]["round"] == 0  # the first fit's rounds come with the checkpoint
+    assert resumed.history[0]["round"] == 1  # the first fit's rounds come with the checkpoint
     assert [h["train_loss"] for h in resumed.history] == \
         [h["train_loss"] for h in straight.history]
 

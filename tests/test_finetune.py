@@ -121,7 +121,7 @@ def test_a_frozen_backbone_never_travels_and_stays_as_built(frame, rows, mode):
     if mode != "async":
         # driver: two pushes and two averages of 80 kB; collective: the control plane, and
         # the average when the driver keeps it. The whole model would be 66 MB
-        assert max(r["driver_mb"] for r in history) <= 1.0
+        assert max(r["driver_mb"] for r in history if "driver_mb" in r) <= 1.0
 
 
 def test_the_heads_trajectory_is_a_fit_on_precomputed_features(spark, rows):

@@ -146,7 +146,8 @@ def test_fit_learns_and_logs_everything_to_mlflow(spark, mlflow_client):
     result = fit(train, make_model_f32, cfg, eval_df=test)
 
     assert result.history[-1]["eval_accuracy"] > 0.9
-    assert result.history[-1]["train_loss"] < result.history[0]["train_loss"]
+    assert result.history[-1]["train_loss"] < result.history[1]["train_loss"]
+    assert "train_loss" not in result.history[0]  # round 0: evaluated before training
     assert {w["partition"] for w in result.workers} == {0, 1}
     assert [w["train_rows"] for w in result.workers] == [800, 800]
     assert [w["eval_rows"] for w in result.workers] == [200, 200]
@@ -160,12 +161,13 @@ def test_fit_learns_and_logs_everything_to_mlflow(spark, mlflow_client):
                 "time_averaging_s", "replica_divergence"):
         series = mlflow_client.get_metric_history(result.run_id, key)
         assert [m.step for m in sorted(series, key=lambda m: m.step)] == list(
-            range(len(result.history))), key
-    # evaluated once an epoch by default: 25 steps an epoch, 5 rounds of 5 steps
+            range(1, len(result.history))), key
+    # before training (round 0), then once an epoch by default: 25 steps an epoch, 5 rounds
+    # of 5 steps
     for key in ("eval_loss", "eval_accuracy"):
         series = mlflow_client.get_metric_history(result.run_id, key)
-        assert sorted(m.step for m in series) == [4, 9, 14, 19], key
-    divergence = [h["replica_divergence"] for h in result.history]
+        assert sorted(m.step for m in series) == [0, 5, 10, 15, 20], key
+    divergence = [h["replica_divergence"] for h in result.history[1:]]  # trained rounds
     assert all(d > 0 for d in divergence)  # replicas do drift apart within a round
     # what each task's data cost (a small partition: kept in memory under "auto")
     for w in result.workers:
@@ -260,7 +262,7 @@ def test_the_result_carries_the_replicas_integer_buffers(spark, checkpoint_every
     result = fit(frame(spark, x.astype(np.float32), y), make_batchnorm_model, cfg)
     steps = 3 * (120 // 10)
     assert int(result.model[1].num_batches_tracked) == steps
-    assert result.history[-1]["round"] == -(-steps // 4) - 1
+    assert result.history[-1]["round"] == -(-steps // 4)  # rounds done
 
 
 class ChecksDeterminism(torch.nn.Module):

@@ -499,7 +499,7 @@ def test_lora_trains_with_the_models_own_loss_and_only_its_adapters_move(own_los
     # what travels a round is the adapters (and the trained norm): less than half a copy of
     # the model, where averaging everything would send four (2 workers, both ways)
     whole = sum(p.numel() for p in start.parameters()) * 8 / 1e6  # float64
-    assert max(h["driver_mb"] for h in own_loss.history) < whole / 2
+    assert max(h["driver_mb"] for h in own_loss.history if "driver_mb" in h) < whole / 2
 
 
 @pytest.mark.spark

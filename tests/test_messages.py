@@ -10,6 +10,7 @@ import pytest
 
 from sparkdl_avg import ProtocolError
 from sparkdl_avg._errors import PeerRefused, Unacceptable
+from sparkdl_avg._eval_sums import payload_target, split_tables
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection, Kind
 
@@ -24,7 +25,8 @@ VALID = {
                   "stop": False},
     msg.State: {"layout": []},
     msg.Eval: {"loss_sum": 3.0, "loss_weight": 2.5, "correct": 2, "scored": 6, "count": 4,
-               "eval_s": 0.01, "request": 7},
+               "eval_s": 0.01, "request": 7, "metrics": {"perplexity": [2.5, 4.0], "f": None},
+               "ranked": {"auc": 3}},
     msg.Done: {"layout": []},
     msg.WorkerFailed: {"message": "ValueError: boom", "final": False},
     msg.Init: {"dtype": "float32", "numel": 4, "workers": 2, "expect": {"lr": 0.1}},
@@ -108,6 +110,17 @@ INVALID = [
     (msg.Enrolled, {"sealed": "cd" * 31}, "a sealed key of 31 bytes"),
     (msg.Enrolled, {"nonce": "ab" * 8}, "a nonce of 8"),
     (msg.Enrolled, {"sealed": "zz" * 32}, "sealed is not hex"),
+    # evaluation metrics: named as they are logged, bounded, finite, and tables of rows
+    (msg.Eval, {"metrics": []}, "Eval.metrics must be dict or null"),
+    (msg.Eval, {"metrics": {"eval loss": [1.0]}}, "a metric named 'eval loss'"),
+    (msg.Eval, {"metrics": {"f": [1.0] * 65}}, "list of at most 64 finite numbers"),
+    (msg.Eval, {"metrics": {"f": [float("nan")]}}, "list of at most 64 finite numbers"),
+    (msg.Eval, {"metrics": {"f": ["1"]}}, "list of at most 64 finite numbers"),
+    (msg.Eval, {"metrics": {"f": 1.0}}, "list of at most 64 finite numbers"),
+    (msg.Eval, {"metrics": {f"m{k}": [] for k in range(17)}}, "17 metrics .at most 16."),
+    (msg.Eval, {"ranked": {"auc": -1}}, "ranked must give 0 to 4194304"),
+    (msg.Eval, {"ranked": {"auc": 1 << 22, "b": 1}}, "ranked must give 0 to 4194304"),
+    (msg.Eval, {"ranked": {"auc": 1.5}}, "ranked must give 0 to 4194304"),
 ]
 
 
@@ -181,6 +194,20 @@ def test_a_refusal_raises_with_its_reason(pair):
     with pytest.raises(PeerRefused, match="update holds NaN") as info:
         msg.expect(b, msg.Ack)
     assert info.value.reason == "non_finite"
+
+
+def test_an_evaluations_payload_is_its_tables_exactly_or_refused_unread(pair):
+    a, b = pair
+    tables = np.array([0.1, 0.0, 1.0, 0.5, 1.0, 0.0, 0.9, 2.0, 0.0])
+    meta = {**VALID[msg.Eval], "ranked": {"auc": 3}}
+    a.send(Kind.EVAL, meta, tables)
+    message, payload = msg.receive(b, into=payload_target)
+    assert split_tables(message.ranked, payload)["auc"].tolist() == \
+        tables.reshape(3, 3).tolist()
+    a.send(Kind.EVAL, {**meta, "ranked": {"auc": 2}}, tables)  # claims fewer rows than sent
+    with pytest.raises(ProtocolError, match="payload of 72 bytes where 48") as info:
+        msg.receive(b, into=payload_target)
+    assert info.value.reason == "shape"
 
 
 def test_an_unexpected_kind_is_named(pair):

@@ -215,7 +215,7 @@ def test_every_estimator_param_reaches_the_fit(spark, mlflow_client):
     estimator = AveragingEstimator(
         model_fn=linear_regressor, config=config, loss="mse", eval_df=held_out,
         featuresCol="feats", labelCol="target", predictionCol="pred", numWorkers=2,
-        batchSize=6, averagingFrequency=2)
+        batchSize=6, averagingFrequency=2, metrics=[abs_error])
     model = estimator.fit(train)
     run = mlflow_client.get_run(model.run_id)
     # 2 workers x 30 rows, 5 steps of 6 each, averaged every 2: 3 rounds (1 worker: 5 rounds;
@@ -230,9 +230,18 @@ def test_every_estimator_param_reaches_the_fit(spark, mlflow_client):
         out = model.torch_model(features.float()).squeeze(1).double()
     mse = torch.nn.functional.mse_loss(out, torch.from_numpy(y[60:])).item()
     assert run.data.metrics["eval_loss"] == pytest.approx(mse, rel=1e-5)
+    mae = (out - torch.from_numpy(y[60:])).abs().mean().item()
+    assert run.data.metrics["eval_abs_error"] == pytest.approx(mae, rel=1e-5)
+    # and before training, at step 0 (round 0: eval_df given)
+    assert min(m.step for m in mlflow_client.get_metric_history(model.run_id,
+                                                                "eval_abs_error")) == 0
     scored = model.transform(held_out).toPandas()
     assert "prediction" not in scored.columns
     np.testing.assert_allclose(scored["pred"].to_numpy(), out.numpy(), rtol=1e-6)
+
+
+def abs_error(output, label, weights):  # fit(metrics=): sum |error| / rows
+    return (output.squeeze(-1).double() - label).abs().sum(), label.numel()
 
 
 def test_the_model_scores_eval_batch_size_rows_at_a_time_also_once_saved_and_loaded(

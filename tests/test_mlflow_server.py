@@ -94,8 +94,9 @@ def test_sync_and_async_runs_compare_column_by_column(spark, server_uri):
         assert "plots/learning_curves.png" in artifacts
         assert any(k.startswith("system/cpu") for k in run.data.metrics), run.data.metrics
         _assert_reloaded_model_predicts_like(result, x[:8])
-    # 200 rows a worker, 20 a batch, 2 epochs: 20 steps, 10 rounds of 2, each evaluated
-    assert len(runs[0].history) == 10
+    # round 0 (before training), then 200 rows a worker, 20 a batch, 2 epochs: 20 steps, 10
+    # rounds of 2, each evaluated
+    assert len(runs[0].history) == 11
     assert "plots/worker_timeline.png" in {
         a.path for a in client.list_artifacts(sync.info.run_id, "plots")}
 

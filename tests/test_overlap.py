@@ -162,16 +162,17 @@ def test_overlapped_fit_recovers_from_a_fault_bit_identically(spark, fault, tmp_
 
 
 def test_a_fault_in_the_steps_after_a_stop_does_not_fail_the_stopped_fit(spark, tmp_path):
-    # on_round stops the fit at round 2, so round 3's average is the workers' last; overlapped,
-    # they learn it only after round 4's steps, where partition 1's forward raises. Those
-    # steps were past the end: the fit finishes as it does without the fault.
+    # on_round stops the fit at round 3 (rounds done), so the next round's average is the
+    # workers' last; overlapped, they learn it only after the steps of the round after,
+    # where partition 1's forward raises. Those steps were past the end: the fit finishes as
+    # it does without the fault.
     data = dataset(spark).cache()
     base = dict(num_workers=2, epochs=2, batch_size=15, averaging_frequency=2,
                 optimizer="adam", lr=0.01, seed=5, checkpoint_every=0, log_model=False,
                 overlap_averaging=True)
 
-    def stop_at_2(row):
-        return row["round"] == 2
+    def stop_at_2(row):  # the third round: the one of index 2
+        return row["round"] == 3
 
     reference = fit(data, FaultyMLP, TrainConfig(**base), on_round=stop_at_2)
     result = fit(data, partial(FaultyMLP, fault="raise", marker=str(tmp_path / "fired")),

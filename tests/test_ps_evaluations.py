@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from sparkdl_avg import ProtocolError
+from sparkdl_avg._eval_sums import table_of
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.evaluations import KEEP_RESULTS, Evaluations
@@ -145,6 +146,31 @@ def test_misplaced_or_malformed_evaluation_messages_are_refused_and_counted():
         report = driver.stats()
         assert report["refused"] == {"malformed": 3, "unexpected": 3}
         assert report["evaluations"] == {"pending": None, "results": [], "finished": []}
+
+
+def test_metrics_merge_over_workers_and_malformed_tables_are_refused():
+    """auc's score tables merge by score on the server, and the result keeps only their
+    Mann-Whitney sums: small JSON for STATS and the checkpoint, whatever the rows."""
+    with started() as (ps, driver), client(ps, 0) as a, client(ps, 1) as b:
+        a.pull()
+        driver.evaluate()
+        a.pull_snapshot()
+        msg.send(a._conn, msg.Eval(loss_sum=1.0, loss_weight=1.0, correct=None, scored=None,
+                                   count=2, eval_s=0.0, request=0, ranked={"auc": 2}),
+                 np.array([0.5, 1.0, 0.0, 0.2, 0.0, 1.0]))  # scores not ascending
+        with pytest.raises(ProtocolError, match="not sorted") as info:
+            msg.expect(a._conn, msg.Ack)
+        assert info.value.reason == "malformed"
+        for worker, scores, positive in ((a, [0.2, 0.5], [False, True]),
+                                         (b, [0.5, 0.7], [False, True])):
+            worker.pull_snapshot()
+            worker.answer(0, {**result(1.0, None, 2), "metrics": {"n": [2.0]},
+                              "tables": {"auc": table_of(np.array(scores), np.array(positive),
+                                                         np.ones(2))}}, eval_s=0.1)
+        done = driver.stats()["evaluations"]["results"][0]
+        # positives 0.5, 0.7 over negatives 0.2, 0.5: 1 + 0.5 (the tie) + 1 + 1 of 4 pairs
+        assert done["metrics"] == {"n": [4.0], "auc": [3.5, 2.0, 2.0]}
+        assert driver.stats()["refused"] == {"malformed": 1}
 
 
 def test_the_bookkeeping_is_bounded_and_ignores_strangers():

@@ -276,10 +276,10 @@ def test_on_round_stops_a_sync_fit_at_the_round_it_says(data, mlflow_client):
     def stop_at_2(metrics: dict) -> bool:
         seen.append(metrics["round"])
         assert "train_loss" in metrics and "lr" in metrics
-        return metrics["round"] == 2
+        return metrics["round"] == 2  # rounds done: no eval_df, so no round 0
 
     result = fit(data, FaultyMLP, replace(CONTROLLED, checkpoint_every=0), on_round=stop_at_2)
-    assert [h["round"] for h in result.history] == [0, 1, 2] and seen == [0, 1, 2]
+    assert [h["round"] for h in result.history] == [1, 2] and seen == [1, 2]
     run = mlflow_client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["sparkdl_avg.stopped_by"] == "on_round"
@@ -290,7 +290,7 @@ def test_an_on_round_that_raises_fails_the_fit(data, mlflow_client):
     def broken(metrics: dict) -> bool:
         raise KeyError("val_loss")
 
-    with pytest.raises(TrainingError, match=r"on_round raised at round 0: KeyError"):
+    with pytest.raises(TrainingError, match=r"on_round raised at round 1: KeyError"):
         fit(data, FaultyMLP, CONTROLLED, on_round=broken)
     assert latest_run(mlflow_client, "controls").info.status == "FAILED"
 

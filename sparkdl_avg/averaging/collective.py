@@ -103,8 +103,8 @@ class CollectiveChannel(Transport):
     def send_state(self, layout: list, payload: np.ndarray) -> None:
         self._control.send_state(layout, payload)
 
-    def send_eval(self, result: msg.Eval) -> None:
-        self._control.send_eval(result)
+    def send_eval(self, result: msg.Eval, payload: np.ndarray | None = None) -> None:
+        self._control.send_eval(result, payload)
 
     def done(self, layout: list, payload: np.ndarray) -> None:
         self._control.done(layout, payload)

@@ -24,6 +24,7 @@ from sparkdl_avg._errors import (
     WorkerLostError,
     from_task,
 )
+from sparkdl_avg._eval_sums import merge, payload_target, received_part
 from sparkdl_avg.averaging.arithmetic import (
     average_and_diverge,
     non_finite_replicas,
@@ -31,7 +32,6 @@ from sparkdl_avg.averaging.arithmetic import (
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
 from sparkdl_avg.net.server import Server, escaped
-from sparkdl_avg.task.evaluate import eval_means
 
 log = logging.getLogger("sparkdl_avg")
 _POLL_S = 0.25
@@ -50,6 +50,7 @@ class RoundStats:
     averaging_s: float
     divergence: float
     eval: dict | None = None
+    """With an evaluation: the workers' sums merged (`_eval_sums.merge`)."""
     lr: float | None = None
     """The learning rate of the round's last optimizer step (worker 0's: all follow one
     schedule)."""
@@ -148,10 +149,11 @@ class Coordinator(Server):
     def accept_workers(self, initial: np.ndarray, deadline_s: float, *, start_round: int = 0,
                        states: list[tuple[list, np.ndarray]] | None = None,
                        vet: Callable[[list[msg.WorkerHello]], None] | None = None,
-                       wait_next: bool = False) -> None:
+                       wait_next: bool = False, evaluate: bool = False) -> dict | None:
         """Wait for every worker to connect and authenticate, let `vet` see their hellos (by
         rank; it raises to stop), then send the parameters to start from: before
-        `start_round`, with each worker's optimizer state when restarting."""
+        `start_round`, with each worker's optimizer state when restarting. `evaluate`: the
+        workers evaluate those parameters first (round 0); returns the merged sums."""
         deadline = time.monotonic() + deadline_s
         while True:
             self._check_job(0)
@@ -174,7 +176,7 @@ class Coordinator(Server):
             vet([self.hellos[rank] for rank in range(self.num_workers)])
         self.average[:initial.size] = initial  # the result if no round is left to run
         start = msg.Average(round=start_round - 1, state_follows=states is not None,
-                            wait_next=wait_next, **msg.tensor(initial))
+                            wait_next=wait_next, evaluate=evaluate, **msg.tensor(initial))
 
         def send_start(rank: int, conn: Connection) -> None:
             msg.send(conn, start, initial)
@@ -183,8 +185,10 @@ class Coordinator(Server):
                 msg.send(conn, msg.State(layout=layout), payload)
 
         self._all(send_start)
+        result = self.evaluations() if evaluate else None
         self._round_end = time.perf_counter()
         self._bytes_in_round()  # rounds count from here
+        return result
 
     # --- rounds ---------------------------------------------------------------------------
 
@@ -238,15 +242,7 @@ class Coordinator(Server):
         if checkpoint:
             stats.states = self._all(self._recv_state)
         if evaluate:
-            evals = self._all(lambda rank, conn: self._expect(rank, conn, msg.Eval)[0])
-            classify = all(e.correct is not None for e in evals)
-            loss, accuracy = eval_means(
-                sum_or_nan(e.loss_sum for e in evals), sum(e.loss_weight for e in evals),
-                sum(e.correct for e in evals) if classify else None,
-                sum(e.scored for e in evals) if classify else None)
-            stats.eval = {"loss": loss, "time_s": max(e.eval_s for e in evals)}
-            if accuracy is not None:  # classifiers only
-                stats.eval["accuracy"] = accuracy
+            stats.eval = self.evaluations()
         now = time.perf_counter()
         stats.phases = _phases(self._round_end, [r.setup_s for r, _ in reports],
                                [r.compute_s for r, _ in reports],
@@ -254,6 +250,18 @@ class Coordinator(Server):
         stats.round_s, self._round_end = now - self._round_end, now
         stats.driver_bytes = self._bytes_in_round()
         return stats
+
+    def evaluations(self) -> dict:
+        """Every worker's evaluation, merged (`_eval_sums.merge`): the sums of the loss, the
+        accuracy and each metric over all evaluation rows."""
+        def receive(rank: int, conn: Connection) -> dict:
+            message, payload = self._expect(rank, conn, msg.Eval, into=lambda m: (
+                payload_target(m) if isinstance(m, msg.Eval) else None))
+            try:
+                return received_part(message, payload)
+            except ProtocolError as exc:
+                raise TrainingError(f"worker {rank} sent an evaluation that is {exc}") from None
+        return merge(self._all(receive))
 
     def _bytes_in_round(self) -> int:
         """Bytes moved with the workers since the last call."""

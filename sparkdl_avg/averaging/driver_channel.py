@@ -58,7 +58,8 @@ class DriverChannel(Transport):
         if start.state_follows:
             frame, payload = msg.expect(self._conn, msg.State)
             state = (frame.layout, payload)
-        return StartPoint(round=start.round + 1, state=state, wait_next=start.wait_next)
+        return StartPoint(round=start.round + 1, state=state, wait_next=start.wait_next,
+                          evaluate=start.evaluate)
 
     def exchange(self, report: RoundReport, flat: WireBuffer) -> RoundReply:
         params = flat.gather()
@@ -83,8 +84,8 @@ class DriverChannel(Transport):
     def send_state(self, layout: list, payload: np.ndarray) -> None:
         msg.send(self._conn, msg.State(layout=layout), payload)
 
-    def send_eval(self, result: msg.Eval) -> None:
-        msg.send(self._conn, result)
+    def send_eval(self, result: msg.Eval, payload: np.ndarray | None = None) -> None:
+        msg.send(self._conn, result, payload)
 
     def done(self, layout: list, payload: np.ndarray) -> None:
         msg.send(self._conn, msg.Done(layout=layout), payload)

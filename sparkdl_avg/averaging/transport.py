@@ -28,6 +28,8 @@ class StartPoint:
     """After a restart: this worker's optimizer state (layout, bytes) to restore."""
     wait_next: bool = False
     """`RoundReply.wait_next`, for the first round."""
+    evaluate: bool = False
+    """Evaluate the start parameters before the first step (round 0) and send the sums."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +79,8 @@ class Transport(ABC):
         """This worker's optimizer state, for the driver's checkpoint."""
 
     @abstractmethod
-    def send_eval(self, result: msg.Eval) -> None: ...
+    def send_eval(self, result: msg.Eval, payload: np.ndarray | None = None) -> None:
+        """An evaluation's sums, and its metrics' score tables as payload."""
 
     @abstractmethod
     def done(self, layout: list, payload: np.ndarray) -> None:

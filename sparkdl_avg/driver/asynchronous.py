@@ -37,7 +37,7 @@ from sparkdl_avg.ps.sharded_client import connect as connect_ps
 from sparkdl_avg.ps.shards import parse_addresses, shard_name
 from sparkdl_avg.ps.sidecar import Sidecar
 from sparkdl_avg.ps.staleness import pushes_between_fetches
-from sparkdl_avg.task.evaluate import eval_means
+from sparkdl_avg.task.evaluate import eval_metrics
 from sparkdl_avg.tracking.run import RunLogger
 
 log = logging.getLogger("sparkdl_avg")
@@ -107,6 +107,7 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
                 spec = dataclasses.replace(spec, ps_shards=tuple(addresses))
             t_train = time.perf_counter()  # tasks start training as they load
             intervals = _Intervals(plan, flat, run, history)
+            server.call(intervals.ask_first, 0)
 
             def attempt() -> list[dict]:
                 server.revive(len(history))
@@ -233,6 +234,18 @@ class _Intervals:
         """Early stopping: a copy of the parameters the request in flight evaluates."""
         self.previous = {"t": time.perf_counter(), "applied": 0, "samples": 0, "loss_sum": 0.0}
 
+    def ask_first(self, ps: PSClient) -> None:
+        """Round 0: before the workers start, a request of the initial parameters, which
+        each worker answers before its first step (`task.async_loop`); logged at step 0."""
+        if not self.plan.config.evaluates_first(self.evaluates):
+            return
+        pending = ps.evaluate()["evaluations"]["pending"]
+        if pending is not None and pending["applied"] == 0:
+            row = {"round": 0}
+            self.history.append(row)
+            self.asked = (pending["request"], row)
+            self.asked_params = self.flat.gather().copy() if self.stopper.rule else None
+
     def log(self, ps: PSClient) -> None:
         ask = self.evaluates and self.asked is None
         report = ps.evaluate() if ask else ps.stats()
@@ -293,6 +306,10 @@ class _Intervals:
         pending = evaluations["pending"]
         if self.asked is not None and (pending is None or pending["final"]
                                        or pending["request"] != self.asked[0]):
+            if self.asked[1]["round"] == 0:  # round 0, lost with a restarted server
+                log.warning("the evaluation before training was lost with a restarted "
+                            "parameter server: the fit has no round 0")
+                self.history.remove(self.asked[1])
             self.asked = None
 
     def _stop(self, ps: PSClient) -> None:
@@ -301,11 +318,7 @@ class _Intervals:
         ps.stop()
 
     def _log_eval(self, row: dict, result: dict) -> None:
-        loss, accuracy = eval_means(result["loss_sum"], result["loss_weight"],
-                                    result["correct"], result["scored"])
-        metrics = {"eval_loss": loss, "time_eval_s": result["eval_s"]}
-        if accuracy is not None:
-            metrics["eval_accuracy"] = accuracy
+        metrics = eval_metrics(result, self.plan.objective.metrics)
         row.update(metrics)
         self.run.log_metrics(metrics, step=row["round"])
 
@@ -315,7 +328,8 @@ class _Intervals:
         # one "round" = push_every local steps of every worker: a sync run averaging every
         # push_every steps lines up with this one in MLflow
         step = int(metrics["updates_applied"]) // self.plan.config.num_workers
-        row = {"interval": len(self.history), "round": step, **metrics}
+        interval = sum("interval" in row for row in self.history)  # round 0 is none
+        row = {"interval": interval, "round": step, **metrics}
         self.history.append(row)
         self.run.log_metrics(metrics, step=step)
         return row

@@ -3,6 +3,7 @@ what training hands back (`TrainOutcome`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -15,6 +16,7 @@ from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._controls import check_early_stopping, check_warmup
 from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._losses import Objective, make_objective
+from sparkdl_avg._metrics import check_table_rows, make_metrics, name_of
 from sparkdl_avg._model import (
     build_model,
     check_model_takes_data,
@@ -117,7 +119,8 @@ class TrainOutcome:
 def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, features_col,
               inputs=None, label_col, weight_col: str | None = None, loss,
               loss_weights=None, resume: Resume | None = None,
-              on_round: Callable[[dict], bool] | None = None, preprocess=None) -> FitPlan:
+              on_round: Callable[[dict], bool] | None = None, preprocess=None,
+              metrics=None) -> FitPlan:
     check_pyspark(spark)
     if on_round is not None and not callable(on_round):
         raise ConfigError(f"on_round must be a callable metrics -> bool, got "
@@ -127,6 +130,8 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
         isinstance(label_col, (list, tuple)) else 1
     objective = make_objective(loss, loss_weights=loss_weights, num_outputs=outputs,
                                weighted=weight_col is not None, inputs=inputs)
+    objective = dataclasses.replace(objective, metrics=make_metrics(metrics, objective))
+    check_evaluation(config, objective, has_eval=eval_df is not None)
     check_early_stopping(config, has_eval=eval_df is not None, classify=objective.classify)
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     meta = config.driver_model == "meta"
@@ -157,6 +162,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     if preprocess is not None:
         model_schema, sample = sample_schema(data, preprocess, dtype, config.seed)
     check_ragged_labels(model_schema or data.schema, objective)
+    check_table_rows(objective.metrics, sum(data.eval_sizes))
     # the probe's data: with a preprocess, its sample, with the ranges of what it passes on
     probe = {"schema": model_schema or data.schema, "longest": data.longest, "batch": sample,
              "ranges": passed_ranges(data.schema, model_schema, data.ranges)}
@@ -192,6 +198,20 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
                    objective=objective, pickled=pickled, params=params, resume=resume,
                    frozen=frozen, on_round=on_round,
                    model_fn=model_fn, model_schema=model_schema, heads=heads)
+
+
+def check_evaluation(config: TrainConfig, objective: Objective, *, has_eval: bool) -> None:
+    """What evaluates needs eval_df: ConfigError for eval_before_training=True or metrics
+    without it."""
+    if has_eval:
+        return
+    if config.eval_before_training:
+        raise ConfigError("eval_before_training=True evaluates on eval_df before training; "
+                          "give fit an eval_df, or leave eval_before_training None")
+    if objective.metrics:
+        names = [name_of(m) for m in objective.metrics]
+        raise ConfigError(f"metrics={names} are computed on eval_df at each evaluation; "
+                          "give fit an eval_df")
 
 
 def check_preprocess(preprocess) -> None:

@@ -31,6 +31,7 @@ from sparkdl_avg.driver.resume_checks import check_devices, check_resumable, fin
 from sparkdl_avg.net.auth import new_secret
 from sparkdl_avg.net.tls import read_certificates, server_context
 from sparkdl_avg.task import worker_state
+from sparkdl_avg.task.evaluate import eval_metrics
 from sparkdl_avg.tracking.plots import worker_timeline
 from sparkdl_avg.tracking.progress import Progress
 from sparkdl_avg.tracking.run import RunLogger
@@ -68,8 +69,8 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
     attempt = _Attempt(spark, plan, flat, run, point, expected)
     attempt.stopper = Stopping(config.early_stopping, plan.on_round, best=point.best)
     attempt.stopper.take_up(point.stop, point.history, point.params)
-    if point.stop is not None:
-        attempt.stop_round = point.stop["round"]
+    if point.stop is not None:  # the stop's round as logged: rounds done
+        attempt.stop_round = point.stop["round"] - 1
     restarts = Restarts(spark, config, run)
     with contextlib.closing(attempt.progress), writing(store) as attempt.writer:
         workers = restarts.run(attempt.run, resume_at=lambda exc: f"round {attempt.point.round}",
@@ -106,8 +107,9 @@ class _Attempt:
         """With overlap_averaging, the next round's (evaluate, checkpoint): `_orders`."""
         self.stopper: Stopping | None = None
         self.stop_round: int | None = None
-        """The round at which early stopping or on_round stopped the fit: the workers take
-        the next round's steps, and its average is their last (it is not logged)."""
+        """The round (its index; -1: round 0, before training) at which early stopping or
+        on_round stopped the fit: the workers take the next round's steps, and its average
+        is their last (it is not logged)."""
         self.timeline: list[dict] = []
         """Per round: each worker's phases, seconds since training began (for the picture)."""
 
@@ -130,9 +132,12 @@ class _Attempt:
             try:
                 if config.overlap_averaging:  # its checkpoint_every is a number of rounds
                     self.orders = self._orders(point.round)
-                coord.accept_workers(point.params, waits.connect, start_round=point.round,
-                                     states=point.states, vet=self._check_devices,
-                                     wait_next=any(self.orders))
+                first = coord.accept_workers(
+                    point.params, waits.connect, start_round=point.round, states=point.states,
+                    vet=self._check_devices, wait_next=any(self.orders),
+                    evaluate=self._evaluates_first())
+                if first is not None:
+                    self._log_first(first)
                 self.t_train = self.t_train or time.perf_counter()
                 self.checkpointed_at = time.perf_counter()
                 for r in range(point.round, plan.schedule.num_rounds):
@@ -150,6 +155,24 @@ class _Attempt:
                 coord.close()  # the surviving workers stop waiting for the next average
                 raise
         return sorted((row.asDict() for row in rows), key=lambda w: w["partition"])
+
+    def _evaluates_first(self) -> bool:
+        """Whether this attempt evaluates the start parameters as round 0: once a fit, before
+        anything is logged (`TrainConfig.evaluates_first`); never on a resumed fit."""
+        return self.point.round == 0 and not self.history and \
+            self.plan.config.evaluates_first(self.plan.data.eval_sizes[0] > 0)
+
+    def _log_first(self, result: dict) -> None:
+        """Round 0: the evaluation before training, logged at step 0; early stopping and
+        on_round see it as any round (the best may be the start)."""
+        metrics = eval_metrics(result, self.plan.objective.metrics)
+        row = {"round": 0, **metrics}
+        self.history.append(row)
+        self.run_logger.log_metrics(metrics, step=0)
+        self.progress.first(metrics)
+        params = self.point.params
+        if self.stopper.judge(self.history, row, params) or self.stopper.ask(row, params):
+            self.stop_round = -1
 
     def _check_devices(self, hellos: list) -> None:
         """The restart point's recorded devices against the workers' (`check_devices`); the
@@ -208,19 +231,21 @@ class _Attempt:
             need_average=last or self.plan.on_round is not None
             or (evaluate and config.early_stopping is not None),
         )
-        if r >= len(self.history) and not stop:  # a round redone after a restart: logged once
-            metrics = round_metrics(stats)
+        done = r + 1  # the round as logged: rounds done (round 0: before training)
+        logged = self.history[-1]["round"] if self.history else -1
+        if done > logged and not stop:  # a round redone after a restart: logged once
+            metrics = round_metrics(stats, self.plan.objective.metrics)
             # strangers the coordinator refused, by reason, so far in this attempt
             metrics.update({f"refused_{k}": v for k, v in coord.refusals().items()})
-            self.history.append({"round": r, **metrics})
-            self.run_logger.log_metrics(metrics, step=r)
+            self.history.append({"round": done, **metrics})
+            self.run_logger.log_metrics(metrics, step=done)
             row = self.history[-1]
             params = coord.average[:numel] if stats.has_average else None
             if (self.stopper.judge(self.history, row, params)
                     or self.stopper.ask(row, params)) and self.stop_round is None:
                 self.stop_round = r
             self.progress.update(r, stats.train_loss, metrics.get("eval_accuracy"))
-            self.timeline.append({"round": r, "workers": [
+            self.timeline.append({"round": done, "workers": [
                 {name: (a - self.t_train, b - self.t_train) for name, (a, b) in w.items()}
                 for w in stats.phases]})
         if stats.states is not None:
@@ -228,15 +253,17 @@ class _Attempt:
                 round=r + 1, steps=min((r + 1) * schedule.averaging_frequency,
                                        schedule.total_steps),
                 params=coord.average[:numel].copy(), states=stats.states,
-                fingerprint=self.expected, history=list(self.history[:r + 1]),
+                fingerprint=self.expected,
+                history=[row for row in self.history if row["round"] <= r + 1],
                 best=self.stopper.best, stop=self.stopper.state())
             self.writer.submit(self.point)
 
 
-def round_metrics(stats: RoundStats) -> dict[str, float]:
-    eval_s = stats.eval["time_s"] if stats.eval is not None else 0.0
+def round_metrics(stats: RoundStats, metrics=()) -> dict[str, float]:
+    """What a round logs; `metrics`: the fit's evaluation metrics (`_metrics`)."""
+    eval_s = stats.eval["eval_s"] if stats.eval is not None else 0.0
     communication = max(0.0, stats.round_s - stats.compute_s - stats.averaging_s - eval_s)
-    metrics = {
+    logged = {
         "train_loss": stats.train_loss,
         "samples_per_s": stats.samples / stats.round_s if stats.round_s > 0 else 0.0,
         "time_round_s": stats.round_s,
@@ -247,10 +274,7 @@ def round_metrics(stats: RoundStats) -> dict[str, float]:
         "driver_mb": stats.driver_bytes / 1e6,
     }
     if stats.lr is not None:
-        metrics["lr"] = stats.lr
+        logged["lr"] = stats.lr
     if stats.eval is not None:
-        metrics["eval_loss"] = stats.eval["loss"]
-        metrics["time_eval_s"] = eval_s
-        if "accuracy" in stats.eval:
-            metrics["eval_accuracy"] = stats.eval["accuracy"]
-    return metrics
+        logged.update(eval_metrics(stats.eval, metrics))
+    return logged

@@ -135,7 +135,7 @@ def perplexity(nats_per_byte: float) -> float:
 def driver_mb(history: list[dict]) -> float:
     """The median megabytes that passed through the driver in a round of a sync fit (every
     worker's push and its average back)."""
-    return statistics.median(row["driver_mb"] for row in history)
+    return statistics.median(row["driver_mb"] for row in history if "driver_mb" in row)
 
 
 def report(pretrained, tuned, unigram_bits: float) -> dict[str, float]:

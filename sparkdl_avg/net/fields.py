@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from functools import cache
@@ -23,6 +24,17 @@ MAX_NUMBER = 2 ** 53
 """No number on the wire is larger in magnitude (integers stay exact as floats)."""
 DTYPES = ("float32", "float64")
 """What tensors travel as (the wire dtype of every model)."""
+MAX_METRICS = 16
+"""Evaluation metrics an EVAL may carry (`_metrics`)."""
+MAX_METRIC_SUMS = 64
+"""Numbers one metric's additive statistics may hold."""
+MAX_TABLE_ROWS = 1 << 22
+"""Score-table rows (an auc's distinct scores, 24 bytes each) an EVAL may carry, and eval_df
+rows a fit with auc may have (`_metrics.check_table_rows`): about 100 MB at most."""
+TABLE_COLUMNS = 3
+"""A score table's row: score, positive weight, negative weight (float64)."""
+METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,39}")
+"""A metric's name: logged as eval_<name>."""
 
 
 @cache
@@ -79,6 +91,32 @@ def request_id(message: Message, request: int | None) -> None:
     """An evaluation request's id (async), if any: not negative."""
     if request is not None and request < 0:
         raise message.invalid(f"evaluation request {request}")
+
+
+def metric_fields(message: Message, metrics: dict | None, ranked: dict | None) -> None:
+    """An EVAL's metric statistics: at most MAX_METRICS names of METRIC_NAME's form, each with
+    a list of at most MAX_METRIC_SUMS finite numbers or None (not finite); `ranked`, the rows of
+    the score tables in the payload by metric, whole numbers adding up to at most
+    MAX_TABLE_ROWS. The payload itself is checked against `ranked` by its receiver
+    (`_eval_sums.split_tables`)."""
+    for what, value in (("metrics", metrics), ("ranked", ranked)):
+        if value is None:
+            continue
+        if len(value) > MAX_METRICS:
+            raise message.invalid(f"{what} names {len(value)} metrics (at most {MAX_METRICS})")
+        for name in value:
+            if not METRIC_NAME.fullmatch(name):
+                raise message.invalid(f"{what} has a metric named {name[:60]!r}")
+    for name, sums in (metrics or {}).items():
+        if sums is None:
+            continue
+        if not isinstance(sums, list) or len(sums) > MAX_METRIC_SUMS or not all(
+                matches(v, float) for v in sums):
+            raise message.invalid(f"metric {name!r} must be a list of at most "
+                                  f"{MAX_METRIC_SUMS} finite numbers or null")
+    counts = list((ranked or {}).values())
+    if not all(matches(n, int) and n >= 0 for n in counts) or sum(counts) > MAX_TABLE_ROWS:
+        raise message.invalid(f"ranked must give 0 to {MAX_TABLE_ROWS} score-table rows in all")
 
 
 def finite_or_none(value: float) -> float | None:

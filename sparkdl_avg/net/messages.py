@@ -187,6 +187,8 @@ class Eval(Message):
     sum(loss_weight), the accuracy sum(correct) / sum(scored) (`_losses.EvalSums`)."""
 
     KIND = Kind.EVAL
+    PAYLOAD = None
+    """The score tables of `ranked`, float64 rows (score, positive, negative weight)."""
     loss_sum: float | None
     """None: not finite."""
     loss_weight: float
@@ -199,8 +201,14 @@ class Eval(Message):
     """Rows evaluated."""
     eval_s: float
     request: int | None = None
+    metrics: dict | None = None
+    """Per metric (`_metrics`), its sums that add over workers (None: not finite)."""
+    ranked: dict | None = None
+    """Per ranking metric (auc), the rows of its score table in the payload, in order
+    (`_eval_sums`)."""
 
     def check(self) -> None:
+        fields.metric_fields(self, self.metrics, self.ranked)
         if self.count < 0 or self.loss_weight < 0:
             raise self.invalid(f"count {self.count}, loss_weight {self.loss_weight}")
         if (self.correct is None) != (self.scored is None) or (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sparkdl_avg._eval_sums import eval_message
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import Credential, authenticate_to_server
 from sparkdl_avg.net.frames import connect
@@ -58,12 +59,10 @@ class PSClient:
         return params.evaluate
 
     def answer(self, request: int, result: dict, eval_s: float) -> msg.Ack:
-        """Send this worker's evaluation {loss_sum, loss_weight, correct, scored, count} of
-        `request` (`task.evaluate.evaluate_batches`)."""
-        msg.send(self._conn, msg.Eval(
-            loss_sum=msg.finite_or_none(result["loss_sum"]), loss_weight=result["loss_weight"],
-            correct=result["correct"], scored=result["scored"], count=result["count"],
-            eval_s=eval_s, request=request))
+        """Send this worker's evaluation {loss_sum, loss_weight, correct, scored, count,
+        metrics, tables} of `request` (`task.evaluate.evaluate_batches`), the metrics' score
+        tables as payload (`_eval_sums.eval_message`)."""
+        msg.send(self._conn, *eval_message(result, eval_s, request))
         return msg.expect(self._conn, msg.Ack)[0]
 
     def finished(self, wait_s: float) -> msg.Ack:

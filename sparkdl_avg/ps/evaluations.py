@@ -18,11 +18,12 @@ restart, workers announce themselves finished again and the driver asks again.
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from sparkdl_avg._eval_sums import merge
 
 KEEP_RESULTS = 8
 """Completed results kept for the driver to read (it reads them every eval_interval_s)."""
@@ -36,7 +37,7 @@ class Request:
     params: np.ndarray
     final: bool
     answered: dict[int, dict] = field(default_factory=dict)
-    """Per worker: its EVAL's sums."""
+    """Per worker: its EVAL's sums and score tables (`_eval_sums.received_part`)."""
 
 
 class Evaluations:
@@ -80,10 +81,10 @@ class Evaluations:
         return self.pending if self.offer(worker) is not None else None
 
     def answer(self, worker: int, request: int, result: dict) -> dict | None:
-        """A worker's sums {loss_sum, loss_weight, correct, scored, count, eval_s} for
-        `request`; returns the
-        result it completes, if it does. An answer to a request no longer pending (replaced,
-        or already complete) or a second answer from the same worker changes nothing."""
+        """A worker's sums {loss_sum, loss_weight, correct, scored, count, eval_s, metrics,
+        tables} for `request`; returns the result it completes, if it does. An answer to a
+        request no longer pending (replaced, or already complete) or a second answer from the
+        same worker changes nothing."""
         pending = self.pending
         if pending is None or pending.request != request or worker in pending.answered \
                 or not 0 <= worker < self.workers:
@@ -122,20 +123,7 @@ class Evaluations:
 
 
 def _summed(request: Request) -> dict:
-    """One result from every worker's sums: a non-finite loss (None) anywhere makes the loss
-    None, and so do finite sums that overflow (the weight is then 0: the report stays
-    finite JSON); eval_s is the slowest worker's."""
-    parts = list(request.answered.values())
-    losses = [p["loss_sum"] for p in parts]
-    loss = None if None in losses else float(sum(losses))
-    weight = float(sum(p["loss_weight"] for p in parts))
-    if loss is None or not (math.isfinite(loss) and math.isfinite(weight)):
-        loss, weight = None, weight if math.isfinite(weight) else 0.0
-    corrects = [p["correct"] for p in parts]
-    classify = None not in corrects
+    """One result from every worker's part (`_eval_sums.merge`): plain sums, the score tables
+    reduced to theirs, so the result is small JSON (STATS, the checkpoint)."""
     return {"request": request.request, "applied": request.applied, "final": request.final,
-            "loss_sum": loss, "loss_weight": weight,
-            "correct": int(sum(corrects)) if classify else None,
-            "scored": int(sum(p["scored"] for p in parts)) if classify else None,
-            "count": int(sum(p["count"] for p in parts)),
-            "eval_s": max(p["eval_s"] for p in parts)}
+            **merge(list(request.answered.values()))}

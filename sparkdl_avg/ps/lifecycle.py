@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from sparkdl_avg._errors import ProtocolError
+from sparkdl_avg._eval_sums import received_part
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
 
@@ -76,16 +78,19 @@ class FitLifecycle:
                                   **msg.tensor(params)), params)
         return True
 
-    def _answer(self, conn: Connection, worker: int, message: msg.Eval) -> None:
+    def _answer(self, conn: Connection, worker: int, message: msg.Eval,
+                payload: memoryview | None) -> None:
         if message.request is None:
             self.refuse("malformed", "an EVAL to the parameter server must name its request",
                         worker, conn)
             return
+        try:  # the score tables checked: sorted, finite, of the rows `ranked` says
+            part = received_part(message, payload)
+        except ProtocolError as exc:
+            self.refuse(exc.reason, exc, worker, conn)
+            return
         with self._lock:
-            done = self.evaluations.answer(worker, message.request, {
-                "loss_sum": message.loss_sum, "loss_weight": message.loss_weight,
-                "correct": message.correct, "scored": message.scored, "count": message.count,
-                "eval_s": message.eval_s})
+            done = self.evaluations.answer(worker, message.request, part)
             if done is not None and done["final"]:  # the workers end: keep it for the driver
                 self._save_checkpoint()
             self._lock.notify_all()  # a finished worker may wait for the final one

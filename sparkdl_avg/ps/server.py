@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from sparkdl_avg._errors import PeerClosed, ProtocolError, Unacceptable
+from sparkdl_avg._eval_sums import payload_target
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.fields import MAX_NUMBER
 from sparkdl_avg.net.frames import Connection
@@ -181,6 +182,8 @@ class ParameterServer(FitLifecycle, Server):
 
         def into(message: msg.Message) -> np.ndarray | None:
             nonlocal update
+            if isinstance(message, msg.Eval):  # the metrics' score tables, of a checked size
+                return payload_target(message)
             if not isinstance(message, msg.Update):
                 return None  # INIT (driver only) goes to a fresh buffer within max_payload
             if self.rule is None:
@@ -222,7 +225,7 @@ class ParameterServer(FitLifecycle, Server):
         if isinstance(message, msg.Update) and worker != DRIVER:  # the driver has no clock
             return self._apply(conn, worker, update, message)
         if isinstance(message, msg.Eval) and worker != DRIVER:
-            self._answer(conn, worker, message)
+            self._answer(conn, worker, message, payload)
         elif isinstance(message, msg.Finished) and worker != DRIVER:
             self._finished(conn, worker, message)
         elif isinstance(message, msg.Evaluate) and worker == DRIVER:

@@ -93,11 +93,14 @@ class ShardedClient:
 
     def answer(self, request: int, result: dict, eval_s: float) -> msg.Ack:
         """This worker's evaluation of the snapshot last pulled, to every shard under that
-        shard's own request id."""
+        shard's own request id. Only shard 0's result is read (`shards.merge_reports`), so
+        only shard 0 gets the metrics' statistics (a score table may be megabytes)."""
         ids = self._snapshot
         if ids is None or ids[0] != request:
             raise ValueError(f"request {request} is not the snapshot last pulled")
-        return merge_acks(self._each(lambda k, c: c.answer(ids[k], result, eval_s)))
+        sums = {k: v for k, v in result.items() if k not in ("metrics", "tables")}
+        return merge_acks(self._each(
+            lambda k, c: c.answer(ids[k], result if k == 0 else sums, eval_s)))
 
     def finished(self, wait_s: float) -> msg.Ack:
         return merge_acks(self._each(lambda k, c: c.finished(wait_s)))

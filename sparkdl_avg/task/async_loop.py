@@ -55,6 +55,8 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
     try:
         link.pull()
         replica.start(step=link.ps.progress)
+        if evaluates and link.ps.progress == 0 and config.evaluates_first(True):
+            link.answer(replica)  # round 0: the driver asked before any worker started
         fetch_every = pushes_between_fetches(config.push_every, config.fetch_every,
                                              config.staleness_bound)
         while True:

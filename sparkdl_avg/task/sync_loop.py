@@ -47,6 +47,9 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
         if start.state is not None:
             worker_state.restore(replica.optimizer, model, *start.state,
                                  scaler=replica.steps.scaler)
+        if start.evaluate:  # round 0: the parameters every replica starts from
+            _send_eval(replica, transport)
+            ready = time.perf_counter()
         state: list = []
         overlap = OverlappedExchange(transport) if config.overlap_averaging else None
         wait_next, buffers_pushed = start.wait_next, None
@@ -87,10 +90,7 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
                 transport.send_state(*worker_state.pack(replica.optimizer, model,
                                                         replica.steps.scaler))
             if reply.evaluate:
-                t_eval = time.perf_counter()
-                result = replica.evaluate()
-                result["loss_sum"] = msg.finite_or_none(result["loss_sum"])
-                transport.send_eval(msg.Eval(**result, eval_s=time.perf_counter() - t_eval))
+                _send_eval(replica, transport)
             ready = time.perf_counter()
         transport.done(*(buffers_pushed or worker_state.pack(None, model)))
         return replica.outcome()
@@ -111,3 +111,12 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
         finally:
             if replica is not None:
                 replica.close()
+
+
+def _send_eval(replica, transport: Transport) -> None:
+    """Evaluate the replica's parameters on its evaluation rows; the sums to the driver."""
+    from sparkdl_avg._eval_sums import eval_message
+
+    t_eval = time.perf_counter()
+    result = replica.evaluate()
+    transport.send_eval(*eval_message(result, time.perf_counter() - t_eval))

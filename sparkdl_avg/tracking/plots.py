@@ -31,14 +31,20 @@ def learning_curves(history: Sequence[dict], x_key: str):
     loss_ax.yaxis.set_major_formatter(ScalarFormatter())
     loss_ax.yaxis.set_minor_formatter(ScalarFormatter())
     loss_ax.legend()
-    points = [(h[x_key], h["eval_accuracy"]) for h in history if "eval_accuracy" in h]
-    if points:
-        acc_ax.plot(*zip(*points, strict=True), "o-", markersize=3, color="#55A868")
+    shown = False  # round 0 (no train_loss) starts the eval curves where training starts
+    for key, color in (("eval_accuracy", "#55A868"), ("eval_auc", "#C44E52")):
+        points = [(h[x_key], h[key]) for h in history if key in h]
+        if points:
+            acc_ax.plot(*zip(*points, strict=True), "o-", markersize=3, color=color,
+                        label=key.removeprefix("eval_"))
+            shown = True
+    if shown:
         acc_ax.set(ylim=(0, 1))
+        acc_ax.legend()
     else:
         acc_ax.text(0.5, 0.5, "no eval_df or not a classifier", ha="center", va="center",
                     transform=acc_ax.transAxes)
-    acc_ax.set(xlabel=x_key, ylabel="accuracy", title="Eval accuracy")
+    acc_ax.set(xlabel=x_key, ylabel="accuracy, auc", title="Eval accuracy")
     for ax in (loss_ax, acc_ax):
         ax.grid(alpha=0.3)
     return fig

@@ -36,6 +36,15 @@ class Progress:
             text = " ".join(f"{k}={v}" for k, v in fields.items())
             log.info("round %d/%d %s", round_index + 1, self.total, text)
 
+    def first(self, metrics: dict[str, float]) -> None:
+        """Round 0: the evaluation before training, said once (no round of the bar)."""
+        shown = {k: metrics[k] for k in ("eval_loss", "eval_accuracy") if k in metrics}
+        text = " ".join(f"{k}={v:.4f}" for k, v in shown.items())
+        if self._bar is not None:
+            self._bar.set_postfix({"eval": text}, refresh=True)
+            return
+        log.info("round 0/%d (before training) %s", self.total, text)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
