@@ -223,8 +223,13 @@ def is_image_struct(dtype: T.DataType) -> bool:
 def pack_image(col: Column) -> Column:
     """An image struct as one binary value (the header, then `data`), so it is validated,
     carried and cached like any binary column; `feed.raw_batch` splits it again. A null
-    image, or a null field, gives null (refused by validation, naming the column)."""
-    header = [F.unhex(F.lpad(F.hex(col[n]), 8, "0")) for n in IMAGE_FIELDS]
+    image, or a null field, gives null (refused by validation, naming the column). Each int
+    is its 4 bytes of two's complement, big-endian, as `arrow_columns._image_column` packs
+    them: Spark's `hex` of a negative int writes the 16 digits of its long, so the int is
+    taken as its low 32 bits first, a long of at most 8 hex digits."""
+    low = F.lit(0xFFFFFFFF)  # a long literal: the AND widens the int to long first
+    header = [F.unhex(F.lpad(F.hex(col[n].cast(T.LongType()).bitwiseAND(low)), 8, "0"))
+              for n in IMAGE_FIELDS]
     return F.concat(*header, col["data"])
 
 
