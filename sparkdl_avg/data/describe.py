@@ -244,8 +244,12 @@ def carried_type(source: Source, float_type: T.DataType) -> T.DataType:
 
 
 def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str) -> Column:
-    """`source`'s column of `df` (train_df or eval_df) in its carried type, as `source.wire`.
-    DataError when eval_df's column is of another kind than train_df's."""
+    """`source`'s column of `df` (train_df, eval_df or a DataFrame to score) in its carried
+    type, as `source.wire`. DataError when its column is of another kind than train_df's.
+    Integers wider than train_df's stay as wide: Spark's cast would narrow them by wrapping,
+    silently with `spark.sql.ansi.enabled` off (an id 2**32 + 3 becoming 3), so the
+    narrowing is left to whoever reads them with a range check: the validation job
+    (`validate.check_widths`), or scoring's reader (`arrow_columns.check_fits`)."""
     if isinstance(source.column, tuple):
         check_numeric(df, source.column, "features_col", frame_name)
         parts = [F.col(f"`{part}`").cast(float_type) for part in source.column]
@@ -258,8 +262,8 @@ def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str
             else F.lit(None).cast(T.BinaryType())
         return F.coalesce(col, F.lit("").cast(T.BinaryType())).alias(source.wire)
     field = find_column(df, source.column, source.role, frame_name)
-    kind, _, depth, vector = classify_type(field.dataType, source.column, frame_name,
-                                           source.role, encoded=source.kind == "bytes")
+    kind, width, depth, vector = classify_type(field.dataType, source.column, frame_name,
+                                               source.role, encoded=source.kind == "bytes")
     if (kind, depth) != (source.kind, source.depth) and not \
             (kind == "int" and source.kind == "float" and depth == source.depth):
         raise DataError(f"column {source.column!r} is {field.dataType.simpleString()} in "
@@ -272,7 +276,14 @@ def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str
         return vector_to_array(col, dtype=name).alias(source.wire)
     if kind == "bytes" and is_image_struct(field.dataType):
         return pack_image(col).alias(source.wire)
+    if kind == "int" == source.kind and _wider(width, source.int_dtype):
+        return col.alias(source.wire)
     return col.cast(carried_type(source, float_type)).alias(source.wire)
+
+
+def _wider(int_dtype: str, than: str | None) -> bool:
+    widths = list(_INTS.values())  # narrowest first
+    return than in widths and widths.index(int_dtype) > widths.index(than)
 
 
 def input_columns(df: DataFrame, schema, frame_name: str = "df") -> list[Column]:
