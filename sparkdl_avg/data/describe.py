@@ -166,9 +166,15 @@ def check_numeric(df: DataFrame, columns, argument: str, frame_name: str) -> Non
     for part in columns:
         field = find_column(df, part, argument, frame_name)
         if not isinstance(field.dataType, (*_FLOATS, *_INTS)):
+            hint = "cast it to a number"
+            if isinstance(field.dataType, T.StringType):
+                hint = _REFUSED[T.StringType]
+            elif isinstance(field.dataType, T.ArrayType):
+                hint = "an array is an input of its own: name it in inputs="
             raise DataError(f"{frame_name} feature column {part!r} has type "
-                            f"{field.dataType.simpleString()}; feature columns must be "
-                            "numeric")
+                            f"{field.dataType.simpleString()}, but the columns of "
+                            f"{argument} are assembled into one vector of numbers: {hint}, "
+                            "or leave it out of the list")
 
 
 def find_column(df: DataFrame, name: object, argument: str, frame_name: str) -> T.StructField:
