@@ -212,7 +212,8 @@ def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: 
         raise index_error(schema, batch.inputs, exc) from exc
     except Exception as exc:
         raise _forward_failed(schema, batch, exc) from exc
-    check_outputs(objective, out, batch.labels, [f.described for f in schema.labels])
+    # its messages say "label column 'y'": the column's name, not its description
+    check_outputs(objective, out, batch.labels, [f.column for f in schema.labels])
     if objective.metrics:  # each metric once on these outputs: one that cannot score fails
         from sparkdl_avg._metrics import check_metrics
         from sparkdl_avg._model_output import logits_of

@@ -64,6 +64,18 @@ def spark():
     session.stop()
 
 
+@pytest.fixture
+def ansi_off(spark):
+    """The shared session with `spark.sql.ansi.enabled` off (as many Databricks clusters
+    run: a narrowing cast then wraps silently) for one test, then as it was."""
+    old = spark.conf.get("spark.sql.ansi.enabled")
+    spark.conf.set("spark.sql.ansi.enabled", "false")
+    try:
+        yield spark
+    finally:
+        spark.conf.set("spark.sql.ansi.enabled", old)
+
+
 @pytest.fixture(scope="session")
 def standalone(tmp_path_factory):
     """A Spark standalone cluster on loopback (master + two workers, one fake GPU each),

@@ -73,6 +73,14 @@ def test_unsupported_feature_type(good):
         fit(good, model, CFG, features_col="name")
 
 
+def test_a_string_in_a_feature_list_says_what_to_do(good):
+    with pytest.raises(DataError, match=r"feature column 'name' has type string, but the "
+                                        r"columns of features_col are assembled into one "
+                                        r"vector of numbers: decode strings on the Spark side "
+                                        r"first .*, or leave it out of the list"):
+        fit(good, model, CFG, features_col=["label", "name"])
+
+
 def test_unsupported_label_type(good):
     with pytest.raises(DataError, match="label column 'name' has type string"):
         fit(good, model, CFG, label_col="name")
@@ -147,7 +155,8 @@ def test_ragged_features_are_padded_not_refused(spark, mlflow_client):
 def test_labels_out_of_range_for_the_model(spark):
     rows = [([0.0, 1.0, 2.0], i % 5) for i in range(40)]
     df = spark.createDataFrame(rows, "features array<double>, label int")
-    with pytest.raises(ModelError, match=r"labels range from 0 to 4.*2 classes"):
+    with pytest.raises(ModelError, match=r"^label column 'label': labels range from 0 to 4 "
+                                         r"but the model outputs 2 classes"):
         fit(df, model, CFG)
 
 

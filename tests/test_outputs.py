@@ -219,6 +219,22 @@ def test_transform_reads_every_input_by_name_and_writes_each_output_kind(frames)
 
 
 @pytest.mark.spark
+def test_ids_wider_than_the_fit_s_are_range_checked_with_ansi_off(ansi_off):
+    """Issue 39: bigint ids scored by a fit of int ids were cast by Spark, which with ANSI off
+    wraps 2**32 + 3 into the id 3, silently; scoring's reader now narrows them, checked."""
+    rows = [(i, u, [0.5, -1.0, 2.0]) for i, u in enumerate([3, 9, 0, 2**32 + 3])]
+    wide = ansi_off.createDataFrame(rows, "id int, user bigint, dense array<float>")
+    result = FitResult(model=Recommender().eval(), run_id="", schema=REC, heads=("class",))
+    fits = result.transform(wide.where("user < 10"), output="raw").orderBy("id").toPandas()
+    np.testing.assert_allclose(np.stack(fits["prediction"]), local(result.model, fits),
+                               rtol=1e-6, atol=1e-6)  # one computation, two batchings
+    with pytest.raises(Exception, match=r"DataError: column 'user' \(input\) holds -?\d+ to "
+                                        r"4294967299, beyond the int32 the fit read it as "
+                                        r"\(-2147483648 to 2147483647\)"):
+        result.transform(wide).collect()
+
+
+@pytest.mark.spark
 def test_several_outputs_are_one_struct_column_named_after_the_label_columns(spark):
     x = np.random.default_rng(9).normal(size=(6, 5)).astype(np.float32)
     df = spark.createDataFrame(pd.DataFrame({"id": range(6), "x": list(x)}))
@@ -387,6 +403,84 @@ def test_the_mlflow_model_on_pandas_predicts_as_transform(frames):
             assert inputs_spec == [{"type": "array", "items": {"type": "long"},
                                         "name": "tokens", "required": True}]
         assert info.signature.params.to_dict()[0]["name"] == "output"
+
+
+class BiasedTagger(torch.nn.Module):
+    """(bias [B, 3], tokens [B, T]) -> per-token logits [B, T, 3]. Nothing masks the pads:
+    a pad (0, a real token here too) gets a token's logits, so only the rows' lengths say
+    where each row ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.emb, self.out = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, bias, tokens):
+        return self.out(self.emb(tokens)) + bias[:, None, :]
+
+
+def _shift(batch, *, training, rng):
+    """Decodes one input and lets the ragged tokens pass through unchanged."""
+    return {"bias": batch["bias"] + 1.0}
+
+
+BIASED = schema(field("bias", "float32", (3,), source="array<float>"),
+                field("tokens", "int32", (-1,), source="array<int>"), binding="positional")
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("preprocess", [None, _shift], ids=["plain", "preprocess"])
+def test_a_tagger_writes_each_row_as_many_predictions_as_it_has_tokens(spark, preprocess):
+    """Issue 39: with a preprocess, transform and the logged pyfunc wrote each row at its
+    chunk's padded length ([0, 7, 0] gave 5 predictions). Both paths, each row against the
+    model run on that row alone (no padding at all); the tokens are the second input, after
+    one the preprocess returns."""
+    import mlflow
+
+    from sparkdl_avg._model import pickle_for_executors
+    from sparkdl_avg.data.feed import model_schema
+    from sparkdl_avg.tracking.model import log_model
+
+    rng = np.random.default_rng(39)
+    tokens = [rng.integers(0, 10, n).tolist() for n in rng.integers(1, 7, 40)]
+    bias = rng.normal(size=(40, 3)).astype(np.float32)
+    df = spark.createDataFrame(pd.DataFrame({"id": range(40), "bias": list(bias),
+                                             "tokens": tokens})) \
+        .selectExpr("id", "CAST(bias AS array<float>) AS bias",
+                    "CAST(tokens AS array<int>) AS tokens")
+    decoded = bias if preprocess is None else preprocess({"bias": bias}, training=False,
+                                                         rng=None)["bias"]
+    model = BiasedTagger().eval()
+    with torch.no_grad():
+        eager = [model(torch.from_numpy(b[None]), torch.tensor([t]))[0].double()
+                 for b, t in zip(decoded, tokens, strict=True)]
+    top2 = [torch.topk(e, 2, -1).values for e in eager]
+    # argmax is one answer whichever kernel sums the logits: no two within float32's reach
+    assert min(float((v[:, 0] - v[:, 1]).min()) for v in top2) > 1e-3
+    # as a fit learns it: what the preprocess returns for a sample, the rest as carried
+    inputs = None if preprocess is None else \
+        model_schema(BIASED, preprocess({"bias": bias[:2]}, training=False, rng=None), 2)
+    result = FitResult(model=model, run_id="", schema=BIASED, heads=("class",),
+                       preprocess=preprocess, model_schema=inputs)
+    scored = result.transform(df, output=["prediction", "raw"], batch_size=4) \
+        .orderBy("id").toPandas()["prediction"]
+    mlflow.set_experiment("outputs")
+    with mlflow.start_run() as run:
+        log_model(model, schema=BIASED, heads=("class",), pip_requirements=["torch"],
+                  model_schema=inputs, preprocess=None if preprocess is None else
+                  pickle_for_executors("preprocess", preprocess))
+    pyfunc = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    frame = pd.DataFrame({"bias": [b.tolist() for b in bias], "tokens": tokens})
+    served, served_raw = pyfunc.predict(frame), pyfunc.predict(frame, params={"output": "raw"})
+    # float32 logits of a 4-wide product and a bias: a batched kernel may sum in another
+    # order than the row's own, a few ulps (1.2e-7 each) of values near 1
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    for i, (t, e) in enumerate(zip(tokens, eager, strict=True)):
+        expected = e.argmax(-1).tolist()
+        assert list(scored[i]["prediction"]) == expected, (i, t)
+        assert list(served[i]) == expected, (i, t)
+        np.testing.assert_allclose(np.stack(scored[i]["raw"]), e, **close)
+        np.testing.assert_allclose(np.stack(served_raw[i]), e, **close)
 
 
 class Branchy(torch.nn.Module):

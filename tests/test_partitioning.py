@@ -40,6 +40,30 @@ def test_rows_are_numbered_in_order_and_dealt_round_robin(spark, workers, input_
     assert data.train_sizes == [len(p) for p in parts]
 
 
+def test_eval_ids_wider_than_train_s_are_range_checked_with_ansi_off(ansi_off):
+    """Issue 39: eval_df's bigint labels were cast to train_df's int by Spark, which with ANSI
+    off wraps 2**32 + 1 into the class 1, silently; validation now sees them unnarrowed, and
+    those that fit are carried narrowed, as train_df's."""
+    from pyspark.sql import types as T
+
+    from sparkdl_avg import DataError
+
+    rows = [([float(i), 1.0], i % 3) for i in range(12)]
+    train = ansi_off.createDataFrame(rows, "features array<double>, label int")
+    fits = train.withColumn("label", F.col("label").cast(T.LongType()))
+    wide = fits.withColumn("label", F.when(F.col("label") == 1, F.lit(2**32 + 1))
+                           .otherwise(F.col("label")))
+    with pytest.raises(DataError, match=r"eval_df's label \('label'\) holds 0 to 4294967297, "
+                                        r"beyond the int32 train_df carries it in "
+                                        r"\(-2147483648 to 2147483647\): cast train_df's"):
+        prepare(train, wide, num_workers=2, double_precision=False)
+    data = prepare(train, fits, num_workers=2, double_precision=False)
+    label = data.schema.labels[0]
+    assert label.dtype == "int32" and data.frame.schema[label.wire].dataType == T.IntegerType()
+    assert sorted(r[0] for r in data.frame.select(label.wire).collect()) == \
+        sorted([i % 3 for i in range(12)] * 2)
+
+
 def test_the_fit_path_gives_spark_type_objects_not_type_strings(spark, monkeypatch):
     """A type or schema string goes through Spark's SQL parser, whose first use costs a cold
     session's driver about 0.35 s: the fit's casts and its jobs' schemas are type objects."""

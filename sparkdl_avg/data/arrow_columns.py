@@ -113,7 +113,8 @@ def _image_column(array: pa.StructArray, field: FieldSpec) -> Column:
 
 def check_fits(values: np.ndarray, field: FieldSpec) -> None:
     """Integers narrowed to the field's width (a pandas frame scored by the MLflow model holds
-    int64) must fit it: a wrapped id would be scored as another one. Floats for an integer or
+    int64, a DataFrame scored may hold bigint ids: `describe.carry` leaves them wide) must fit
+    it: a wrapped id would be scored as another one. Floats for an integer or
     bool field must hold no NaN: pandas holds a null integer as NaN (Spark's pandas UDF on
     pyspark 4.0, a pyfunc's frame or arrays), which the cast would make INT64_MIN, an id
     nobody gave."""
@@ -125,7 +126,8 @@ def check_fits(values: np.ndarray, field: FieldSpec) -> None:
     low, high = values.min(), values.max()
     if low < info.min or high > info.max:
         raise DataError(f"{field.described} holds {low} to {high}, beyond the {field.dtype} "
-                        "the fit read it as")
+                        f"the fit read it as ({info.min} to {info.max}): the model never saw "
+                        "such a value; filter those rows out first")
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:

@@ -166,9 +166,15 @@ def check_numeric(df: DataFrame, columns, argument: str, frame_name: str) -> Non
     for part in columns:
         field = find_column(df, part, argument, frame_name)
         if not isinstance(field.dataType, (*_FLOATS, *_INTS)):
+            hint = "cast it to a number"
+            if isinstance(field.dataType, T.StringType):
+                hint = _REFUSED[T.StringType]
+            elif isinstance(field.dataType, T.ArrayType):
+                hint = "an array is an input of its own: name it in inputs="
             raise DataError(f"{frame_name} feature column {part!r} has type "
-                            f"{field.dataType.simpleString()}; feature columns must be "
-                            "numeric")
+                            f"{field.dataType.simpleString()}, but the columns of "
+                            f"{argument} are assembled into one vector of numbers: {hint}, "
+                            "or leave it out of the list")
 
 
 def find_column(df: DataFrame, name: object, argument: str, frame_name: str) -> T.StructField:
@@ -223,8 +229,13 @@ def is_image_struct(dtype: T.DataType) -> bool:
 def pack_image(col: Column) -> Column:
     """An image struct as one binary value (the header, then `data`), so it is validated,
     carried and cached like any binary column; `feed.raw_batch` splits it again. A null
-    image, or a null field, gives null (refused by validation, naming the column)."""
-    header = [F.unhex(F.lpad(F.hex(col[n]), 8, "0")) for n in IMAGE_FIELDS]
+    image, or a null field, gives null (refused by validation, naming the column). Each int
+    is its 4 bytes of two's complement, big-endian, as `arrow_columns._image_column` packs
+    them: Spark's `hex` of a negative int writes the 16 digits of its long, so the int is
+    taken as its low 32 bits first, a long of at most 8 hex digits."""
+    low = F.lit(0xFFFFFFFF)  # a long literal: the AND widens the int to long first
+    header = [F.unhex(F.lpad(F.hex(col[n].cast(T.LongType()).bitwiseAND(low)), 8, "0"))
+              for n in IMAGE_FIELDS]
     return F.concat(*header, col["data"])
 
 
@@ -239,8 +250,12 @@ def carried_type(source: Source, float_type: T.DataType) -> T.DataType:
 
 
 def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str) -> Column:
-    """`source`'s column of `df` (train_df or eval_df) in its carried type, as `source.wire`.
-    DataError when eval_df's column is of another kind than train_df's."""
+    """`source`'s column of `df` (train_df, eval_df or a DataFrame to score) in its carried
+    type, as `source.wire`. DataError when its column is of another kind than train_df's.
+    Integers wider than train_df's stay as wide: Spark's cast would narrow them by wrapping,
+    silently with `spark.sql.ansi.enabled` off (an id 2**32 + 3 becoming 3), so the
+    narrowing is left to whoever reads them with a range check: the validation job
+    (`validate.check_widths`), or scoring's reader (`arrow_columns.check_fits`)."""
     if isinstance(source.column, tuple):
         check_numeric(df, source.column, "features_col", frame_name)
         parts = [F.col(f"`{part}`").cast(float_type) for part in source.column]
@@ -253,8 +268,8 @@ def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str
             else F.lit(None).cast(T.BinaryType())
         return F.coalesce(col, F.lit("").cast(T.BinaryType())).alias(source.wire)
     field = find_column(df, source.column, source.role, frame_name)
-    kind, _, depth, vector = classify_type(field.dataType, source.column, frame_name,
-                                           source.role, encoded=source.kind == "bytes")
+    kind, width, depth, vector = classify_type(field.dataType, source.column, frame_name,
+                                               source.role, encoded=source.kind == "bytes")
     if (kind, depth) != (source.kind, source.depth) and not \
             (kind == "int" and source.kind == "float" and depth == source.depth):
         raise DataError(f"column {source.column!r} is {field.dataType.simpleString()} in "
@@ -267,7 +282,14 @@ def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str
         return vector_to_array(col, dtype=name).alias(source.wire)
     if kind == "bytes" and is_image_struct(field.dataType):
         return pack_image(col).alias(source.wire)
+    if kind == "int" == source.kind and _wider(width, source.int_dtype):
+        return col.alias(source.wire)
     return col.cast(carried_type(source, float_type)).alias(source.wire)
+
+
+def _wider(int_dtype: str, than: str | None) -> bool:
+    widths = list(_INTS.values())  # narrowest first
+    return than in widths and widths.index(int_dtype) > widths.index(than)
 
 
 def input_columns(df: DataFrame, schema, frame_name: str = "df") -> list[Column]:

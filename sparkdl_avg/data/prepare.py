@@ -90,6 +90,7 @@ def prepare(
     rows = numbered.groupBy(SPLIT, "_pid").agg(
         *validate.aggregations(sources, element, to_classes)).collect()
     totals = validate.check_rows(rows, sources, has_eval=eval_df is not None)
+    validate.check_widths(rows, sources)
     for s in labels:
         odd = sum(r[f"{s.wire}_fractional"] or 0 for r in rows) if s.wire in to_classes else 0
         if odd:
@@ -117,8 +118,10 @@ def prepare(
     keys = _partition_keys(num_workers)
     key = F.element_at(F.array(*[F.lit(k) for k in keys]),
                        (row % num_workers).cast(T.IntegerType()) + 1)
+    # eval_df's wider integers (the union's type: `describe.carry`) narrowed, now that
+    # validation saw them fit
     carried = [F.col(s.wire).cast(carried_type(s, element)).alias(s.wire)
-               if s.wire in to_classes else F.col(s.wire) for s in sources]
+               if s.wire in to_classes or s.kind == "int" else F.col(s.wire) for s in sources]
     frame = (
         numbered.withColumn(INDEX, row)
         .withColumn("_key", key)

@@ -12,6 +12,7 @@ lambda (`transform`); flat arrays, the common case, do not.
 
 from __future__ import annotations
 
+import numpy as np
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -136,6 +137,26 @@ def check_rows(rows: list, sources: list[Source], *, has_eval: bool) -> dict[int
                 raise DataError(f"{_SIDES[split]} has {bad} rows whose {_what(s)} "
                                 f"{_bad_text(s)}; {_fix(s)}")
     return total
+
+
+def check_widths(rows: list, sources: list[Source]) -> None:
+    """DataError for eval_df's integers beyond the width train_df carries a field in: its
+    column may be wider (bigint ids where train_df has int), which `describe.carry` leaves
+    wide, as Spark's cast would wrap them silently with `spark.sql.ansi.enabled` off. From
+    the ranges the job computes anyway: no job of its own."""
+    for s in sources:
+        if s.kind != "int":
+            continue
+        mine = [r for r in rows if r[SPLIT] == EVAL and r[f"{s.wire}_low"] is not None]
+        if not mine:
+            continue
+        info = np.iinfo(s.int_dtype)
+        low, high = min(r[f"{s.wire}_low"] for r in mine), max(r[f"{s.wire}_high"] for r in mine)
+        if low < info.min or high > info.max:
+            raise DataError(f"eval_df's {_what(s)} holds {low} to {high}, beyond the "
+                            f"{s.int_dtype} train_df carries it in ({info.min} to "
+                            f"{info.max}): cast train_df's column to eval_df's wider type, "
+                            "or filter those rows out")
 
 
 def _what(s: Source) -> str:

@@ -13,7 +13,9 @@ width of its logits). What is written (`output=`):
 A row's result of shape () is a scalar, (K,) an array, (T, K) nested arrays. A multilabel or
 value output of shape (1,) is written as a scalar. An output whose first dimension after the
 batch follows the padded length of a ragged input (a per-token output) is cut, row by row, to
-the length of that row of the first ragged input.
+the length of that row of the first ragged input (`columns.row_lengths`: with
+`fit(preprocess=)`, the first ragged column it passes through; what it returns is written at
+the length it returns).
 """
 
 from __future__ import annotations

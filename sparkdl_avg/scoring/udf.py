@@ -130,7 +130,8 @@ class Scorer:
         prep = self.preprocessor
         batch = prep([cols.raw_parts(columns, start, stop)], training=False,
                      rng=step_rng(0, EVAL_STREAM, 0, start))
-        return tuple(t.to(self.device) for t in batch.inputs), None
+        return tuple(t.to(self.device) for t in batch.inputs), \
+            cols.row_lengths(columns, self.schema, start, stop, self.device)
 
 
 def _concat(arrays: list[pa.Array]) -> pa.Array:
