@@ -97,6 +97,34 @@ def test_evaluation_chunks_are_preprocessed_on_the_pool_in_order():
     assert _gone()
 
 
+def test_a_stuck_preprocess_stops_the_feed_with_python_3_10s_timeout_class(monkeypatch):
+    """On Python 3.10 a future's `result(timeout=)` raises `concurrent.futures.TimeoutError`,
+    which is not the builtin TimeoutError (3.11 made them one class): a stand-in of that
+    kind, raised by the future itself, still stops the feed with a PreprocessError saying
+    why, not an exception the feed lets through."""
+    import concurrent.futures
+    import concurrent.futures._base as futures_base
+
+    class FuturesTimeout(Exception):  # as 3.10 has it: no subclass of the builtin
+        pass
+
+    monkeypatch.setattr(futures_base, "TimeoutError", FuturesTimeout)  # what result() raises
+    monkeypatch.setattr(concurrent.futures, "TimeoutError", FuturesTimeout)
+    release = threading.Event()
+
+    def stuck(batch, **_):  # a decoder stuck on a record, until the test ends
+        release.wait(10)
+        return batch
+
+    try:
+        with pytest.raises(PreprocessError, match="took more than"), \
+                _eval_feed(stuck, timeout=0.2) as feed:
+            feed.get()
+    finally:
+        release.set()
+    assert _gone()
+
+
 def test_the_evaluation_feed_stops_its_threads_on_every_way_out():
     with _eval_feed(lambda batch, **_: batch) as feed:  # left after one chunk of four
         assert next(iter(feed)).rows == 3

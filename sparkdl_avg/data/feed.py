@@ -15,6 +15,7 @@ augmentation is reproducible, and a restart replays it bit-identically.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import queue
 import threading
@@ -296,7 +297,8 @@ class PreprocessFeed:
             return None
         try:
             batch = future.result(timeout=self.timeout)
-        except TimeoutError:  # a decoder stuck on a record: it would be stuck again
+        # not the builtin TimeoutError: on Python 3.10 a future's timeout is another class
+        except concurrent.futures.TimeoutError:  # a decoder stuck on a record: stuck again
             raise PreprocessError(f"preprocess took more than {self.timeout:.0f} s "
                                   "(round_timeout) on one batch: a decoder that hangs "
                                   "(a corrupt record, a network read) stops the fit") from None
