@@ -238,15 +238,15 @@ def _images(batch, *, training, rng):
 
 def test_integers_cross_to_the_device_at_the_width_preprocess_returns():
     """With `narrow` (a GPU's copy), the host batch keeps fn's uint8 (and a pass-through
-    int32 column its 4 bytes); on the device it is what the model gets (int64), the same
-    numbers as widening on the host."""
+    int32 column its 4 bytes); on the device it is what the model gets (uint8 pixels stay
+    uint8, the ids and the label int64), the same numbers as converting on the host."""
     raw = DataSchema(inputs=(IMAGE, IDS), binding="positional", labels=(LABEL,),
                      label_list=False)
     pixels = np.array([[0, 7, 255], [128, 1, 2]], np.uint8)
     parts = [(pixels.reshape(-1), np.array([3, 3])), np.array([5, 70000], np.int32),
              np.array([1, 2])]
     schema = model_schema(raw, _images(raw_batch(raw, parts), training=False, rng=None), 2)
-    assert [f.dtype for f in schema.fields] == ["int64", "int32", "int64"]  # what it gets
+    assert [f.dtype for f in schema.fields] == ["uint8", "int32", "int64"]  # what it gets
     rng = step_rng(0, 0, 0, 0)
     wide = Preprocessor(_images, raw, schema, torch.float32, seed=0, partition=0)(
         [parts], training=True, rng=rng)
@@ -259,7 +259,7 @@ def test_integers_cross_to_the_device_at_the_width_preprocess_returns():
     with PreprocessFeed(jobs, prep, torch.device("cpu"), threads=1, prefetch=1) as feed:
         got = feed.get()
         assert feed.get() is None
-    assert [t.dtype for t in tensors_of(got)] == [torch.int64] * 3
+    assert [t.dtype for t in tensors_of(got)] == [torch.uint8, torch.int64, torch.int64]
     assert all(torch.equal(a, b) for a, b in zip(tensors_of(got), tensors_of(wide),
                                                  strict=True))
 

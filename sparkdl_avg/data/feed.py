@@ -141,15 +141,18 @@ def _returned(schema: DataSchema, out, rows: int) -> dict:
 def model_schema(schema: DataSchema, out: dict, rows: int) -> DataSchema:
     """The fields the model gets, from what `preprocess` returned for a sample of rows
     (`out`, by column): a returned field's row shape and kind (floats in the model's float
-    dtype, integers int64, booleans), the others as they were carried."""
+    dtype, an input's uint8 as uint8, other integers int64, booleans), the others as they
+    were carried."""
     out = _returned(schema, out, rows)
 
     def spec(field: FieldSpec) -> FieldSpec:
         if field.key not in out:
             return field
         array = out[field.key]
-        dtype = "bool" if array.dtype == np.bool_ else "int64" if array.dtype.kind in "iu" \
-            else schema.float_dtype if array.dtype.kind == "f" else None
+        pixels = array.dtype == np.uint8 and field.role == "input"  # a label indexes: int64
+        dtype = "bool" if array.dtype == np.bool_ else "uint8" if pixels else "int64" \
+            if array.dtype.kind in "iu" else schema.float_dtype if array.dtype.kind == "f" \
+            else None
         if dtype is None:
             raise DataError(f"preprocess returned {array.dtype} for {field.described}: "
                             "return numbers or booleans")
@@ -185,14 +188,15 @@ def _first_row(schema: DataSchema, joined: list) -> str:
 
 NARROW = ("uint8", "int8", "int16", "int32")
 """Integer dtypes a batch may keep on its way to the device (`Preprocessor(narrow=True)`):
-each widens to int64 there, as the typed inputs' integer columns do."""
+each takes the model's dtype there (int64, as the typed inputs' integer columns do; a uint8
+input stays uint8)."""
 
 
 class Preprocessor:
     """`preprocess` and the conversion of its result to tensors on the host: in the model's
     dtypes; with `narrow`, integers returned (or passed through) in a `NARROW` dtype keep it,
-    for the copy to the device (`cache.typed` widens them there: the model still gets int64,
-    while a uint8 image crosses at 1/8 of int64's bytes); pinned when `pin`."""
+    for the copy to the device (`cache.typed` widens them there to int64, while an id
+    returned as int16 crosses at 1/4 of int64's bytes); pinned when `pin`."""
 
     def __init__(self, fn, raw: DataSchema, model: DataSchema, float_dtype, *, seed: int,
                  partition: int, pin: bool = False, narrow: bool = False) -> None:

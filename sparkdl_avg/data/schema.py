@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-INT_DTYPES = ("int8", "int16", "int32", "int64")
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
+"""uint8 is never carried from Spark (it has no such type): it is what a preprocess returns
+for an input (an image's pixels), which the model gets as uint8 (`FieldSpec.torch_dtype`)."""
 IGNORE_INDEX = -100
 """The pad of a ragged integer label: the built-in cross-entropy ignores it."""
 
@@ -97,11 +99,15 @@ class FieldSpec:
 
     def torch_dtype(self, float_dtype):
         """The dtype the model gets: int64 for integers (what nn.Embedding and the losses
-        index with), bool, else `float_dtype` (the model's; a weight at least float32)."""
+        index with), but uint8 for a uint8 input (only a preprocess returns one: an image's
+        pixels, 1 byte each, which the model converts itself: `x.float() / 255`), bool, else
+        `float_dtype` (the model's; a weight at least float32)."""
         import torch
 
         if self.role == "weight":  # never rounded to a half type: w must count as w copies
             return torch.promote_types(float_dtype, torch.float32)
+        if self.dtype == "uint8" and not self.encoded:
+            return torch.uint8
         return {"int": torch.int64, "bool": torch.bool, "bytes": torch.uint8}.get(
             self.kind, float_dtype)
 

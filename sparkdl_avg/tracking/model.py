@@ -195,7 +195,9 @@ def tensor_signature(schema, varying: bool = False):
 
 
 def _model_dtype(field) -> str:
-    return {"int": "int64", "bool": "bool"}.get(field.kind, field.dtype)
+    if field.kind == "int":  # as `FieldSpec.torch_dtype`: a preprocess's uint8 stays uint8
+        return "uint8" if field.dtype == "uint8" else "int64"
+    return {"bool": "bool"}.get(field.kind, field.dtype)
 
 
 def signature(schema):
