@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparkdl_avg import DataError
-from sparkdl_avg.data.feed import raw_batch
+from sparkdl_avg.data.raw_rows import raw_batch
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
 
 

@@ -25,11 +25,11 @@ from sparkdl_avg.data.feed import (
     eval_feed,
     eval_jobs,
     model_schema,
-    raw_batch,
     step_rng,
 )
 from sparkdl_avg.data.order import Cut
 from sparkdl_avg.data.probe_batch import first_rows, passed_ranges, with_ranges
+from sparkdl_avg.data.raw_rows import raw_batch
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
 from sparkdl_avg.task.replica import _preprocessor
 

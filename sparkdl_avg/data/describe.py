@@ -279,3 +279,10 @@ def input_columns(df: DataFrame, schema, frame_name: str = "df") -> list[Column]
                              f.dtype if f.kind == "int" else None,
                              0 if f.encoded else len(f.shape), f.source),
                   float_type, frame_name) for f in schema.inputs]
+
+
+def ident_columns(df: DataFrame, schema) -> list[Column]:
+    """The schema's identifying columns (`DataSchema.idents`: `path`...) read from `df` as
+    the fit carried them (UTF-8 bytes), each named by its wire."""
+    return [carry(df, Source(f.role, f.name, f.column, f.wire, "bytes", None, 0, f.source),
+                  T.FloatType(), "df") for f in schema.idents]

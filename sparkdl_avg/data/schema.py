@@ -231,11 +231,12 @@ class DataSchema:
                    float_dtype=d.get("float_dtype", "float32"),
                    idents=tuple(FieldSpec.from_dict(f) for f in d.get("idents", ())))
 
-    def without_targets(self) -> DataSchema:
-        """The inputs alone: what scoring reads."""
+    def without_targets(self, idents: bool = False) -> DataSchema:
+        """The inputs alone: what scoring reads (with `idents`: and the idents after them,
+        which a failing preprocess names its row by)."""
         return DataSchema(inputs=self.inputs, binding=self.binding, labels=(),
                           label_list=self.label_list, weight=None,
-                          float_dtype=self.float_dtype)
+                          float_dtype=self.float_dtype, idents=self.idents if idents else ())
 
 
 @dataclass(slots=True)
