@@ -2,8 +2,8 @@
 
 `raw_batch` turns a batch's raw rows (per field an array, or a ragged field's (values,
 lengths), as the caches hand them out; `join_parts` puts pieces one after another) into the
-dict `fn` takes: a binary column as a list of `bytes`, Spark's image struct as a dict,
-numbers as arrays. `call` runs `fn` on it. When `fn` raises,
+dict `fn` takes: a binary column as a list of `bytes`, a string column as a list of `str`,
+Spark's image struct as a dict, numbers as arrays. `call` runs `fn` on it. When `fn` raises,
 it looks for the row that fails alone, halving the batch (a few more calls of `fn`, on the
 error's way only: a corrupt record fails the same way every time), and raises a
 `PreprocessError` naming that row by the frame's identifying column (`DataSchema.idents`:
@@ -48,6 +48,18 @@ def _records(values: np.ndarray, lengths: np.ndarray, skip: int = 0) -> list[byt
                                         strict=True)]
 
 
+def _texts(values: np.ndarray, lengths: np.ndarray) -> list[str]:
+    """Each row's UTF-8 bytes as a `str`: the flat values and their offsets made one Arrow
+    string array, which makes the Python strings in C (no Python loop over rows)."""
+    import pyarrow as pa
+
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    strings = pa.LargeStringArray.from_buffers(
+        len(lengths), pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(values)))
+    return strings.to_pylist()
+
+
 def _image(values: np.ndarray, lengths: np.ndarray) -> dict:
     """A packed image struct's rows (`describe.pack_image`) as {"data": list of bytes, and
     per int field an int32 array}: the headers are gathered at once, not row by row."""
@@ -61,14 +73,16 @@ def _image(values: np.ndarray, lengths: np.ndarray) -> dict:
 
 
 def raw_batch(schema: DataSchema, joined: list) -> dict:
-    """What `preprocess` gets, by column: a binary field as a list of `bytes` (Spark's image
-    struct as a dict: "data" a list of `bytes`, "height", "width", "nChannels", "mode" int32
-    arrays), a ragged numeric one as a list of arrays, a fixed-shape one as an array
-    `[rows, *shape]`."""
+    """What `preprocess` gets, by column: a binary field as a list of `bytes`, a string one as
+    a list of `str` (Spark's image struct as a dict: "data" a list of `bytes`, "height",
+    "width", "nChannels", "mode" int32 arrays), a ragged numeric one as a list of arrays, a
+    fixed-shape one as an array `[rows, *shape]`."""
     out = {}
     for field, value in zip(schema.data_fields, joined, strict=False):  # idents stay out
         if field.image:
             out[field.key] = _image(*value)
+        elif field.text:
+            out[field.key] = _texts(*value)
         elif field.encoded:
             out[field.key] = _records(*value)
         elif field.ragged:

@@ -47,14 +47,21 @@ class FieldSpec:
     source: str = ""
     """The Spark type, for messages."""
     encoded: bool = False
-    """A binary column (an image file, an encoded record): carried and cached as a ragged
-    uint8 field, handed to `fit(preprocess=)` as `bytes`, never to the model itself."""
+    """A binary column (an image file, an encoded record) or a string one (text to
+    tokenize): carried and cached as a ragged uint8 field (a string's UTF-8 bytes), handed to
+    `fit(preprocess=)` as `bytes` (or `str`), never to the model itself."""
 
     @property
     def image(self) -> bool:
         """An encoded field from Spark's `image` source struct (the only struct carried):
         its bytes are a header of ints before the pixels (`describe.pack_image`)."""
         return self.encoded and self.source.startswith("struct<")
+
+    @property
+    def text(self) -> bool:
+        """An encoded field from a string column: carried as its UTF-8 bytes, handed to
+        `fit(preprocess=)` as `str`."""
+        return self.encoded and self.source == "string"
 
     @property
     def ragged(self) -> bool:
