@@ -2,8 +2,9 @@
 trains from text as it is (preprocess gets each batch's rows as a list of `str`, non-ASCII
 ones whole), carried as UTF-8 bytes through the disk cache and evaluation, and scores the
 same through `transform`, `predict_udf` and the logged MLflow model, whose signature takes
-a string column. A null string is refused by validation, naming the column; without a
-preprocess a string column is refused, saying to pass one."""
+a string column. A null string is refused by validation, naming the column, and an eval_df
+holding the column as binary before it; without a preprocess a string column is refused,
+saying to pass one."""
 
 from __future__ import annotations
 
@@ -113,3 +114,9 @@ def test_a_string_column_needs_a_preprocess_and_no_nulls(spark, texts):
     with pytest.raises(DataError, match=r"train_df has 1 rows whose features \('text'\) is "
                                         r"null"):
         fit(holes, BagOfWords, config, features_col="text", preprocess=tokenize)
+    # the same column as bytes elsewhere would reach preprocess as bytes: refused
+    as_bytes = texts.selectExpr("cast(text as binary) as text", "label")
+    with pytest.raises(DataError, match="column 'text' is binary in eval_df but string in "
+                                        "train_df"):
+        fit(texts, BagOfWords, config, features_col="text", preprocess=tokenize,
+            eval_df=as_bytes)
