@@ -14,7 +14,7 @@ from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._losses import LossFn
 from sparkdl_avg._metrics import Metric
 from sparkdl_avg._version import __version__
-from sparkdl_avg.data.describe import input_columns
+from sparkdl_avg.data.describe import ident_columns, input_columns
 from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.driver.asynchronous import train_async
 from sparkdl_avg.driver.checkpoints import open_source
@@ -151,13 +151,15 @@ class FitResult:
         Spark's PythonException."""
         return self._udf(self.scoring()[0], device, batch_size, output)
 
-    def _udf(self, schema: DataSchema, device: str, batch_size: int | None, output):
+    def _udf(self, schema: DataSchema, device: str, batch_size: int | None, output,
+             idents: bool = False):
         heads = self.scoring()[1]
         names = output_names(schema, len(heads)) if schema.label_list else None
         return make_predict_udf(self.model, schema=schema, heads=heads, output=output,
                                 names=names, device=device,
                                 batch_size=batch_size or self.score_rows,
-                                preprocess=self.preprocess, model_schema=self.model_schema)
+                                preprocess=self.preprocess, model_schema=self.model_schema,
+                                idents=idents)
 
     def transform(self, df, *, output_col: str = "prediction",
                   output: str | Sequence[str] = "prediction",
@@ -184,8 +186,12 @@ class FitResult:
                               "preprocess: it reads the columns it was fit on")
         if features_col is not None:
             schema = with_column(schema, features_col)
-        udf = self._udf(schema, device, batch_size, output)
-        return df.withColumn(output_col, udf(*input_columns(df, schema)))
+        # with a preprocess, the row's path (or id...) rides along: an error names the row
+        named = self.preprocess is not None and bool(schema.idents) and \
+            schema.idents[0].column in getattr(df, "columns", [])
+        udf = self._udf(schema, device, batch_size, output, idents=named)
+        return df.withColumn(output_col, udf(*input_columns(df, schema),
+                                             *(ident_columns(df, schema) if named else ())))
 
 
 def fit(

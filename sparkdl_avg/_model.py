@@ -9,6 +9,7 @@ import difflib
 import functools
 import inspect
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Callable
@@ -231,7 +232,30 @@ def _forward_failed(schema, batch, exc: BaseException) -> ModelError:
     per_row = f"; {schema.num_features} features per row" \
         if schema.num_features is not None else ""
     return ModelError(f"the model's forward failed on a probe batch of the data's "
-                      f"shapes ({shapes}{per_row}): {exc!r}")
+                      f"shapes ({shapes}{per_row}): {exc!r}{_dtype_hint(schema, batch, exc)}")
+
+
+_DTYPE_CLASH = re.compile(r"dtype|datatype|scalar type|Input type|\w+Tensor\b")
+"""How torch words a layer given a tensor of another dtype: a Conv's "Input type (unsigned
+char) and bias type (float)", a Linear's "must have the same dtype", an Embedding's
+"scalar types: Long, Int; but got torch.ByteTensor"."""
+
+
+def _dtype_hint(schema, batch, exc: BaseException) -> str:
+    """For a dtype clash: what the model received for each integer input and what to do."""
+    if not _DTYPE_CLASH.search(str(exc)):
+        return ""
+    hints = []
+    for f, x in zip(schema.inputs, batch.inputs, strict=True):
+        if x.dtype == torch.uint8:
+            hints.append(f"{f.described} reaches the model as uint8 (what preprocess "
+                         "returned): a float layer takes it as x.float() / 255 in forward "
+                         "(or return float32 from preprocess); an nn.Embedding takes int64 "
+                         "ids (return them as int64)")
+        elif x.dtype == torch.int64:
+            hints.append(f"{f.described} reaches the model as int64: a float layer takes "
+                         "it as x.float() in forward (or cast the column to float)")
+    return ". " + "; ".join(hints) if hints else ""
 
 
 def index_error(schema, inputs, exc: BaseException) -> ModelError:

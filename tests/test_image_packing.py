@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sparkdl_avg import DataError
-from sparkdl_avg.data.feed import raw_batch
+from sparkdl_avg.data.raw_rows import raw_batch
 from sparkdl_avg.data.schema import IMAGE_FIELDS, DataSchema, FieldSpec
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1

@@ -23,7 +23,8 @@ from faulty import same_parameters
 
 from sparkdl_avg import DataError, ModelError, PreprocessError, TrainConfig, fit
 from sparkdl_avg.data.arrow_columns import read_column
-from sparkdl_avg.data.feed import Preprocessor, model_schema, raw_batch, step_rng
+from sparkdl_avg.data.feed import Preprocessor, model_schema, step_rng
+from sparkdl_avg.data.raw_rows import raw_batch
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
 
 WIDTH, CLASSES, ROWS = 4, 3, 96
@@ -241,15 +242,20 @@ def test_binary_columns_need_a_preprocess(records):
     with pytest.raises(DataError, match="weight column 'content' is binary"):
         fit(records, Net, TrainConfig(**SYNC), features_col="vector", weight_col="content",
             preprocess=_decode)
-    with pytest.raises(DataError, match="preprocess failed on a sample"):
+    # a preprocess that fails on every row: the sample's first row named, and the others
+    with pytest.raises(PreprocessError, match=re.escape(
+            "preprocess failed on the row whose path is '/data/0.bin' (row 0 of train_df's "
+            "first 4 rows): ZeroDivisionError('division by zero'); the batch's other rows "
+            "fail without it too")):
         _fit(records, preprocess=lambda batch, **_: 1 / 0)
 
 
 def _fails_in_training(log: str, batch, *, training, rng):
     first = step_rng(COMMON["seed"], 0, 0, 0).bit_generator.state
     if training and rng.bit_generator.state == first:  # the first step: once an attempt
-        with open(log, "a") as f:
-            f.write("raised\n")
+        if len(batch["content"]) == SYNC["batch_size"]:  # not the search for its row
+            with open(log, "a") as f:
+                f.write("raised\n")
         raise ValueError("corrupt record")
     return _decode(batch, training=training, rng=rng)
 
@@ -336,8 +342,7 @@ def _decode_logged(log: str, batch, *, training, rng):
 def test_a_corrupt_record_fails_the_fit_once_naming_its_path(spark, tmp_path, mlflow_client,
                                                             ident):
     """One truncated record among 12: the fit fails once (final), the error naming its
-    `path` (or an integer `id`; batch_size=1: it is the batch's first row), and the run is
-    FAILED."""
+    `path` (or an integer `id`), and the run is FAILED."""
     x = np.random.default_rng(2).normal(size=(12, WIDTH))
     name = ident.split()[0]
     names = [f"/data/{i}.bin" if name == "path" else 1000 + i for i in range(12)]
@@ -345,7 +350,7 @@ def test_a_corrupt_record_fails_the_fit_once_naming_its_path(spark, tmp_path, ml
             for i in range(12)]
     df = spark.createDataFrame(rows, f"content binary, label long, {ident}")
     log = tmp_path / "raised"
-    with pytest.raises(PreprocessError, match=re.escape(f"first row's {name} is '{names[11]}'")):
+    with pytest.raises(PreprocessError, match=re.escape(f"row whose {name} is '{names[11]}'")):
         fit(df, Net, TrainConfig(**{**SYNC, "num_workers": 1, "batch_size": 1,
                                     "epochs": 1, "max_failures": 2}),
             features_col="content", preprocess=partial(_decode_logged, str(log)))

@@ -25,11 +25,11 @@ from sparkdl_avg.data.feed import (
     eval_feed,
     eval_jobs,
     model_schema,
-    raw_batch,
     step_rng,
 )
 from sparkdl_avg.data.order import Cut
 from sparkdl_avg.data.probe_batch import first_rows, passed_ranges, with_ranges
+from sparkdl_avg.data.raw_rows import raw_batch
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
 from sparkdl_avg.task.replica import _preprocessor
 
@@ -94,6 +94,34 @@ def test_evaluation_chunks_are_preprocessed_on_the_pool_in_order():
     # each chunk's rng is fixed by its index, whichever thread runs it
     assert sorted(d for *_, d in seen) == sorted(step_rng(7, 1 << 31, 1, k).random()
                                                  for k in range(4))
+    assert _gone()
+
+
+def test_a_stuck_preprocess_stops_the_feed_with_python_3_10s_timeout_class(monkeypatch):
+    """On Python 3.10 a future's `result(timeout=)` raises `concurrent.futures.TimeoutError`,
+    which is not the builtin TimeoutError (3.11 made them one class): a stand-in of that
+    kind, raised by the future itself, still stops the feed with a PreprocessError saying
+    why, not an exception the feed lets through."""
+    import concurrent.futures
+    import concurrent.futures._base as futures_base
+
+    class FuturesTimeout(Exception):  # as 3.10 has it: no subclass of the builtin
+        pass
+
+    monkeypatch.setattr(futures_base, "TimeoutError", FuturesTimeout)  # what result() raises
+    monkeypatch.setattr(concurrent.futures, "TimeoutError", FuturesTimeout)
+    release = threading.Event()
+
+    def stuck(batch, **_):  # a decoder stuck on a record, until the test ends
+        release.wait(10)
+        return batch
+
+    try:
+        with pytest.raises(PreprocessError, match="took more than"), \
+                _eval_feed(stuck, timeout=0.2) as feed:
+            feed.get()
+    finally:
+        release.set()
     assert _gone()
 
 
@@ -210,15 +238,15 @@ def _images(batch, *, training, rng):
 
 def test_integers_cross_to_the_device_at_the_width_preprocess_returns():
     """With `narrow` (a GPU's copy), the host batch keeps fn's uint8 (and a pass-through
-    int32 column its 4 bytes); on the device it is what the model gets (int64), the same
-    numbers as widening on the host."""
+    int32 column its 4 bytes); on the device it is what the model gets (uint8 pixels stay
+    uint8, the ids and the label int64), the same numbers as converting on the host."""
     raw = DataSchema(inputs=(IMAGE, IDS), binding="positional", labels=(LABEL,),
                      label_list=False)
     pixels = np.array([[0, 7, 255], [128, 1, 2]], np.uint8)
     parts = [(pixels.reshape(-1), np.array([3, 3])), np.array([5, 70000], np.int32),
              np.array([1, 2])]
     schema = model_schema(raw, _images(raw_batch(raw, parts), training=False, rng=None), 2)
-    assert [f.dtype for f in schema.fields] == ["int64", "int32", "int64"]  # what it gets
+    assert [f.dtype for f in schema.fields] == ["uint8", "int32", "int64"]  # what it gets
     rng = step_rng(0, 0, 0, 0)
     wide = Preprocessor(_images, raw, schema, torch.float32, seed=0, partition=0)(
         [parts], training=True, rng=rng)
@@ -231,7 +259,7 @@ def test_integers_cross_to_the_device_at_the_width_preprocess_returns():
     with PreprocessFeed(jobs, prep, torch.device("cpu"), threads=1, prefetch=1) as feed:
         got = feed.get()
         assert feed.get() is None
-    assert [t.dtype for t in tensors_of(got)] == [torch.int64] * 3
+    assert [t.dtype for t in tensors_of(got)] == [torch.uint8, torch.int64, torch.int64]
     assert all(torch.equal(a, b) for a, b in zip(tensors_of(got), tensors_of(wide),
                                                  strict=True))
 

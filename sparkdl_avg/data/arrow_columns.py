@@ -64,13 +64,18 @@ def read_column(array: pa.Array, field: FieldSpec) -> Column:
 
 def _binary_column(array: pa.Array, field: FieldSpec) -> Column:
     """A binary column's rows as flat uint8 values and lengths, from its offsets and data
-    buffers as they are: no copy per row."""
-    if not pa.types.is_binary(array.type) and not pa.types.is_large_binary(array.type):
-        raise DataError(f"{field.described} is {array.type}, not binary")
+    buffers as they are: no copy per row. A string column (a text field's, as scoring gets
+    it) has the same buffers: its UTF-8 bytes."""
+    if not (pa.types.is_binary(array.type) or pa.types.is_large_binary(array.type)
+            or (field.text and (pa.types.is_string(array.type)
+                                or pa.types.is_large_string(array.type)))):
+        raise DataError(f"{field.described} is {array.type}, not "
+                        f"{'a string' if field.text else 'binary'}")
     if array.null_count:
         raise DataError(f"{field.described} holds nulls: cannot use them")
     _, offsets, data = array.buffers()
-    width = np.int64 if pa.types.is_large_binary(array.type) else np.int32
+    width = np.int64 if pa.types.is_large_binary(array.type) or \
+        pa.types.is_large_string(array.type) else np.int32
     offsets = np.frombuffer(offsets, width)[array.offset:array.offset + len(array) + 1]
     values = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
     return Column(values[offsets[0]:offsets[-1]], np.diff(offsets).astype(np.int64))

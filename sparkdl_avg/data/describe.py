@@ -22,8 +22,9 @@ _INTS = {T.ByteType: "int8", T.ShortType: "int16", T.IntegerType: "int32",
          T.LongType: "int64"}
 _FLOATS = (T.FloatType, T.DoubleType, T.DecimalType)
 _REFUSED = {
-    T.StringType: "decode strings on the Spark side first (token ids as array<int>, a "
-                  "category as an int id)",
+    T.StringType: "a string column (text to tokenize) needs fit(preprocess=fn), which gets "
+                  "it as a list of str, or turn it into numbers on the Spark side first "
+                  "(token ids as array<int>, a category as an int id)",
     T.BinaryType: "a binary column (image files, encoded records) needs fit(preprocess=fn) "
                   "to decode it, or decode it into arrays on the Spark side",
     T.MapType: "turn a map into arrays or separate columns",
@@ -192,14 +193,16 @@ def find_column(df: DataFrame, name: object, argument: str, frame_name: str) -> 
 def classify_type(dtype: T.DataType, column: str, frame_name: str, role: str = "input", *,
                   encoded: bool = False):
     """(kind, int width, array depth, is a vector) of a column's Spark type; DataError for a
-    type no model takes, saying what to do. `encoded`: a binary input or label is "bytes"
-    (a preprocess decodes it); nothing is decoded by guess."""
+    type no model takes, saying what to do. `encoded`: a binary or string input or label is
+    "bytes" (a preprocess decodes it: a string as its UTF-8 bytes); nothing is decoded by
+    guess."""
     if type(dtype).__name__ == "VectorUDT":
         return "float", None, 1, True
-    if encoded and (isinstance(dtype, T.BinaryType) or is_image_struct(dtype)):
+    if encoded and (isinstance(dtype, (T.BinaryType, T.StringType)) or
+                    is_image_struct(dtype)):
         if role == "weight":
-            raise DataError(f"{frame_name} weight column {column!r} is binary; a weight is "
-                            "one number >= 0 per row")
+            raise DataError(f"{frame_name} weight column {column!r} is "
+                            f"{dtype.simpleString()}; a weight is one number >= 0 per row")
         return "bytes", None, 0, False
     depth = 0
     while isinstance(dtype, T.ArrayType):
@@ -228,7 +231,7 @@ def is_image_struct(dtype: T.DataType) -> bool:
 
 def pack_image(col: Column) -> Column:
     """An image struct as one binary value (the header, then `data`), so it is validated,
-    carried and cached like any binary column; `feed.raw_batch` splits it again. A null
+    carried and cached like any binary column; `raw_rows.raw_batch` splits it again. A null
     image, or a null field, gives null (refused by validation, naming the column). Each int
     is its 4 bytes of two's complement, big-endian, as `arrow_columns._image_column` packs
     them: Spark's `hex` of a negative int writes the 16 digits of its long, so the int is
@@ -270,8 +273,10 @@ def carry(df: DataFrame, source: Source, float_type: T.DataType, frame_name: str
     field = find_column(df, source.column, source.role, frame_name)
     kind, width, depth, vector = classify_type(field.dataType, source.column, frame_name,
                                                source.role, encoded=source.kind == "bytes")
+    text = isinstance(field.dataType, T.StringType)  # a preprocess gets str, not bytes
     if (kind, depth) != (source.kind, source.depth) and not \
-            (kind == "int" and source.kind == "float" and depth == source.depth):
+            (kind == "int" and source.kind == "float" and depth == source.depth) or \
+            (kind == "bytes" and text != (source.source == "string")):
         raise DataError(f"column {source.column!r} is {field.dataType.simpleString()} in "
                         f"{frame_name} but {source.source} in train_df; cast both alike")
     col = F.col(f"`{source.column}`")
@@ -301,3 +306,10 @@ def input_columns(df: DataFrame, schema, frame_name: str = "df") -> list[Column]
                              f.dtype if f.kind == "int" else None,
                              0 if f.encoded else len(f.shape), f.source),
                   float_type, frame_name) for f in schema.inputs]
+
+
+def ident_columns(df: DataFrame, schema) -> list[Column]:
+    """The schema's identifying columns (`DataSchema.idents`: `path`...) read from `df` as
+    the fit carried them (UTF-8 bytes), each named by its wire."""
+    return [carry(df, Source(f.role, f.name, f.column, f.wire, "bytes", None, 0, f.source),
+                  T.FloatType(), "df") for f in schema.idents]

@@ -15,6 +15,7 @@ augmentation is reproducible, and a restart replays it bit-identically.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import queue
 import threading
@@ -27,7 +28,8 @@ from sparkdl_avg._errors import DataError, PreprocessError
 from sparkdl_avg.data.arrow_columns import pad
 from sparkdl_avg.data.cache import batch_of, typed
 from sparkdl_avg.data.ragged import longest, pad_counts
-from sparkdl_avg.data.schema import IMAGE_FIELDS, Batch, DataSchema, FieldSpec
+from sparkdl_avg.data.raw_rows import call, join_parts, rows_of
+from sparkdl_avg.data.schema import Batch, DataSchema, FieldSpec
 
 _POLL_S = 1.0
 POOL = "sparkdl-avg-preprocess"
@@ -42,62 +44,6 @@ def step_rng(seed: int, epoch: int, partition: int, batch: int) -> np.random.Gen
     `EVAL_STREAM`)."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(
         [seed, epoch, partition, batch])))
-
-
-def join_parts(schema: DataSchema, parts: list[list]) -> list:
-    """Pieces of rows (each `Window.part`'s or `MemoryColumns.part`'s form: per field an
-    array, or a ragged field's (values, lengths)) one after another, per field."""
-    if len(parts) == 1:
-        return parts[0]
-    out = []
-    for i, field in enumerate(schema.fields):
-        pieces = [p[i] for p in parts]
-        out.append(tuple(np.concatenate(c) for c in zip(*pieces, strict=True))
-                   if field.ragged else np.concatenate(pieces))
-    return out
-
-
-def _records(values: np.ndarray, lengths: np.ndarray, skip: int = 0) -> list[bytes]:
-    """Each row's bytes (after its first `skip`), from the flat values and the lengths."""
-    buffer, ends = values.tobytes(), np.cumsum(lengths)
-    return [buffer[a:b] for a, b in zip((ends - lengths + skip).tolist(), ends.tolist(),
-                                        strict=True)]
-
-
-def _image(values: np.ndarray, lengths: np.ndarray) -> dict:
-    """A packed image struct's rows (`describe.pack_image`) as {"data": list of bytes, and
-    per int field an int32 array}: the headers are gathered at once, not row by row."""
-    starts = np.cumsum(lengths) - lengths
-    width = 4 * len(IMAGE_FIELDS)
-    header = values[starts[:, None] + np.arange(width)].reshape(len(lengths), width)
-    ints = header.view(">i4").astype(np.int32)
-    out = {"data": _records(values, lengths, skip=width)}
-    out.update({name: ints[:, i] for i, name in enumerate(IMAGE_FIELDS)})
-    return out
-
-
-def raw_batch(schema: DataSchema, joined: list) -> dict:
-    """What `preprocess` gets, by column: an encoded field as a list of `bytes` (Spark's image
-    struct as a dict: "data" a list of `bytes`, "height", "width", "nChannels", "mode" int32
-    arrays), a ragged numeric one as a list of arrays, a fixed-shape one as an array
-    `[rows, *shape]`."""
-    out = {}
-    for field, value in zip(schema.data_fields, joined, strict=False):  # idents stay out
-        if field.image:
-            out[field.key] = _image(*value)
-        elif field.encoded:
-            out[field.key] = _records(*value)
-        elif field.ragged:
-            values, lengths = value
-            out[field.key] = np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
-        else:
-            out[field.key] = value
-    return out
-
-
-def _rows(value) -> int:
-    """Rows in one field's joined value (an array, or a ragged field's (values, lengths))."""
-    return len(value[1]) if isinstance(value, tuple) else len(value)
 
 
 def _as_array(value, field: FieldSpec, rows: int) -> np.ndarray:
@@ -140,15 +86,18 @@ def _returned(schema: DataSchema, out, rows: int) -> dict:
 def model_schema(schema: DataSchema, out: dict, rows: int) -> DataSchema:
     """The fields the model gets, from what `preprocess` returned for a sample of rows
     (`out`, by column): a returned field's row shape and kind (floats in the model's float
-    dtype, integers int64, booleans), the others as they were carried."""
+    dtype, an input's uint8 as uint8, other integers int64, booleans), the others as they
+    were carried."""
     out = _returned(schema, out, rows)
 
     def spec(field: FieldSpec) -> FieldSpec:
         if field.key not in out:
             return field
         array = out[field.key]
-        dtype = "bool" if array.dtype == np.bool_ else "int64" if array.dtype.kind in "iu" \
-            else schema.float_dtype if array.dtype.kind == "f" else None
+        pixels = array.dtype == np.uint8 and field.role == "input"  # a label indexes: int64
+        dtype = "bool" if array.dtype == np.bool_ else "uint8" if pixels else "int64" \
+            if array.dtype.kind in "iu" else schema.float_dtype if array.dtype.kind == "f" \
+            else None
         if dtype is None:
             raise DataError(f"preprocess returned {array.dtype} for {field.described}: "
                             "return numbers or booleans")
@@ -170,44 +119,32 @@ def _tensor(array: np.ndarray):
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
-def _first_row(schema: DataSchema, joined: list) -> str:
-    """", whose first row's path is '...'" from the batch's ident, or "" without one."""
-    if not schema.idents:
-        return ""
-    field = schema.idents[0]
-    values, lengths = joined[len(schema.data_fields)]
-    if not len(lengths):
-        return ""
-    name = values[:int(lengths[0])].tobytes().decode("utf-8", "replace")
-    return f", whose first row's {field.name} is {name!r}"
-
-
 NARROW = ("uint8", "int8", "int16", "int32")
 """Integer dtypes a batch may keep on its way to the device (`Preprocessor(narrow=True)`):
-each widens to int64 there, as the typed inputs' integer columns do."""
+each takes the model's dtype there (int64, as the typed inputs' integer columns do; a uint8
+input stays uint8)."""
 
 
 class Preprocessor:
     """`preprocess` and the conversion of its result to tensors on the host: in the model's
     dtypes; with `narrow`, integers returned (or passed through) in a `NARROW` dtype keep it,
-    for the copy to the device (`cache.typed` widens them there: the model still gets int64,
-    while a uint8 image crosses at 1/8 of int64's bytes); pinned when `pin`."""
+    for the copy to the device (`cache.typed` widens them there to int64, while an id
+    returned as int16 crosses at 1/4 of int64's bytes); pinned when `pin`."""
 
     def __init__(self, fn, raw: DataSchema, model: DataSchema, float_dtype, *, seed: int,
                  partition: int, pin: bool = False, narrow: bool = False) -> None:
         self.fn, self.raw, self.model, self.float_dtype = fn, raw, model, float_dtype
         self.seed, self.partition, self.pin, self.narrow = seed, partition, pin, narrow
 
-    def __call__(self, parts: list[list], *, training: bool, rng) -> Batch:
+    def __call__(self, parts: list[list], *, training: bool, rng, offset: int = 0,
+                 total: int | None = None) -> Batch:
+        """The rows `parts` preprocessed, as the model's Batch. `offset`, `total`: scoring's
+        (the batch's first row among the `total` rows given), for an error to name a row
+        by its place where the frame has no identifying column."""
         joined = join_parts(self.raw, parts)
-        batch = raw_batch(self.raw, joined)
-        rows = _rows(joined[0])
-        try:
-            out = self.fn(batch, training=training, rng=rng)
-        except Exception as exc:
-            raise PreprocessError(f"preprocess failed on a batch of {rows} rows of partition "
-                                  f"{self.partition}{_first_row(self.raw, joined)}: "
-                                  f"{exc!r}") from exc
+        rows = rows_of(joined[0])
+        out = call(self.fn, self.raw, joined, training=training, rng=rng,
+                   where=self._where(offset, total))
         out = _returned(self.raw, out, rows)
         tensors, padded, positions = [], 0, 0
         for raw, field, value in zip(self.raw.data_fields, self.model.fields, joined,
@@ -232,6 +169,16 @@ class Preprocessor:
             tensor = self._host(tensor, field)
             tensors.append(tensor.pin_memory() if self.pin else tensor)
         return batch_of(self.model, tensors, padded, positions)
+
+    def _where(self, offset: int, total: int | None):
+        def where(k: int | None, rows: int) -> str:
+            if total is not None:  # scoring: the rows it was given, in order
+                return f"rows {offset} to {offset + rows - 1} of the {total} scored" \
+                    if k is None else f"row {offset + k} of the {total} scored"
+            batch = f"a batch of {rows} rows of partition {self.partition}"
+            return batch if k is None else f"row {k} of {batch}"
+
+        return where
 
     def _host(self, tensor, field: FieldSpec):
         """`tensor` in the dtype it crosses to the device in."""
@@ -296,7 +243,8 @@ class PreprocessFeed:
             return None
         try:
             batch = future.result(timeout=self.timeout)
-        except TimeoutError:  # a decoder stuck on a record: it would be stuck again
+        # not the builtin TimeoutError: on Python 3.10 a future's timeout is another class
+        except concurrent.futures.TimeoutError:  # a decoder stuck on a record: stuck again
             raise PreprocessError(f"preprocess took more than {self.timeout:.0f} s "
                                   "(round_timeout) on one batch: a decoder that hangs "
                                   "(a corrupt record, a network read) stops the fit") from None

@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-INT_DTYPES = ("int8", "int16", "int32", "int64")
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
+"""uint8 is never carried from Spark (it has no such type): it is what a preprocess returns
+for an input (an image's pixels), which the model gets as uint8 (`FieldSpec.torch_dtype`)."""
 IGNORE_INDEX = -100
 """The pad of a ragged integer label: the built-in cross-entropy ignores it."""
 
@@ -45,14 +47,21 @@ class FieldSpec:
     source: str = ""
     """The Spark type, for messages."""
     encoded: bool = False
-    """A binary column (an image file, an encoded record): carried and cached as a ragged
-    uint8 field, handed to `fit(preprocess=)` as `bytes`, never to the model itself."""
+    """A binary column (an image file, an encoded record) or a string one (text to
+    tokenize): carried and cached as a ragged uint8 field (a string's UTF-8 bytes), handed to
+    `fit(preprocess=)` as `bytes` (or `str`), never to the model itself."""
 
     @property
     def image(self) -> bool:
         """An encoded field from Spark's `image` source struct (the only struct carried):
         its bytes are a header of ints before the pixels (`describe.pack_image`)."""
         return self.encoded and self.source.startswith("struct<")
+
+    @property
+    def text(self) -> bool:
+        """An encoded field from a string column: carried as its UTF-8 bytes, handed to
+        `fit(preprocess=)` as `str`."""
+        return self.encoded and self.source == "string"
 
     @property
     def ragged(self) -> bool:
@@ -97,11 +106,15 @@ class FieldSpec:
 
     def torch_dtype(self, float_dtype):
         """The dtype the model gets: int64 for integers (what nn.Embedding and the losses
-        index with), bool, else `float_dtype` (the model's; a weight at least float32)."""
+        index with), but uint8 for a uint8 input (only a preprocess returns one: an image's
+        pixels, 1 byte each, which the model converts itself: `x.float() / 255`), bool, else
+        `float_dtype` (the model's; a weight at least float32)."""
         import torch
 
         if self.role == "weight":  # never rounded to a half type: w must count as w copies
             return torch.promote_types(float_dtype, torch.float32)
+        if self.dtype == "uint8" and not self.encoded:
+            return torch.uint8
         return {"int": torch.int64, "bool": torch.bool, "bytes": torch.uint8}.get(
             self.kind, float_dtype)
 
@@ -225,11 +238,12 @@ class DataSchema:
                    float_dtype=d.get("float_dtype", "float32"),
                    idents=tuple(FieldSpec.from_dict(f) for f in d.get("idents", ())))
 
-    def without_targets(self) -> DataSchema:
-        """The inputs alone: what scoring reads."""
+    def without_targets(self, idents: bool = False) -> DataSchema:
+        """The inputs alone: what scoring reads (with `idents`: and the idents after them,
+        which a failing preprocess names its row by)."""
         return DataSchema(inputs=self.inputs, binding=self.binding, labels=(),
                           label_list=self.label_list, weight=None,
-                          float_dtype=self.float_dtype)
+                          float_dtype=self.float_dtype, idents=self.idents if idents else ())
 
 
 @dataclass(slots=True)

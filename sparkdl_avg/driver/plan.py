@@ -228,7 +228,8 @@ def sample_schema(data: PreparedData, preprocess, dtype: torch.dtype, seed: int,
     `probe_batch.ROWS` of that sample as the model's `Batch`, copied: the probe's forward
     runs on these real rows)."""
     from sparkdl_avg.data.arrow_columns import read_column
-    from sparkdl_avg.data.feed import Preprocessor, model_schema, raw_batch, step_rng
+    from sparkdl_avg.data.feed import Preprocessor, model_schema, step_rng
+    from sparkdl_avg.data.raw_rows import call
 
     table = data.sample.limit(rows).toArrow()
     raw = data.schema
@@ -236,12 +237,13 @@ def sample_schema(data: PreparedData, preprocess, dtype: torch.dtype, seed: int,
     for f in raw.fields:
         column = read_column(table.column(f.wire), f)
         parts.append((column.values, column.lengths) if f.ragged else column.values)
-    try:
-        out = preprocess(raw_batch(raw, parts), training=False,
-                         rng=step_rng(seed, 0, 0, 0))
-    except Exception as exc:
-        raise DataError(f"preprocess failed on a sample of {table.num_rows} rows of "
-                        f"train_df: {exc!r}") from exc
+
+    def where(k: int | None, n: int) -> str:
+        first = f"train_df's first {n} rows"
+        return first if k is None else f"row {k} of {first}"
+
+    out = call(preprocess, raw, parts, training=False, rng=step_rng(seed, 0, 0, 0),
+               where=where)
     schema = model_schema(raw, out, table.num_rows)
     prep = Preprocessor(preprocess, raw, schema, dtype, seed=seed, partition=0)
     # the rows the probe runs on, alone: with driver_model="meta" they are shipped

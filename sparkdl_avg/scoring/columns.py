@@ -44,8 +44,10 @@ def with_column(schema: DataSchema, column) -> DataSchema:
 
 
 def read_arrow(arrays, schema: DataSchema) -> list[Column]:
-    """One Arrow array per input -> numpy columns, each checked (`checked`)."""
-    return [checked(read_column(a, f), f) for a, f in zip(arrays, schema.inputs, strict=True)]
+    """One Arrow array per input (then per ident, where `schema` keeps them) -> numpy
+    columns, each checked (`checked`)."""
+    fields = (*schema.inputs, *schema.idents)
+    return [checked(read_column(a, f), f) for a, f in zip(arrays, fields, strict=True)]
 
 
 def read_pandas(data, schema: DataSchema) -> list[Column]:

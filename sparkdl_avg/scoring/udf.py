@@ -34,16 +34,18 @@ from sparkdl_avg.scoring.outputs import (
 def make_predict_udf(model: torch.nn.Module, *, schema: DataSchema, heads: tuple[str, ...],
                      output="prediction", names: tuple[str, ...] | None = None,
                      device: str = "auto", batch_size: int = 8192, preprocess=None,
-                     model_schema: DataSchema | None = None) -> Callable:
+                     model_schema: DataSchema | None = None, idents: bool = False) -> Callable:
     """A column function of the model's inputs (`schema`'s, in order) giving its outputs as
     `output` says ("prediction", "probability" or "raw"; a tuple of them: a struct with a
     field per mode). `heads`: each output's head (`outputs.output_heads`); `names`: the
     struct fields of a model with several outputs. A batch with a null, NaN or infinite
     input fails the task with a DataError naming the column. `preprocess` (with
     `model_schema`, the inputs it returns): run with training=False on each chunk's raw
-    input columns."""
+    input columns. `idents`: the function takes `schema`'s identifying column after the
+    inputs (`transform` passes it where the frame has it), by which an error of
+    `preprocess` names its row."""
     check_scoring(device, batch_size)
-    schema = schema.without_targets()
+    schema = schema.without_targets(idents=idents and preprocess is not None)
     model_in = (model_schema or schema).without_targets()
     model = copy.deepcopy(model).cpu().eval()  # the caller's model stays where it is
     outputs = describe_outputs(model, model_in, tuple(heads), check_modes(output), names)
@@ -129,7 +131,8 @@ class Scorer:
 
         prep = self.preprocessor
         batch = prep([cols.raw_parts(columns, start, stop)], training=False,
-                     rng=step_rng(0, EVAL_STREAM, 0, start))
+                     rng=step_rng(0, EVAL_STREAM, 0, start), offset=start,
+                     total=cols.rows_of(columns))
         return tuple(t.to(self.device) for t in batch.inputs), \
             cols.row_lengths(columns, self.schema, start, stop, self.device)
 

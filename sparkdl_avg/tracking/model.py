@@ -195,7 +195,9 @@ def tensor_signature(schema, varying: bool = False):
 
 
 def _model_dtype(field) -> str:
-    return {"int": "int64", "bool": "bool"}.get(field.kind, field.dtype)
+    if field.kind == "int":  # as `FieldSpec.torch_dtype`: a preprocess's uint8 stays uint8
+        return "uint8" if field.dtype == "uint8" else "int64"
+    return {"bool": "bool"}.get(field.kind, field.dtype)
 
 
 def signature(schema):
@@ -212,8 +214,10 @@ def signature(schema):
             for f in schema.inputs]), params=params)
     columns = []
     for f in schema.inputs:
-        if f.encoded:  # a binary column (`fit(preprocess=)`): bytes, decoded by preprocess
-            columns.append(ColSpec(_image_object() if f.image else DataType.binary, f.key))
+        if f.encoded:  # a binary or string column (`fit(preprocess=)`), decoded by preprocess
+            kind = _image_object() if f.image else DataType.string if f.text else \
+                DataType.binary
+            columns.append(ColSpec(kind, f.key))
             continue
         # the widest of each kind: MLflow's check refuses to narrow, and a DataFrame built by
         # hand holds Python ints and floats (int64, float64); reading casts them as the fit did
