@@ -399,3 +399,28 @@ def test_cancelling_a_fits_jobs_stops_a_running_barrier_job(spark, tmp_path):
     sessions.cancel_jobs(spark, "sparkdl-avg-cancel-test")
     assert ended.wait(20), "the job ran on after it was cancelled"
     assert time.monotonic() - started < 20
+
+
+def test_a_slow_python_worker_start_is_waited_for_where_the_slots_are_known(spark,
+                                                                           monkeypatch):
+    """Where the session counts its slots and they suffice, the probe job waits for the
+    Python workers as long as the fit waits for its workers to connect (connect_timeout),
+    not the 40 s that stand for "no slots" where nothing says how many there are (Connect):
+    a busy machine starts them slowly. Simulated by a probe job that outlasts a 0.5 s
+    PROBE_S."""
+    from sparkdl_avg.driver import cluster, probe, session
+
+    start = probe.TaggedJob.__init__
+
+    def slow_job(self, spark, action, *args, **kwargs):  # the Python workers take 2 s
+        start(self, spark, lambda: time.sleep(2) or action(), *args, **kwargs)
+
+    monkeypatch.setattr(probe.TaggedJob, "__init__", slow_job)
+    monkeypatch.setattr(cluster, "_PROBED", set())
+    monkeypatch.setattr(cluster, "PROBE_S", 0.5)
+    config = TrainConfig(num_workers=2, connect_timeout=60)
+    if session.is_connect(spark):  # no slot count: the short deadline stands
+        with pytest.raises(ClusterError, match="did not run 2 tasks at once within"):
+            cluster.check_cluster(spark, config, wait_s=0)
+        return
+    cluster.check_cluster(spark, config, wait_s=0)

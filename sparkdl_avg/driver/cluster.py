@@ -16,8 +16,11 @@ log = logging.getLogger("sparkdl_avg")
 SLOT_WAIT_S = 10.0
 """How long a fit waits for executors still registering."""
 PROBE_S = 30.0
-"""How long the probe job may take beyond waiting for slots (a cold cluster starts its Python
-workers)."""
+"""How long the probe job may take beyond waiting for slots, where the session cannot say
+how many slots there are (Spark Connect): past it, the job is taken as waiting for slots it
+will never get. Where the slots are known to suffice, only the Python workers' start is
+left to wait for, and that gets the fit's connect_timeout: a busy machine took over 40 s to
+start them cold (torch imported under a load of 15 on 2 cores)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +106,9 @@ def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S, *,
     probed = _probe_key(spark, config, address, slots)
     if probed is not None and probed in _PROBED:
         return
-    probe_cluster(spark, config, profile, address, wait_s + PROBE_S, too_few_slots=too_late)
+    deadline_s = wait_s + PROBE_S if slots is None else \
+        max(wait_s + PROBE_S, config.waits().connect)
+    probe_cluster(spark, config, profile, address, deadline_s, too_few_slots=too_late)
     if probed is not None:
         _PROBED.add(probed)
 
