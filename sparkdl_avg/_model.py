@@ -92,18 +92,22 @@ def pickle_for_executors(name: str, value: object) -> bytes:
 def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
     """The modules a callable comes from: its own, its class's and their base classes', for
     a function those of the classes and functions it names from its module, for a
-    `functools.partial` those of the function and of its arguments, for a dataclass those
-    of its callables, alone or in a tuple or list (a few levels deep)."""
+    `functools.partial` those of the function and of its arguments, for a dataclass instance
+    those of its callables, alone or in a tuple or list (a few levels deep). Only what
+    `getattr` gives is walked: an attribute it cannot give (a dataclass type's field with a
+    `default_factory`, a property that raises) is no module of the value's."""
     found = set()
     classes = [value] if isinstance(value, type) else []
     classes.append(type(value))
     for obj in (value, *(base for cls in classes for base in cls.__mro__)):
-        module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        name = _attribute(obj, "__module__")
+        module = sys.modules.get(name) if isinstance(name, str) else None
         if module is not None:
             found.add(module)
-    code = getattr(value, "__code__", None)
-    if code is not None and depth < 3:  # a factory naming a class of the user's
-        names = getattr(value, "__globals__", {})
+    code = _attribute(value, "__code__")
+    if inspect.iscode(code) and depth < 3:  # a factory naming a class of the user's
+        names = _attribute(value, "__globals__")
+        names = names if isinstance(names, dict) else {}
         for name in code.co_names:
             named = names.get(name)
             if isinstance(named, type) or inspect.isfunction(named):
@@ -111,13 +115,23 @@ def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
     if isinstance(value, functools.partial) and depth < 3:
         for part in (value.func, *value.args, *value.keywords.values()):
             found |= _modules_of(part, depth + 1)
-    if dataclasses.is_dataclass(value) and depth < 3:  # a TrainConfig's optimizer factory,
-        for f in dataclasses.fields(value):               # an objective's loss callables
-            held = getattr(value, f.name)
+    # a TrainConfig's optimizer factory, an objective's loss callables: an instance's fields
+    # (a dataclass type, such as PEFT's LoraConfig named by a factory, holds no values)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 3:
+        for f in dataclasses.fields(value):
+            held = _attribute(value, f.name)
             for part in held if isinstance(held, (tuple, list)) else (held,):
                 if callable(part):
                     found |= _modules_of(part, depth + 1)
     return found
+
+
+def _attribute(obj: object, name: str):
+    """`obj.name`, or None where getting it fails in any way (user code may run)."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001 - an attribute that cannot be read names no module
+        return None
 
 
 def _is_user_module(module: ModuleType) -> bool:
