@@ -46,11 +46,11 @@ def step_rng(seed: int, epoch: int, partition: int, batch: int) -> np.random.Gen
 
 def join_parts(schema: DataSchema, parts: list[list]) -> list:
     """Pieces of rows (each `Window.part`'s or `MemoryColumns.part`'s form: per field an
-    array, or a ragged field's (values, lengths)) one after another, per field."""
+    array, or a ragged field's (values, lengths)) one after another, per carried field."""
     if len(parts) == 1:
         return parts[0]
     out = []
-    for i, field in enumerate(schema.fields):
+    for i, field in enumerate(schema.carried):
         pieces = [p[i] for p in parts]
         out.append(tuple(np.concatenate(c) for c in zip(*pieces, strict=True))
                    if field.ragged else np.concatenate(pieces))
@@ -80,9 +80,9 @@ def raw_batch(schema: DataSchema, joined: list) -> dict:
     """What `preprocess` gets, by column: an encoded field as a list of `bytes` (Spark's image
     struct as a dict: "data" a list of `bytes`, "height", "width", "nChannels", "mode" int32
     arrays), a ragged numeric one as a list of arrays, a fixed-shape one as an array
-    `[rows, *shape]`."""
+    `[rows, *shape]`. A column bound as an input and a label is there once."""
     out = {}
-    for field, value in zip(schema.data_fields, joined, strict=False):  # idents stay out
+    for field, value in zip(schema.carried_data, joined, strict=False):  # idents stay out
         if field.image:
             out[field.key] = _image(*value)
         elif field.encoded:
@@ -175,7 +175,7 @@ def _first_row(schema: DataSchema, joined: list) -> str:
     if not schema.idents:
         return ""
     field = schema.idents[0]
-    values, lengths = joined[len(schema.data_fields)]
+    values, lengths = joined[len(schema.carried_data)]
     if not len(lengths):
         return ""
     name = values[:int(lengths[0])].tobytes().decode("utf-8", "replace")
@@ -209,9 +209,16 @@ class Preprocessor:
                                   f"{self.partition}{_first_row(self.raw, joined)}: "
                                   f"{exc!r}") from exc
         out = _returned(self.raw, out, rows)
-        tensors, padded, positions = [], 0, 0
-        for raw, field, value in zip(self.raw.data_fields, self.model.fields, joined,
-                                     strict=False):  # the idents come last: left out
+        tensors, padded, positions, made = [], 0, 0, {}
+        for raw, field, slot in zip(self.raw.data_fields, self.model.fields, self.raw.slots(),
+                                    strict=False):  # the idents come last: left out
+            # a column bound as an input and a label: one tensor for both (passed through
+            # ragged, each padded with its own pad value)
+            key = (slot, raw.pad_value if raw.ragged and field.key not in out else None)
+            if key in made:
+                tensors.append(made[key])
+                continue
+            value = joined[slot]
             if field.key in out:
                 array = out[field.key]
                 # the sample's shape, or another in its dimensions' number: a tokenizer pads
@@ -230,7 +237,8 @@ class Preprocessor:
             else:
                 tensor = _tensor(value)
             tensor = self._host(tensor, field)
-            tensors.append(tensor.pin_memory() if self.pin else tensor)
+            made[key] = tensor.pin_memory() if self.pin else tensor
+            tensors.append(made[key])
         return batch_of(self.model, tensors, padded, positions)
 
     def _host(self, tensor, field: FieldSpec):

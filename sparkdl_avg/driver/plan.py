@@ -213,7 +213,7 @@ def sample_schema(data: PreparedData, preprocess, dtype: torch.dtype, seed: int,
     table = data.sample.limit(rows).toArrow()
     raw = data.schema
     parts = []
-    for f in raw.fields:
+    for f in raw.carried:
         column = read_column(table.column(f.wire), f)
         parts.append((column.values, column.lengths) if f.ragged else column.values)
     try:
