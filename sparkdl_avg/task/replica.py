@@ -44,7 +44,7 @@ def _check_device_memory(model, config: TrainConfig, row_bytes: int, device) -> 
     from sparkdl_avg.averaging.flat_buffer import averaged_tensors
     from sparkdl_avg.task.device import device_shortfall
 
-    slots = 2 if config.optimizer == "adam" else (1 if config.momentum else 0)
+    slots = 2 if config.optimizer in ("adam", "adamw") else (1 if config.momentum else 0)
     if config.overlap_averaging:  # the exchange's two copies of the averaged buffer
         slots += 2 * (1 + (slots if config.average_optimizer_state else 0))
     problem = device_shortfall(
@@ -57,11 +57,11 @@ def _check_device_memory(model, config: TrainConfig, row_bytes: int, device) -> 
 
 
 def unfused_adam(config: TrainConfig, optimizer, dtype, device) -> str | None:
-    """Why the built-in Adam runs its per-tensor loop instead of the fused kernel it asked
-    for (`_model.make_optimizer` falls back where the kernel is missing), or None."""
+    """Why the built-in Adam (or AdamW) runs its per-tensor loop instead of the fused kernel
+    it asked for (`_model.make_optimizer` falls back where the kernel is missing), or None."""
     import torch
 
-    if config.optimizer != "adam" or optimizer.defaults.get("fused"):
+    if config.optimizer not in ("adam", "adamw") or optimizer.defaults.get("fused"):
         return None
     return (f"fused Adam is unavailable for {dtype} parameters on {device.type} in torch "
             f"{torch.__version__}: the per-tensor Adam trains instead (about 2x slower a step "
