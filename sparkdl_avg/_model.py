@@ -8,9 +8,12 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import logging
 import os
 import sys
 import sysconfig
+import threading
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -33,6 +36,59 @@ def build_model(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise ModelError(f"model_fn() must return a torch.nn.Module, got {type(model).__name__}")
     return settle_modes(model)
+
+
+LIBRARY_LOGGERS = ("", "transformers")
+"""The loggers a model's libraries warn through while model_fn builds: the root (PEFT's and
+most libraries' records propagate there; an executor's has no handler, so Python's last
+resort prints them) and transformers' own, which does not propagate."""
+
+
+@contextlib.contextmanager
+def heard_warnings(*, replay: bool):
+    """Python warnings and log records at WARNING or above raised in this thread inside (the
+    build of model_fn: transformers' and PEFT's), as texts in the list it yields, filled on
+    the way out. `replay`: then shown as they would have been (the driver's build: once);
+    else dropped (a task's: every executor process would print them again). Other records
+    (lower levels, other threads) are passed on as they were, on the way out."""
+    heard: list[str] = []
+    recorder = _Recorder()
+    loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    saved = [logger.handlers for logger in loggers]
+    for logger in loggers:
+        logger.handlers = [recorder]
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            yield heard
+    finally:
+        for logger, handlers in zip(loggers, saved, strict=True):
+            # kept: a handler the build added (transformers' own, on its first import)
+            logger.handlers = handlers + [h for h in logger.handlers
+                                          if h is not recorder and h not in handlers]
+        heard += [f"{w.category.__name__}: {w.message}" for w in caught]
+        if replay:
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                                       source=w.source)
+        mine = threading.get_ident()
+        for record in recorder.records.values():
+            ours = record.levelno >= logging.WARNING and record.thread == mine
+            if ours:
+                heard.append(record.getMessage())
+            if replay or not ours:
+                logging.getLogger(record.name).handle(record)
+
+
+class _Recorder(logging.Handler):
+    """Keeps each record once (one that propagates meets it on two loggers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[int, logging.LogRecord] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.setdefault(id(record), record)
 
 
 def settle_modes(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,16 +1,19 @@
-"""User callables travel to the executors: the user's own modules by value, installed packages
-by reference (`_model.pickle_for_executors`). The natural PEFT factory, a module that does
-`from peft import LoraConfig, get_peft_model` at its top (as docs/guide/fine-tuning.md's
-example, run in a notebook, does), pickles and trains; the walk over what a callable names
-reads only what `getattr` gives."""
+"""model_fn as users write it. It travels to the executors: the user's own modules by value,
+installed packages by reference (`_model.pickle_for_executors`). The natural PEFT factory, a
+module that does `from peft import LoraConfig, get_peft_model` at its top (as
+docs/guide/fine-tuning.md's example, run in a notebook, does), pickles and trains; the walk
+over what a callable names reads only what `getattr` gives. What its libraries warn of while
+it builds is shown once, by the driver's build, not again by every executor's."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 import sys
 import textwrap
+from functools import partial
 
 import cloudpickle
 import pytest
@@ -149,3 +152,75 @@ def test_a_fit_trains_the_lora_factory_of_a_users_module(spark, factory_module):
     moved = {n for n, p in result.model.named_parameters()
              if not torch.equal(p, start.get_parameter(n))}
     assert moved and all("lora_" in n for n in moved)
+
+
+def noisy_model(folder: str, tag: str) -> torch.nn.Module:
+    """A model whose build warns as transformers and PEFT do: a Python warning and a record
+    on transformers' logger, and in a task a record only executors give. A task builds it
+    with its stderr (fd 2) sent to a file of its own: what the build prints lands there."""
+    import logging
+    import warnings
+
+    from pyspark import TaskContext
+    from transformers.utils import logging as hf_logging
+
+    task = TaskContext.get()
+    if task is not None:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        name = f"stderr-{task.partitionId()}-{task.attemptNumber()}-{os.getpid()}"
+        out = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(out, 2)
+    try:
+        warnings.warn(f"python warning {tag}", UserWarning, stacklevel=1)
+        hf_logging.get_logger("transformers.sparkdl_test").warning("transformers record %s",
+                                                                   tag)
+        if task is not None:
+            logging.getLogger("peft.sparkdl_test").warning("executors only %s", tag)
+        torch.manual_seed(0)
+        return torch.nn.Linear(2, 2).double()
+    finally:
+        if task is not None:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(out)
+
+
+class _Count(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@needs_hf
+@pytest.mark.spark
+def test_what_model_fn_warns_of_is_shown_once_by_the_driver(spark, tmp_path, recwarn, caplog):
+    """The driver's build shows each warning once (the Python warning through `warnings`,
+    the record through transformers' handlers); the tasks' builds print neither, and what
+    only the executors said reaches the driver's log, one line a partition."""
+    from transformers.utils import logging as hf_logging
+
+    from sparkdl_avg import TrainConfig, fit
+
+    tag = tmp_path.name  # new to every process's once-a-location registry
+    shown = _Count()
+    hf_logging.get_logger().addHandler(shown)  # beside transformers' own handler
+    try:
+        df = spark.createDataFrame([([float(i), 1.0], i % 2) for i in range(16)],
+                                   "features array<double>, label int")
+        fit(df, partial(noisy_model, str(tmp_path), tag),
+            TrainConfig(num_workers=2, epochs=1, batch_size=4, log_model=False,
+                        experiment_name="user-modules"))
+    finally:
+        hf_logging.get_logger().removeHandler(shown)
+    assert shown.messages.count(f"transformers record {tag}") == 1
+    assert [str(w.message) for w in recwarn].count(f"python warning {tag}") == 1
+    printed = {p.name: p.read_text() for p in tmp_path.glob("stderr-*")}
+    assert {n.split("-")[1] for n in printed} == {"0", "1"}, printed  # both tasks built it
+    assert not any(tag in text for text in printed.values()), printed
+    said = [r.getMessage() for r in caplog.records if f"executors only {tag}" in r.getMessage()]
+    assert sorted(m.split(":")[0] for m in said) == ["partition 0", "partition 1"], said

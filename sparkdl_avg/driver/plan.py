@@ -18,6 +18,7 @@ from sparkdl_avg._losses import Objective, make_objective
 from sparkdl_avg._model import (
     build_model,
     check_model_takes_data,
+    heard_warnings,
     model_dtype,
     pickle_for_executors,
 )
@@ -75,6 +76,8 @@ class FitPlan:
     heads: tuple[str, ...] = ()
     """Each output's scoring head (`scoring.outputs`): from the loss, or under loss="model"
     from the model and its probe output (`_model_output.model_head`)."""
+    build_warnings: tuple[str, ...] = ()
+    """What the driver's build of model_fn warned of (`_model.heard_warnings`)."""
 
     def trained_model(self) -> torch.nn.Module:
         """The whole trained model, in eval mode: `model` itself, or with
@@ -97,7 +100,8 @@ class FitPlan:
             eval_rows=self.data.eval_sizes, num_workers=self.config.num_workers,
             model_dtype=str(self.dtype).removeprefix("torch."),
             tls_ca_pem=tls_ca_pem, frozen=self.frozen,
-            preprocess=self.pickled.get("preprocess"), model_schema=self.model_schema)
+            preprocess=self.pickled.get("preprocess"), model_schema=self.model_schema,
+            build_warnings=self.build_warnings)
 
 
 @dataclass(slots=True)
@@ -130,7 +134,9 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     check_early_stopping(config, has_eval=eval_df is not None, classify=objective.classify)
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     meta = config.driver_model == "meta"
-    model = build_on_meta(model_fn) if meta else build_model(model_fn)
+    # what model_fn's libraries warn of, shown here once; the tasks keep quiet about it
+    with heard_warnings(replay=True) as heard:
+        model = build_on_meta(model_fn) if meta else build_model(model_fn)
     # as built: the probe's forward may change a buffer (a cache), the replicas' will not yet
     frozen = None if meta else Fingerprint.of(model).to_dict()
     warn_eval_mode_trainers(model)
@@ -191,7 +197,8 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,
                    objective=objective, pickled=pickled, params=params, resume=resume,
                    frozen=frozen, on_round=on_round,
-                   model_fn=model_fn, model_schema=model_schema, heads=heads)
+                   model_fn=model_fn, model_schema=model_schema, heads=heads,
+                   build_warnings=tuple(dict.fromkeys(heard)))
 
 
 def check_preprocess(preprocess) -> None:
