@@ -22,7 +22,7 @@ from sparkdl_avg._errors import ConfigError
 from sparkdl_avg._waits import Waits, waits_of
 from sparkdl_avg.net.message_base import MAX_WORKERS
 
-OptimizerName = Literal["sgd", "adam"]
+OptimizerName = Literal["sgd", "adam", "adamw"]
 Mode = Literal["sync", "async"]
 Device = Literal["auto", "cpu", "cuda"]
 DataCache = Literal["auto", "memory", "disk"]
@@ -81,7 +81,8 @@ class TrainConfig:
     networks only), the driver receiving only each round's numbers."""
 
     optimizer: OptimizerName | Callable[[Any], Any] = "sgd"
-    """"sgd", "adam", or a picklable callable `params -> torch.optim.Optimizer`."""
+    """"sgd", "adam", "adamw" (Adam with decoupled weight decay, as fine-tuning recipes use),
+    or a picklable callable `params -> torch.optim.Optimizer`."""
 
     lr: float = 0.01
     """Learning rate of the built-in optimizers."""
@@ -90,7 +91,8 @@ class TrainConfig:
     """Momentum of "sgd"."""
 
     weight_decay: float = 0.0
-    """L2 weight decay of the built-in optimizers."""
+    """Weight decay of the built-in optimizers: "sgd" and "adam" add it to the gradient (L2),
+    "adamw" shrinks the weights by lr * weight_decay a step (torch's AdamW; its default 0.01)."""
 
     lr_schedule: LrSchedule | Callable[[Any], Any] | None = None
     """None: a constant lr. "cosine": lr * (1 + cos(pi t / T)) / 2 at optimizer step t after
@@ -311,13 +313,10 @@ class TrainConfig:
                 not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise ConfigError(f"checkpoint_dir must be a directory path, got "
                               f"{self.checkpoint_dir!r}")
-        if isinstance(self.optimizer, str):
-            if self.optimizer not in _OPTIMIZERS:
-                raise ConfigError(
-                    f"optimizer={self.optimizer!r} is not supported; use one of {_OPTIMIZERS} "
-                    "or a callable params -> torch.optim.Optimizer"
-                )
-        elif not callable(self.optimizer):
+        if isinstance(self.optimizer, str) and self.optimizer not in _OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r} is not supported; use one of "
+                              f"{_OPTIMIZERS} or a callable params -> torch.optim.Optimizer")
+        if not isinstance(self.optimizer, str) and not callable(self.optimizer):
             raise ConfigError(f"optimizer must be a name or a callable, got {self.optimizer!r}")
         require_float("lr", self.lr, positive=True)
         require_float("momentum", self.momentum)

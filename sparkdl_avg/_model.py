@@ -8,10 +8,13 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import logging
 import os
 import re
 import sys
 import sysconfig
+import threading
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -34,6 +37,59 @@ def build_model(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise ModelError(f"model_fn() must return a torch.nn.Module, got {type(model).__name__}")
     return settle_modes(model)
+
+
+LIBRARY_LOGGERS = ("", "transformers")
+"""The loggers a model's libraries warn through while model_fn builds: the root (PEFT's and
+most libraries' records propagate there; an executor's has no handler, so Python's last
+resort prints them) and transformers' own, which does not propagate."""
+
+
+@contextlib.contextmanager
+def heard_warnings(*, replay: bool):
+    """Python warnings and log records at WARNING or above raised in this thread inside (the
+    build of model_fn: transformers' and PEFT's), as texts in the list it yields, filled on
+    the way out. `replay`: then shown as they would have been (the driver's build: once);
+    else dropped (a task's: every executor process would print them again). Other records
+    (lower levels, other threads) are passed on as they were, on the way out."""
+    heard: list[str] = []
+    recorder = _Recorder()
+    loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    saved = [logger.handlers for logger in loggers]
+    for logger in loggers:
+        logger.handlers = [recorder]
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            yield heard
+    finally:
+        for logger, handlers in zip(loggers, saved, strict=True):
+            # kept: a handler the build added (transformers' own, on its first import)
+            logger.handlers = handlers + [h for h in logger.handlers
+                                          if h is not recorder and h not in handlers]
+        heard += [f"{w.category.__name__}: {w.message}" for w in caught]
+        if replay:
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                                       source=w.source)
+        mine = threading.get_ident()
+        for record in recorder.records.values():
+            ours = record.levelno >= logging.WARNING and record.thread == mine
+            if ours:
+                heard.append(record.getMessage())
+            if replay or not ours:
+                logging.getLogger(record.name).handle(record)
+
+
+class _Recorder(logging.Handler):
+    """Keeps each record once (one that propagates meets it on two loggers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[int, logging.LogRecord] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.setdefault(id(record), record)
 
 
 def settle_modes(model: torch.nn.Module) -> torch.nn.Module:
@@ -93,18 +149,22 @@ def pickle_for_executors(name: str, value: object) -> bytes:
 def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
     """The modules a callable comes from: its own, its class's and their base classes', for
     a function those of the classes and functions it names from its module, for a
-    `functools.partial` those of the function and of its arguments, for a dataclass those
-    of its callables, alone or in a tuple or list (a few levels deep)."""
+    `functools.partial` those of the function and of its arguments, for a dataclass instance
+    those of its callables, alone or in a tuple or list (a few levels deep). Only what
+    `getattr` gives is walked: an attribute it cannot give (a dataclass type's field with a
+    `default_factory`, a property that raises) is no module of the value's."""
     found = set()
     classes = [value] if isinstance(value, type) else []
     classes.append(type(value))
     for obj in (value, *(base for cls in classes for base in cls.__mro__)):
-        module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        name = _attribute(obj, "__module__")
+        module = sys.modules.get(name) if isinstance(name, str) else None
         if module is not None:
             found.add(module)
-    code = getattr(value, "__code__", None)
-    if code is not None and depth < 3:  # a factory naming a class of the user's
-        names = getattr(value, "__globals__", {})
+    code = _attribute(value, "__code__")
+    if inspect.iscode(code) and depth < 3:  # a factory naming a class of the user's
+        names = _attribute(value, "__globals__")
+        names = names if isinstance(names, dict) else {}
         for name in code.co_names:
             named = names.get(name)
             if isinstance(named, type) or inspect.isfunction(named):
@@ -112,14 +172,25 @@ def _modules_of(value: object, depth: int = 0) -> set[ModuleType]:
     if isinstance(value, functools.partial) and depth < 3:
         for part in (value.func, *value.args, *value.keywords.values()):
             found |= _modules_of(part, depth + 1)
-    if dataclasses.is_dataclass(value) and depth < 3:  # a TrainConfig's optimizer factory,
-        for f in dataclasses.fields(value):               # an objective's loss callables and
-            held = getattr(value, f.name)                 # its metrics' (`_metrics.Metric`)
+    # a TrainConfig's optimizer factory, an objective's loss callables and its metrics'
+    # (`_metrics.Metric`): an instance's fields (a dataclass type, such as PEFT's LoraConfig
+    # named by a factory, holds no values)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 3:
+        for f in dataclasses.fields(value):
+            held = _attribute(value, f.name)
             for part in held if isinstance(held, (tuple, list)) else (held,):
                 if callable(part) or (dataclasses.is_dataclass(part)
                                       and not isinstance(part, type)):
                     found |= _modules_of(part, depth + 1)
     return found
+
+
+def _attribute(obj: object, name: str):
+    """`obj.name`, or None where getting it fails in any way (user code may run)."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001 - an attribute that cannot be read names no module
+        return None
 
 
 def _is_user_module(module: ModuleType) -> bool:
@@ -178,12 +249,12 @@ def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
                                weight_decay=config.weight_decay)
     # The fused kernel is ~2x faster than the per-tensor loop on CPU (9 vs 17 ms a step for the
     # MNIST-1D MLP) and works on GPUs too; older torch builds lack it for CPU tensors.
+    kind = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
     params = list(params)
     try:
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay,
-                                fused=True)
+        return kind(params, lr=config.lr, weight_decay=config.weight_decay, fused=True)
     except (RuntimeError, TypeError, ValueError):
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+        return kind(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
 def check_model_takes_data(model: torch.nn.Module, schema, objective, *, dtype: torch.dtype,

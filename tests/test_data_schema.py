@@ -82,14 +82,40 @@ def test_one_vector_as_before_and_assembled_columns(typed):
     assert data.schema.binding == "positional" and data.num_features is None
 
 
+def test_an_input_given_as_the_labels_is_carried_and_cached_once(typed):
+    """A causal LM's labels are its input_ids: the column is both, travels in one column of
+    the prepared frame and is counted once in a row's bytes, each role with its own spec (a
+    ragged label pads with -100, its input with 0)."""
+    data = _prepare(typed, typed, inputs={"input_ids": "tokens", "user": "id"},
+                    label_col="tokens")
+    s = data.schema
+    (x, _), (y,) = s.inputs, s.labels
+    assert (x.role, x.name, y.role, y.name) == ("input", "input_ids", "label", "tokens")
+    assert x.wire == y.wire and (x.dtype, x.shape) == (y.dtype, y.shape) == ("int32", (-1,))
+    assert (x.pad_value, y.pad_value) == (0, -100)
+    assert s.carried == s.inputs and s.slots() == [0, 1, 0]
+    assert data.frame.columns == [*(f.wire for f in s.inputs), "_row", "_split"]
+    alone = _prepare(typed, inputs={"input_ids": "tokens", "user": "id"}, label_col="label")
+    assert s.row_bytes(data.ragged_values) == alone.schema.row_bytes(data.ragged_values) - 8
+    assert DataSchema.from_dict(s.to_dict()) == s
+
+
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
     ({"features_col": "image", "inputs": ["tokens"]}, ConfigError, "either inputs= or"),
     ({"inputs": {"not a name": "tokens"}}, ConfigError, "'not a name' is not a parameter"),
     ({"inputs": []}, ConfigError, "inputs is empty"),
     ({"inputs": "tokens"}, ConfigError, "inputs must be a list"),
     ({"inputs": ["tokens", "tokens"]}, ConfigError, r"\['tokens'\] are bound more than once"),
-    ({"inputs": {"input_ids": "tokens"}, "label_col": "tokens"}, ConfigError,  # a causal LM's
-     r"once.*copy it: train_df.withColumn\('labels', F.col\('tokens'\)\)"),  # labels
+    ({"inputs": ["tokens"], "label_col": ["label", "label"]}, ConfigError,
+     r"\['label'\] are bound more than once.*not two inputs, two labels"),
+    ({"inputs": ["tokens"], "label_col": ["tokens", "tokens"]}, ConfigError,
+     r"\['tokens'\] are bound more than once"),  # an input's column, as two labels
+    ({"inputs": ["tokens", "w"], "weight_col": "w"}, ConfigError,
+     r"\['w'\] are bound more than once.*withColumn\('w_copy', F.col\('w'\)\)"),
+    ({"inputs": ["tokens"], "label_col": "label", "weight_col": "label"}, ConfigError,
+     r"\['label'\] are bound more than once"),
+    ({"features_col": "flabel", "label_col": "flabel", "class_labels": [True]}, ConfigError,
+     r"column 'flabel' is input 'flabel' \(floats\) and the label of cross_entropy"),
     ({"inputs": ["tokens"], "label_col": []}, ConfigError, "label_col must be"),
     ({"inputs": ["tokens"], "weight_col": "tags"}, DataError,
      "weight column 'tags' has type array<int>"),

@@ -563,6 +563,30 @@ def test_a_restart_after_a_fault_gives_bit_identical_adapters(own_loss, text, he
 
 
 @pytest.mark.spark
+def test_a_causal_lm_takes_its_input_column_as_its_labels(own_loss, text, held_out):
+    """label_col="tokens", the column input_ids is bound to (as `labels=input_ids` trains
+    every Hugging Face causal LM): carried and cached once, here on disk, it trains as the
+    fit whose labels are a copied column (`own_loss`), and scores."""
+    windows = byte_windows(32, offset=HELD_OUT)
+    result = fit(text.drop("labels"), lora_gpt2,
+                 TrainConfig(**BASE, log_model=False, data_cache="disk"), inputs=INPUTS,
+                 label_col="tokens", loss="model", eval_df=held_out.drop("labels"))
+    assert result.history[-1]["eval_loss"] < held_out_loss(lora_gpt2(), windows) - 0.3
+    # the same rows in the same order through the same float64 ops: what differs is only
+    # where the labels were read from, so anything beyond float64's rounding is a bug
+    a, b = trainable(own_loss.model), trainable(result.model)
+    assert a.keys() == b.keys() and all(torch.allclose(a[n], b[n], rtol=0, atol=1e-12)
+                                        for n in a)
+    evaluated = [[h["eval_loss"] for h in fit_.history if "eval_loss" in h]
+                 for fit_ in (result, own_loss)]
+    assert evaluated[0] and evaluated[0] == pytest.approx(evaluated[1], abs=1e-12)
+    scored = result.transform(held_out.limit(4), output="prediction").toPandas()
+    tokens = np.stack(scored["tokens"].map(list).tolist())
+    expected = logits(result.model, np.pad(tokens, ((0, 0), (0, 1)))).argmax(-1)
+    assert np.array_equal(np.stack(scored["prediction"].map(list).tolist()), expected.numpy())
+
+
+@pytest.mark.spark
 def test_logged_adapters_of_a_fit_hold_the_batchnorm_statistics_it_trained(spark,
                                                                           mlflow_client):
     """The fit names what trained before its result goes to eval mode: the logged file

@@ -71,7 +71,7 @@ def _batches(arrival_seed=3, batch_rows=17, run=1, schema=SCHEMA, rows=_row):
     for a in range(0, len(arrived), batch_rows):
         part = arrived[a:a + batch_rows]
         values = [rows(g) for g, _ in part]
-        arrays = [_arrow([v[i] for v in values], f) for i, f in enumerate(schema.fields)]
+        arrays = [_arrow([v[i] for v in values], f) for i, f in enumerate(schema.carried)]
         arrays += [pa.array([g for g, _ in part], pa.int64()),
                    pa.array([s for _, s in part], pa.int8())]
         yield pa.RecordBatch.from_arrays(arrays, names=[*schema.wires, "_row", "_split"])
@@ -178,6 +178,59 @@ def test_padding_is_zero_for_inputs_and_ignored_for_int_labels():
     assert short.any() and (ids[short, -1] == 0).all()
     assert (tags == IGNORE_INDEX).any() and not (tags[tags < 0] != IGNORE_INDEX).any()
     assert batch.padded > 0
+
+
+SHARED = DataSchema(  # a causal LM's labels are its input_ids; an autoencoder's, its image
+    inputs=(FieldSpec("input", "input_ids", "tokens", "_x0", "int32", (-1,)),
+            FieldSpec("input", "image", "image", "_x1", "float32", (2, 3))),
+    binding="keyword",
+    labels=(FieldSpec("label", "tokens", "tokens", "_x0", "int32", (-1,)),
+            FieldSpec("label", "image", "image", "_x1", "float32", (2, 3))),
+    label_list=True)
+
+
+def test_a_column_bound_as_input_and_label_is_cached_once_and_shared(spill):
+    """Both caches hold the column once (one store, one set of files), and hand the label
+    the input's own tensor (a ragged label the same rows, padded with -100 where the input
+    has 0), from training batches, evaluation chunks and the preprocess feed alike."""
+    from sparkdl_avg.data.feed import Preprocessor
+
+    def check(batch, globals_):
+        (ids, image), (tokens, same) = batch.inputs, batch.labels
+        assert same is image and torch.equal(image, _expected(globals_)[1])
+        want = _expected(globals_)[0]  # the ragged input padded with 0, by hand
+        assert torch.equal(ids, want)
+        pads = torch.tensor([[k >= len(_row(int(g))[0]) for k in range(want.shape[1])]
+                             for g in globals_], dtype=torch.bool).reshape(want.shape)
+        assert torch.equal(tokens, want.masked_fill(pads, IGNORE_INDEX))
+
+    shape = _shape(SHARED, {"_x0": 2.5})
+    memory = load_partition(_batches(schema=SHARED), shape, cache="memory", device=CPU)
+    disk = load_partition(_batches(schema=SHARED), shape, cache="disk", spill=spill,
+                          device=CPU)
+    assert len(memory.train.columns) == 2
+    assert sorted(n for n in os.listdir(spill.path) if n.startswith("train-")) == [
+        "train-_x0-lengths.i8", "train-_x0-starts.i8", "train-_x0-values.i4",
+        "train-_x1.f4"]
+    everything = _local(TRAIN)
+    for data in (memory, disk):
+        check(next(data.train.chunks(76)), everything)
+        batches = TrainBatches(data.train, cut=Cut(4, 2), seed=5, worker=RANK, shuffle=False,
+                               batch_size=76, steps_per_epoch=1, total_steps=1, device=CPU)
+        batches.start(0)
+        check(batches.next(), everything)
+        batches.close()
+        prep = Preprocessor(lambda b, **_: {"image": b["image"] * 2}, SHARED, SHARED,
+                            torch.float32, seed=0, partition=0)
+        passed = Preprocessor(lambda b, **_: {}, SHARED, SHARED, torch.float32, seed=0,
+                              partition=0)
+        part = data.train.part(np.arange(76)) if data.cache == "memory" else \
+            next(data.train.parts(76))
+        check(passed([part], training=True, rng=None), everything)
+        doubled = prep([part], training=True, rng=None)
+        assert doubled.labels[1] is doubled.inputs[1]
+        assert torch.equal(doubled.inputs[1], 2 * _expected(everything)[1])
+        data.close()
 
 
 def _value_offsets(field_index: int, arrival_seed: int, batch_rows: int, run: int) -> dict:

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from sparkdl_avg.data.cache import batch_of, tensors_of, typed
+from sparkdl_avg.data.cache import typed
 from sparkdl_avg.data.disk_cache import assemble
 from sparkdl_avg.data.feed import PreprocessFeed, next_from, step_rng
 from sparkdl_avg.data.order import Cut, EpochOrder, batch_positions
@@ -206,8 +206,7 @@ class _Producer:
                     parts.append(window.part(window_visit[a:c]))
                 batch = assemble(cols.schema, parts or [window.part(np.zeros(0, np.int64))])
                 if pin:  # the side stream copies it and converts it on the device
-                    batch = batch_of(cols.schema, [t.pin_memory() for t in tensors_of(batch)],
-                                     batch.padded, batch.positions)
+                    batch = batch.map(lambda t: t.pin_memory())
                 else:
                     batch = typed(batch, cols.schema, cols.float_dtype)
                 cols.assemble_s += time.perf_counter() - t0

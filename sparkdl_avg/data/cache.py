@@ -42,9 +42,14 @@ def tensors_of(batch: Batch) -> list:
 
 
 def typed(batch: Batch, schema: DataSchema, float_dtype) -> Batch:
-    """The batch in the dtypes the model gets (`FieldSpec.torch_dtype`)."""
-    tensors = [t.to(f.torch_dtype(float_dtype))
-               for f, t in zip(schema.fields, tensors_of(batch), strict=True)]
+    """The batch in the dtypes the model gets (`FieldSpec.torch_dtype`); a tensor two fields
+    share (an input given as the labels too) converted once."""
+    done, tensors = {}, []
+    for f, t in zip(schema.fields, tensors_of(batch), strict=True):
+        key = (id(t), f.torch_dtype(float_dtype))
+        if key not in done:
+            done[key] = t.to(key[1])
+        tensors.append(done[key])
     return batch_of(schema, tensors, batch.padded, batch.positions)
 
 
@@ -97,7 +102,7 @@ class _DeviceRagged:
 
 
 class MemoryColumns:
-    """Every field as tensors on the task's device."""
+    """Every carried field (`DataSchema.carried`) as tensors on the task's device."""
 
     in_memory = True
 
@@ -115,8 +120,15 @@ class MemoryColumns:
 
         if index is None:
             index = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(self.device)
-        tensors, padded, positions = [], 0, 0
-        for field, column in zip(self.schema.fields, self.columns, strict=True):
+        tensors, padded, positions, made = [], 0, 0, {}
+        for field, slot in zip(self.schema.fields, self.schema.slots(), strict=True):
+            column = self.columns[slot]
+            # a column bound as an input and a label: one gather for both (a ragged label
+            # pads with -100 where its input pads with 0: a gather of its own)
+            key = (slot, field.pad_value if field.ragged else None)
+            if key in made:
+                tensors.append(made[key])
+                continue
             if field.ragged:
                 lengths = column.host_lengths[rows]
                 most = longest(lengths)
@@ -126,7 +138,8 @@ class MemoryColumns:
                     padded, positions = padded + pads, positions + all_
             else:  # not column[index]: on the CPU, advanced indexing is 100 times slower
                 tensor = column.index_select(0, index)
-            tensors.append(tensor.to(field.torch_dtype(self.float_dtype)))
+            made[key] = tensor.to(field.torch_dtype(self.float_dtype))
+            tensors.append(made[key])
         return batch_of(self.schema, tensors, padded, positions)
 
     def chunks(self, size: int):
@@ -135,10 +148,10 @@ class MemoryColumns:
 
     def part(self, rows: np.ndarray) -> list:
         """Rows `rows` as they are held (a cache on the host: `fit(preprocess=)`), copied, in
-        `disk_cache.Window.part`'s form: per field an array, or a ragged field's (values,
-        lengths)."""
+        `disk_cache.Window.part`'s form: per carried field an array, or a ragged field's
+        (values, lengths)."""
         out = []
-        for field, column in zip(self.schema.fields, self.columns, strict=True):
+        for field, column in zip(self.schema.carried, self.columns, strict=True):
             if field.ragged:
                 lengths = column.host_lengths[rows]
                 at = value_index(column.starts.numpy()[rows], lengths)
@@ -160,11 +173,11 @@ class MemoryWriter:
     def __init__(self, schema: DataSchema, rows: int, ragged_values: dict) -> None:
         self.schema, self.rows = schema, rows
         self.stores = [_RaggedStore(rows, ragged_values[f.wire], f) if f.ragged
-                       else np.empty((rows, *f.shape), f.dtype) for f in schema.fields]
+                       else np.empty((rows, *f.shape), f.dtype) for f in schema.carried]
 
     def write(self, place: np.ndarray, columns: list) -> None:
         """Rows to places `place` (sorted, unique: one run of places is a slice); `columns`
-        in field order, arrays in place order or `RaggedRows`."""
+        in carried order (`DataSchema.carried`), arrays in place order or `RaggedRows`."""
         if place[-1] - place[0] == place.size - 1:
             place = slice(int(place[0]), int(place[-1]) + 1)
         for store, rows in zip(self.stores, columns, strict=True):
@@ -184,7 +197,7 @@ class MemoryWriter:
         carried): converted here, once, so only that copy stays."""
         float_dtype = float_dtype_of(self.schema, dtype)
         columns = []
-        for field, store in zip(self.schema.fields, self.stores, strict=True):
+        for field, store in zip(self.schema.carried, self.stores, strict=True):
             want = field.torch_dtype(float_dtype) if field.kind == "float" else None
             columns.append(_DeviceRagged(store, device, want) if field.ragged
                            else _to_device(store, device, want))

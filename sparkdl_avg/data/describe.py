@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -109,14 +109,34 @@ def bind(df: DataFrame, *, features_col, inputs, label_col, weight_col,
             raise DataError(f"weight column {weight_col!r} has type {weight.source}; a weight "
                             "is one number >= 0 per row")
         sources.append(weight)
-    wires = [s.column for s in sources if isinstance(s.column, str)]
-    if len(set(wires)) != len(wires):  # the same column twice: a mistake, not a model
-        twice = sorted({c for c in wires if wires.count(c) > 1})
-        raise ConfigError(f"column(s) {twice} are bound more than once among inputs, "
-                          f"labels and the weight{_copy_hint(sources, twice[0])}")
+    sources = _share_inputs(sources)
     if encoded:
-        sources.extend(_ident(df, set(wires)))
+        sources.extend(_ident(df, {s.column for s in sources}))
     return Binding(tuple(sources), binding, label_list)
+
+
+def _share_inputs(sources: list[Source]) -> list[Source]:
+    """A label bound to an input's column (a causal LM's labels are its input_ids) takes the
+    input's wire: the column is carried and cached once, and a batch hands both roles the
+    same rows. Any other column bound twice is refused: two inputs or two labels from one
+    column are likelier a slip in the arguments than a model's wish, and the weight is
+    carried in a form of its own (a float >= 0, 1 in an eval_df without it)."""
+    inputs = {s.column: s.wire for s in sources if s.role == "input"
+              and isinstance(s.column, str)}
+    shared = [replace(s, wire=inputs[s.column]) if s.role == "label" and s.column in inputs
+              else s for s in sources]
+    alone = [s.column for s in shared if isinstance(s.column, str)
+             and not (s.role == "label" and s.column in inputs)]
+    labels = [s.column for s in shared if s.role == "label"]
+    twice = sorted({c for c in alone if alone.count(c) > 1}
+                   | {c for c in labels if labels.count(c) > 1})
+    if twice:
+        raise ConfigError(
+            f"column(s) {twice} are bound more than once among inputs, labels and the "
+            "weight. A column may be an input and a label at once (carried once), but not "
+            "two inputs, two labels, or the weight and anything else: copy it if you mean "
+            f"it: train_df.withColumn('{twice[0]}_copy', F.col('{twice[0]}'))")
+    return shared
 
 
 IDENT_COLUMNS = ("path", "id", "uri", "key", "file")
@@ -132,17 +152,6 @@ def _ident(df: DataFrame, bound: set) -> list[Source]:
             return [Source("ident", name, name, "_id0", "bytes", None, 0,
                            types[name].simpleString())]
     return []
-
-
-def _copy_hint(sources, column: str) -> str:
-    """For an input that is its own label (a causal LM's labels = input_ids): how to copy
-    it, since each bound column is carried once, for one role."""
-    roles = {s.role for s in sources if s.column == column}
-    if roles != {"input", "label"}:
-        return ""
-    return (f". To give an input as the labels too (a causal LM under loss='model' shifts "
-            f"its input_ids itself), copy it: train_df.withColumn('labels', "
-            f"F.col('{column}')) and label_col='labels'")
 
 
 def _source(df: DataFrame, role: str, name: str, column, wire: str, argument: str,

@@ -28,10 +28,11 @@ from sparkdl_avg.data.schema import Batch, DataSchema
 
 
 def _row_files(name: str, schema: DataSchema) -> list[tuple[str, np.dtype, tuple]]:
-    """(file name, dtype, row shape) of each fixed-width file, in field order: one a fixed
-    field, two (starts, lengths) a ragged one."""
+    """(file name, dtype, row shape) of each fixed-width file, in carried order (a column
+    bound as an input and a label: once): one a fixed field, two (starts, lengths) a ragged
+    one."""
     out = []
-    for f in schema.fields:
+    for f in schema.carried:
         if f.ragged:
             out += [(f"{name}-{f.wire}-{part}.i8", np.dtype(np.int64), ())
                     for part in ("starts", "lengths")]
@@ -53,15 +54,15 @@ class Window:
         self.columns = columns
         self.arrays = [np.empty((rows, *shape), dtype) for _, dtype, shape in columns.files]
         self.values = {i: np.empty((0, *f.inner), f.dtype)
-                       for i, f in enumerate(columns.schema.fields) if f.ragged}
+                       for i, f in enumerate(columns.schema.carried) if f.ragged}
         self.starts = {i: np.zeros(rows, np.int64) for i in self.values}
         """Where each row's values start in `values` (a ragged field's)."""
 
     def part(self, visit: np.ndarray) -> list:
-        """The rows at `visit` (positions in the window), copied: per field an array, or a
-        ragged field's (flat values, lengths)."""
+        """The rows at `visit` (positions in the window), copied: per carried field an array,
+        or a ragged field's (flat values, lengths)."""
         out = []
-        for i, (field, at) in enumerate(zip(self.columns.schema.fields, self.columns.at,
+        for i, (field, at) in enumerate(zip(self.columns.schema.carried, self.columns.at,
                                             strict=True)):
             if field.ragged:
                 lengths = self.arrays[at + 1][visit]
@@ -87,7 +88,7 @@ class DiskColumns:
         try:  # a file that cannot be opened closes those that were
             for f, _, _ in self.files:
                 self._fds.append(os.open(folder.file(f), os.O_RDONLY))
-            for i, f in enumerate(schema.fields):
+            for i, f in enumerate(schema.carried):
                 if f.ragged:
                     self._values[i] = os.open(folder.file(_values_file(name, f)), os.O_RDONLY)
         except BaseException:
@@ -117,7 +118,7 @@ class DiskColumns:
             if int(lengths.sum()) > len(values):  # the largest window yet, never the partition
                 values = window.values[i] = np.empty((int(lengths.sum()), *values.shape[1:]),
                                                      values.dtype)
-            width = _value_bytes(self.schema.fields[i])
+            width = _value_bytes(self.schema.carried[i])
             for first, count, to in zip(*runs(starts, lengths), strict=True):
                 _pread_exactly(fd, values[to:to + count], int(first) * width)
         return at
@@ -150,9 +151,10 @@ class DiskColumns:
 
 
 def _field_files(schema: DataSchema) -> list[int]:
-    """Each field's first fixed-width file (a ragged field's starts; its lengths follow)."""
+    """Each carried field's first fixed-width file (a ragged field's starts; its lengths
+    follow)."""
     out, at = [], 0
-    for f in schema.fields:
+    for f in schema.carried:
         out.append(at)
         at += 2 if f.ragged else 1
     return out
@@ -160,13 +162,18 @@ def _field_files(schema: DataSchema) -> list[int]:
 
 def assemble(schema: DataSchema, parts: list[list]) -> Batch:
     """Rows from one or more `Window.part`s (one after another) as a Batch of CPU tensors
-    in the dtypes carried, ragged fields padded to the longest row with their pad value."""
+    in the dtypes carried, ragged fields padded to the longest row with their pad value; a
+    column bound as an input and a label one tensor for both (or, ragged, padded for each)."""
     import torch
 
     from sparkdl_avg.data.arrow_columns import pad
 
-    tensors, padded, positions = [], 0, 0
-    for i, field in enumerate(schema.fields):
+    tensors, padded, positions, made = [], 0, 0, {}
+    for field, i in zip(schema.fields, schema.slots(), strict=True):
+        key = (i, field.pad_value if field.ragged else None)
+        if key in made:
+            tensors.append(made[key])
+            continue
         pieces = [p[i] for p in parts]
         if field.ragged:
             values, lengths = (np.concatenate(c) if len(c) > 1 else c[0]
@@ -180,6 +187,7 @@ def assemble(schema: DataSchema, parts: list[list]) -> Batch:
         else:
             tensors.append(torch.from_numpy(np.concatenate(pieces) if len(pieces) > 1
                                             else pieces[0]))
+        made[key] = tensors[-1]
     return batch_of(schema, tensors, padded, positions)
 
 
@@ -206,7 +214,7 @@ class DiskWriter:
         try:
             for file, dtype, shape in self.files:
                 self._fds.append(self._create(file, rows * math.prod(shape) * dtype.itemsize))
-            for i, f in enumerate(schema.fields):
+            for i, f in enumerate(schema.carried):
                 if f.ragged:
                     self._ends[i] = 0
                     self._values[i] = self._create(_values_file(name, f), math.ceil(
@@ -231,14 +239,14 @@ class DiskWriter:
     def bytes(self) -> int:
         fixed = sum(self.rows * math.prod(s) * d.itemsize for _, d, s in self.files)
         return fixed + sum(self._ends[i] * np.dtype(f.dtype).itemsize
-                           * math.prod(f.inner) for i, f in enumerate(self.schema.fields)
+                           * math.prod(f.inner) for i, f in enumerate(self.schema.carried)
                            if f.ragged)
 
     def write(self, place: np.ndarray, columns: list) -> None:
         """Rows to places `place` (sorted): each run of consecutive places is one write per
         fixed-width file; a ragged field's values are one write at its file's end."""
         arrays = []
-        for i, (field, rows) in enumerate(zip(self.schema.fields, columns, strict=True)):
+        for i, (field, rows) in enumerate(zip(self.schema.carried, columns, strict=True)):
             if field.ragged:
                 end = self._ends[i]
                 _write(self._values[i], self.folder.file(_values_file(self.name, field)),

@@ -146,9 +146,16 @@ class Preprocessor:
         out = call(self.fn, self.raw, joined, training=training, rng=rng,
                    where=self._where(offset, total))
         out = _returned(self.raw, out, rows)
-        tensors, padded, positions = [], 0, 0
-        for raw, field, value in zip(self.raw.data_fields, self.model.fields, joined,
-                                     strict=False):  # the idents come last: left out
+        tensors, padded, positions, made = [], 0, 0, {}
+        for raw, field, slot in zip(self.raw.data_fields, self.model.fields, self.raw.slots(),
+                                    strict=False):  # the idents come last: left out
+            # a column bound as an input and a label: one tensor for both (passed through
+            # ragged, each padded with its own pad value)
+            key = (slot, raw.pad_value if raw.ragged and field.key not in out else None)
+            if key in made:
+                tensors.append(made[key])
+                continue
+            value = joined[slot]
             if field.key in out:
                 array = out[field.key]
                 # the sample's shape, or another in its dimensions' number: a tokenizer pads
@@ -167,7 +174,8 @@ class Preprocessor:
             else:
                 tensor = _tensor(value)
             tensor = self._host(tensor, field)
-            tensors.append(tensor.pin_memory() if self.pin else tensor)
+            made[key] = tensor.pin_memory() if self.pin else tensor
+            tensors.append(made[key])
         return batch_of(self.model, tensors, padded, positions)
 
     def _where(self, offset: int, total: int | None):

@@ -118,7 +118,7 @@ def load_partition(batches: Iterator, shape: Shape, *, cache: str, spill=None, d
 def _place(batch, shape: Shape, writers: dict, seen: dict) -> None:
     if batch.num_rows == 0:
         return
-    columns = [read_column(batch.column(f.wire), f) for f in shape.schema.fields]
+    columns = [read_column(batch.column(f.wire), f) for f in shape.schema.carried]
     row = batch.column(INDEX).to_numpy(zero_copy_only=False)
     split = batch.column(SPLIT).to_numpy(zero_copy_only=False)
     for part in (TRAIN, EVAL):
@@ -140,7 +140,7 @@ def _place(batch, shape: Shape, writers: dict, seen: dict) -> None:
                                   f"{seen[part].rows} {_NAMES[part]} rows")
         seen[part].add(place, shape)
         writers[part].write(place, [_rows(c, f, keep, order)
-                                    for c, f in zip(columns, shape.schema.fields,
+                                    for c, f in zip(columns, shape.schema.carried,
                                                     strict=True)])
 
 

@@ -11,13 +11,13 @@ Training then reads each partition once through `mapInArrow`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from sparkdl_avg._errors import DataError
+from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg.data import validate
 from sparkdl_avg.data.columns import EVAL, INDEX, SPLIT, TRAIN
 from sparkdl_avg.data.describe import DEFAULT_FEATURES, Source, bind, carried_type, carry
@@ -70,6 +70,11 @@ def prepare(
     binding = bind(train_df, features_col=features_col, inputs=inputs, label_col=label_col,
                    weight_col=weight_col, encoded=encoded)
     sources = list(binding.sources)
+    labels = [s for s in sources if s.role == "label"]
+    to_classes = {s.wire for s, c in zip(labels, class_labels, strict=False)
+                  if c and s.kind == "float"}
+    _check_shared(sources, to_classes)
+    every, sources = sources, _one_per_wire(sources)  # a column bound twice travels once
     carried_train = _carried(train_df, "train_df", sources, element)
     frames = [carried_train]
     if eval_df is not None:
@@ -84,9 +89,6 @@ def prepare(
                            F.monotonically_increasing_id().alias("_mid"))
               for split, frame in enumerate(frames)]
     numbered = frames[0] if len(frames) == 1 else frames[0].unionByName(frames[1])
-    labels = [s for s in sources if s.role == "label"]
-    to_classes = {s.wire for s, c in zip(labels, class_labels, strict=False)
-                  if c and s.kind == "float"}
     rows = numbered.groupBy(SPLIT, "_pid").agg(
         *validate.aggregations(sources, element, to_classes)).collect()
     totals = validate.check_rows(rows, sources, has_eval=eval_df is not None)
@@ -99,14 +101,18 @@ def prepare(
     sources = [_as_classes(s) if s.wire in to_classes else s for s in sources]
     dtypes = {s.wire: _dtype(s, element) for s in sources}
     learned = validate.field_specs(rows, sources, dtypes)
-    specs = learned["specs"]
+
+    def spec(s: Source):  # a label on an input's column: the input's spec, in its own role
+        got = learned["specs"][s.wire]
+        return got if got.role == s.role else replace(got, role=s.role, name=s.name)
+
     schema = DataSchema(
-        inputs=tuple(specs[s.wire] for s in sources if s.role == "input"),
+        inputs=tuple(spec(s) for s in every if s.role == "input"),
         binding=binding.binding, label_list=binding.label_list,
-        labels=tuple(specs[s.wire] for s in sources if s.role == "label"),
-        weight=next((specs[s.wire] for s in sources if s.role == "weight"), None),
+        labels=tuple(spec(s) for s in every if s.role == "label"),
+        weight=next((spec(s) for s in every if s.role == "weight"), None),
         float_dtype="float64" if double_precision else "float32",
-        idents=tuple(specs[s.wire] for s in sources if s.role == "ident"))
+        idents=tuple(spec(s) for s in every if s.role == "ident"))
     if schema.weight is not None and not any(r[f"{schema.weight.wire}_sum"] for r in rows
                                              if r[SPLIT] == TRAIN):
         raise DataError(f"every weight in column {weight_col!r} is 0: nothing would train")
@@ -147,9 +153,29 @@ def _carried(df: DataFrame, frame_name: str, sources: list[Source],
 
 
 def _as_classes(source: Source) -> Source:
-    from dataclasses import replace
-
     return replace(source, kind="int", int_dtype="int64")
+
+
+def _one_per_wire(sources: list[Source]) -> list[Source]:
+    """The sources as carried: the first of each wire (an input before the label that
+    shares its column)."""
+    first: dict[str, Source] = {}
+    for s in sources:
+        first.setdefault(s.wire, s)
+    return list(first.values())
+
+
+def _check_shared(sources: list[Source], to_classes: set[str]) -> None:
+    """A column bound as an input and a label is carried once, as the input is: a label that
+    needs another form (a float column as cross_entropy's int64 classes) cannot share it."""
+    inputs = {s.wire: s for s in sources if s.role == "input"}
+    for s in sources:
+        if s.role == "label" and s.wire in inputs and s.wire in to_classes:
+            raise ConfigError(
+                f"column {s.column!r} is input {inputs[s.wire].name!r} (floats) and the "
+                "label of cross_entropy, which needs integer classes: one column is carried "
+                "once, in one form. Give the label its own column: train_df.withColumn("
+                f"'label', F.col('{s.column}').cast('int')) and label_col='label'")
 
 
 def _dtype(source: Source, element: T.DataType) -> str:

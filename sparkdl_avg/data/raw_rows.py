@@ -25,11 +25,11 @@ Where = Callable[[int | None, int], str]
 
 def join_parts(schema: DataSchema, parts: list[list]) -> list:
     """Pieces of rows (each `Window.part`'s or `MemoryColumns.part`'s form: per field an
-    array, or a ragged field's (values, lengths)) one after another, per field."""
+    array, or a ragged field's (values, lengths)) one after another, per carried field."""
     if len(parts) == 1:
         return parts[0]
     out = []
-    for i, field in enumerate(schema.fields):
+    for i, field in enumerate(schema.carried):
         pieces = [p[i] for p in parts]
         out.append(tuple(np.concatenate(c) for c in zip(*pieces, strict=True))
                    if field.ragged else np.concatenate(pieces))
@@ -78,7 +78,7 @@ def raw_batch(schema: DataSchema, joined: list) -> dict:
     "width", "nChannels", "mode" int32 arrays), a ragged numeric one as a list of arrays, a
     fixed-shape one as an array `[rows, *shape]`."""
     out = {}
-    for field, value in zip(schema.data_fields, joined, strict=False):  # idents stay out
+    for field, value in zip(schema.carried_data, joined, strict=False):  # idents stay out
         if field.image:
             out[field.key] = _image(*value)
         elif field.text:
@@ -132,9 +132,9 @@ def failure(fn, schema: DataSchema, joined: list, exc: Exception, *, training: b
 def ident_of(schema: DataSchema, joined: list, k: int) -> tuple[str, str] | None:
     """(column, value) naming row k by the batch's ident (`DataSchema.idents`, carried
     after the data's fields as UTF-8), or None: none, or empty (an eval_df without it)."""
-    if not schema.idents or len(joined) <= len(schema.data_fields):
+    if not schema.idents or len(joined) <= len(schema.carried_data):
         return None
-    values, lengths = joined[len(schema.data_fields)]
+    values, lengths = joined[len(schema.carried_data)]
     if k >= len(lengths):
         return None
     start = int(lengths[:k].sum())

@@ -165,8 +165,29 @@ class DataSchema:
         return self.fields[:len(self.fields) - len(self.idents)]
 
     @property
+    def carried(self) -> tuple[FieldSpec, ...]:
+        """The fields as carried and cached: one per wire, in field order. A label bound to an
+        input's column (a causal LM's labels are its input_ids) shares the input's wire: the
+        column travels and is cached once, and a batch gives both roles the same rows."""
+        first = {}
+        for f in self.fields:
+            first.setdefault(f.wire, f)
+        return tuple(first.values())
+
+    @property
+    def carried_data(self) -> tuple[FieldSpec, ...]:
+        """`carried` but the idents (which come last)."""
+        carried = self.carried
+        return carried[:len(carried) - len(self.idents)]
+
+    def slots(self) -> list[int]:
+        """For each of `fields`, the place of its wire in `carried`."""
+        place = {f.wire: i for i, f in enumerate(self.carried)}
+        return [place[f.wire] for f in self.fields]
+
+    @property
     def wires(self) -> list[str]:
-        return [f.wire for f in self.fields]
+        return [f.wire for f in self.carried]
 
     @property
     def input_names(self) -> list[str]:
@@ -206,7 +227,7 @@ class DataSchema:
         import numpy as np
 
         total = 0.0
-        for f in self.fields:
+        for f in self.carried:
             size = np.dtype(f.dtype).itemsize
             if f.ragged:
                 total += 16 + (ragged_values or {}).get(f.wire, 1.0) * size
@@ -267,15 +288,24 @@ class Batch:
     def nbytes(self) -> int:
         tensors = (*self.inputs, *self.labels, *((self.weights,) if self.weights is not None
                                                  else ()))
-        return sum(t.nbytes for t in tensors)
+        return sum({id(t): t.nbytes for t in tensors}.values())  # a shared tensor once
+
+    def map(self, fn) -> Batch:
+        """`fn` of each tensor, once per tensor: an input given as the labels too stays one
+        tensor (moved or converted once)."""
+        done = {}
+
+        def once(t):
+            if id(t) not in done:
+                done[id(t)] = fn(t)
+            return done[id(t)]
+
+        return Batch(tuple(map(once, self.inputs)), tuple(map(once, self.labels)),
+                     None if self.weights is None else once(self.weights), self.padded,
+                     self.positions)
 
     def to(self, device, non_blocking: bool = False) -> Batch:
-        def move(t):
-            return t.to(device, non_blocking=non_blocking)
-
-        return Batch(tuple(map(move, self.inputs)), tuple(map(move, self.labels)),
-                     None if self.weights is None else move(self.weights), self.padded,
-                     self.positions)
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def record_stream(self, stream) -> None:
         for t in (*self.inputs, *self.labels, *((self.weights,) if self.weights is not None

@@ -20,6 +20,7 @@ from sparkdl_avg._metrics import check_table_rows, make_metrics, name_of
 from sparkdl_avg._model import (
     build_model,
     check_model_takes_data,
+    heard_warnings,
     model_dtype,
     pickle_for_executors,
 )
@@ -77,6 +78,8 @@ class FitPlan:
     heads: tuple[str, ...] = ()
     """Each output's scoring head (`scoring.outputs`): from the loss, or under loss="model"
     from the model and its probe output (`_model_output.model_head`)."""
+    build_warnings: tuple[str, ...] = ()
+    """What the driver's build of model_fn warned of (`_model.heard_warnings`)."""
 
     def trained_model(self) -> torch.nn.Module:
         """The whole trained model, in eval mode: `model` itself, or with
@@ -99,7 +102,8 @@ class FitPlan:
             eval_rows=self.data.eval_sizes, num_workers=self.config.num_workers,
             model_dtype=str(self.dtype).removeprefix("torch."),
             tls_ca_pem=tls_ca_pem, frozen=self.frozen,
-            preprocess=self.pickled.get("preprocess"), model_schema=self.model_schema)
+            preprocess=self.pickled.get("preprocess"), model_schema=self.model_schema,
+            build_warnings=self.build_warnings)
 
 
 @dataclass(slots=True)
@@ -135,7 +139,9 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     check_early_stopping(config, has_eval=eval_df is not None, classify=objective.classify)
     torch.manual_seed(config.seed)  # the driver builds the initial parameters every replica gets
     meta = config.driver_model == "meta"
-    model = build_on_meta(model_fn) if meta else build_model(model_fn)
+    # what model_fn's libraries warn of, shown here once; the tasks keep quiet about it
+    with heard_warnings(replay=True) as heard:
+        model = build_on_meta(model_fn) if meta else build_model(model_fn)
     # as built: the probe's forward may change a buffer (a cache), the replicas' will not yet
     frozen = None if meta else Fingerprint.of(model).to_dict()
     warn_eval_mode_trainers(model)
@@ -197,7 +203,8 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     return FitPlan(config=config, model=model, dtype=dtype, data=data, schedule=schedule,
                    objective=objective, pickled=pickled, params=params, resume=resume,
                    frozen=frozen, on_round=on_round,
-                   model_fn=model_fn, model_schema=model_schema, heads=heads)
+                   model_fn=model_fn, model_schema=model_schema, heads=heads,
+                   build_warnings=tuple(dict.fromkeys(heard)))
 
 
 def check_evaluation(config: TrainConfig, objective: Objective, *, has_eval: bool) -> None:
@@ -234,7 +241,7 @@ def sample_schema(data: PreparedData, preprocess, dtype: torch.dtype, seed: int,
     table = data.sample.limit(rows).toArrow()
     raw = data.schema
     parts = []
-    for f in raw.fields:
+    for f in raw.carried:
         column = read_column(table.column(f.wire), f)
         parts.append((column.values, column.lengths) if f.ragged else column.values)
 

@@ -44,7 +44,7 @@ def _check_device_memory(model, config: TrainConfig, row_bytes: int, device) -> 
     from sparkdl_avg.averaging.flat_buffer import averaged_tensors
     from sparkdl_avg.task.device import device_shortfall
 
-    slots = 2 if config.optimizer == "adam" else (1 if config.momentum else 0)
+    slots = 2 if config.optimizer in ("adam", "adamw") else (1 if config.momentum else 0)
     if config.overlap_averaging:  # the exchange's two copies of the averaged buffer
         slots += 2 * (1 + (slots if config.average_optimizer_state else 0))
     problem = device_shortfall(
@@ -57,11 +57,11 @@ def _check_device_memory(model, config: TrainConfig, row_bytes: int, device) -> 
 
 
 def unfused_adam(config: TrainConfig, optimizer, dtype, device) -> str | None:
-    """Why the built-in Adam runs its per-tensor loop instead of the fused kernel it asked
-    for (`_model.make_optimizer` falls back where the kernel is missing), or None."""
+    """Why the built-in Adam (or AdamW) runs its per-tensor loop instead of the fused kernel
+    it asked for (`_model.make_optimizer` falls back where the kernel is missing), or None."""
     import torch
 
-    if config.optimizer != "adam" or optimizer.defaults.get("fused"):
+    if config.optimizer not in ("adam", "adamw") or optimizer.defaults.get("fused"):
         return None
     return (f"fused Adam is unavailable for {dtype} parameters on {device.type} in torch "
             f"{torch.__version__}: the per-tensor Adam trains instead (about 2x slower a step "
@@ -74,15 +74,20 @@ class Replica:
         import cloudpickle
         import torch
 
-        from sparkdl_avg._model import model_dtype, settle_modes
+        from sparkdl_avg._model import heard_warnings, model_dtype, settle_modes
         from sparkdl_avg.averaging.flat_buffer import wire_dtype
         from sparkdl_avg.task.device import final_on_device_errors
 
         # as the driver builds it: what is frozen (never sent) comes out the same everywhere
         torch.manual_seed(config.seed)
         # model_fn's own error, not a ModelError: it built on the driver, so a failure here
-        # (a shared path unreadable a moment) may pass on a restart
-        model = settle_modes(cloudpickle.loads(spec.model_fn)())
+        # (a shared path unreadable a moment) may pass on a restart. What its libraries warn
+        # of (transformers', PEFT's) the driver showed once; each executor would repeat it
+        with heard_warnings(replay=False) as heard:
+            model = settle_modes(cloudpickle.loads(spec.model_fn)())
+        self.warnings: list[str] = [f"model_fn warned: {w}" for w in dict.fromkeys(heard)
+                                    if w not in spec.build_warnings]
+        """What the driver should hear of (the task's report carries them)."""
         if spec.frozen is not None:  # on the host, before a GPU holds it
             check_frozen(model, spec.frozen, rank)
         with final_on_device_errors("move the model to", str(device)):
@@ -115,8 +120,6 @@ class Replica:
         self.step = 0
         self.last_lr: float | None = None
         """The learning rate of the last optimizer step."""
-        self.warnings: list[str] = []
-        """What the driver should hear of (the task's report carries them)."""
         self.padded = self.positions = 0
         """Pad positions in the ragged inputs of the batches trained on, and all their
         positions (`pad_fraction`)."""

@@ -55,6 +55,9 @@ class WorkerSpec:
     model_schema: DataSchema | None = None
     """With `preprocess`: the fields the model gets (what preprocess returned for the
     driver's sample); `schema` stays what is carried and cached."""
+    build_warnings: tuple[str, ...] = ()
+    """What the driver's build of model_fn warned of (shown there): a task's build keeps
+    these to itself, and reports only others (`_model.heard_warnings`)."""
     ps_shards: tuple[tuple[str, int], ...] = ()
     """Async with several parameter-server shards: their addresses in shard order (the
     first is `address`); empty: one server at `address`."""
