@@ -19,6 +19,8 @@ import os
 import sys
 import tempfile
 
+import _job
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -50,20 +52,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def session(args: argparse.Namespace):
-    from pyspark.sql import SparkSession
-
-    from sparkdl_avg import SPARK_CONF
-
-    builder = SparkSession.builder.appName("sparkdl-avg-finetune-lm")
-    if args.master:
-        builder = builder.master(args.master)
-    elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # plain `python`, not spark-submit
-        builder = (builder.master(f"local[{args.num_workers}]").config(map=SPARK_CONF)
-                   .config("spark.ui.enabled", "false"))
-    return builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
-
-
 def corpora(spark, args: argparse.Namespace):
     """(train A, train B, held-out B): windows of the stdlib's sources and of B, as
     `char_lm.windows` cuts them (input_ids, labels: the next bytes)."""
@@ -80,9 +68,6 @@ def corpora(spark, args: argparse.Namespace):
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     import mlflow
 
     from sparkdl_avg import TrainConfig, fit
@@ -97,30 +82,26 @@ def main(argv: list[str]) -> int:
 
     # the model's own loss: the window goes in as input_ids and labels, the model shifts it
     data = dict(inputs={"input_ids": "input_ids"}, label_col="labels", loss="model")
-    spark = session(args)
-    try:
-        mlflow.set_experiment(args.experiment)
-        with (tempfile.TemporaryDirectory() as tmp,
-              mlflow.start_run(run_name="finetune-lm") as run):
-            windows = corpora(spark, args)
-            unigram = char_lm.unigram_bits_per_byte(windows[1])
-            train_a, train_b, eval_b = map(ft.causal_windows, windows)
-            folder = args.work_dir or os.path.join(tmp, "pretrained")
-            gpt2 = ft.gpt2(args.d_model, args.heads, args.layers, args.seq_len + 1)
-            # evaluated on held-out B: its last evaluation is the perplexity before fine-tuning
-            pre = fit(train_a, gpt2, config(args.pretrain_epochs, args.pretrain_lr),
-                      eval_df=eval_b, **data)
-            pre.model.save_pretrained(folder)  # what every task's model_fn loads
-            model_fn = (ft.whole(folder) if args.full_finetune
-                        else ft.lora(folder, args.rank, args.targets))
-            tuned = fit(train_b, model_fn,
-                        config(args.epochs, args.lr, False if args.no_log_model else "adapters"),
-                        eval_df=eval_b, **data)
-            report = ft.report(pre, tuned, unigram)
-            mlflow.log_metrics(report)
-            mlflow.log_artifacts(folder, "pretrained")
-    finally:
-        spark.stop()
+    mlflow.set_experiment(args.experiment)
+    with (_job.session("sparkdl-avg-finetune-lm", args.master, args.num_workers) as spark,
+          tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_name="finetune-lm") as run):
+        windows = corpora(spark, args)
+        unigram = char_lm.unigram_bits_per_byte(windows[1])
+        train_a, train_b, eval_b = map(ft.causal_windows, windows)
+        folder = args.work_dir or os.path.join(tmp, "pretrained")
+        gpt2 = ft.gpt2(args.d_model, args.heads, args.layers, args.seq_len + 1)
+        # evaluated on held-out B: its last evaluation is the perplexity before fine-tuning
+        pre = fit(train_a, gpt2, config(args.pretrain_epochs, args.pretrain_lr),
+                  eval_df=eval_b, **data)
+        pre.model.save_pretrained(folder)  # what every task's model_fn loads
+        model_fn = (ft.whole(folder) if args.full_finetune
+                    else ft.lora(folder, args.rank, args.targets))
+        tuned = fit(train_b, model_fn,
+                    config(args.epochs, args.lr, False if args.no_log_model else "adapters"),
+                    eval_df=eval_b, **data)
+        report = ft.report(pre, tuned, unigram)
+        mlflow.log_metrics(report)
+        mlflow.log_artifacts(folder, "pretrained")
     logging.info("%s", report)
     print(f"perplexity before {report['perplexity_before']:.3f}  after "
           f"{report['perplexity_after']:.3f}  unigram {report['perplexity_unigram']:.3f}  "

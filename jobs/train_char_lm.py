@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+
+import _job
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -41,26 +42,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    from sparkdl_avg import SPARK_CONF, TrainConfig, fit
+    from sparkdl_avg import TrainConfig, fit
     from sparkdl_avg.examples import char_lm
 
     config = TrainConfig(
         num_workers=args.num_workers, epochs=args.epochs, batch_size=args.batch_size,
         optimizer="adam", lr=args.lr, averaging_frequency=args.averaging_frequency,
         seed=args.seed, experiment_name=args.experiment, log_model=not args.no_log_model)
-    builder = SparkSession.builder.appName("sparkdl-avg-char-lm")
-    if args.master:
-        builder = builder.master(args.master)
-    elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # plain `python`, not spark-submit
-        builder = (builder.master(f"local[{args.num_workers}]").config(map=SPARK_CONF)
-                   .config("spark.ui.enabled", "false"))
-    spark = builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
-    try:
+    with _job.session("sparkdl-avg-char-lm", args.master, args.num_workers) as spark:
         # --8<-- [start:fit]  (docs/howto/char-lm.md shows these lines as they are)
         texts = char_lm.read_files(spark, args.text_dir or char_lm.stdlib_text_dirs(),
                                    args.glob or (None if args.text_dir else "*.py"))
@@ -72,8 +61,6 @@ def main(argv: list[str]) -> int:
         result = fit(train_df, model_fn, config, inputs={"input_ids": "input_ids"},
                      label_col="labels", loss="cross_entropy", eval_df=eval_df)
         # --8<-- [end:fit]
-    finally:
-        spark.stop()
     bpb = char_lm.bits_per_byte(result.history[-1]["eval_loss"])
     samples = char_lm.log_results(result.run_id, result.model, bpb, unigram,
                                   args.prompt or char_lm.PROMPTS, args.sample_bytes,

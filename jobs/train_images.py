@@ -11,10 +11,10 @@ each worker decodes and augments its batches in `preprocess`, off the training t
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 import tempfile
+
+import _job
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -42,12 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    from sparkdl_avg import SPARK_CONF, TrainConfig, fit
+    from sparkdl_avg import TrainConfig, fit
     from sparkdl_avg.examples import digits_images as images
 
     config = TrainConfig(
@@ -55,28 +50,18 @@ def main(argv: list[str]) -> int:
         optimizer="adam", lr=args.lr, averaging_frequency=args.averaging_frequency,
         preprocess_threads=args.preprocess_threads, seed=args.seed,
         experiment_name=args.experiment, log_model=not args.no_log_model)
-    builder = SparkSession.builder.appName("sparkdl-avg-images")
-    if args.master:
-        builder = builder.master(args.master)
-    elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # plain `python`, not spark-submit
-        builder = (builder.master(f"local[{args.num_workers}]").config(map=SPARK_CONF)
-                   .config("spark.ui.enabled", "false"))
-    spark = builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
     # the digits live as long as the fit reads them: the folder is removed on every path
-    with tempfile.TemporaryDirectory(prefix="digits-") as scratch:
-        try:
-            folder = args.data or scratch
-            if args.data is None:
-                images.write_digits(folder, limit=args.max_images)
-            train_df, eval_df, classes = images.read_image_folder(
-                spark, folder, eval_percent=args.eval_percent)
-            result = fit(train_df, images.cnn(args.channels, len(classes), args.width,
-                                              args.seed), config,
-                         features_col="content", label_col="label", eval_df=eval_df,
-                         preprocess=images.Decode((args.size, args.size), args.channels,
-                                                  args.max_shift))
-        finally:
-            spark.stop()
+    with (_job.session("sparkdl-avg-images", args.master, args.num_workers) as spark,
+          tempfile.TemporaryDirectory(prefix="digits-") as scratch):
+        folder = args.data or scratch
+        if args.data is None:
+            images.write_digits(folder, limit=args.max_images)
+        train_df, eval_df, classes = images.read_image_folder(spark, folder,
+                                                              eval_percent=args.eval_percent)
+        model_fn = images.cnn(args.channels, len(classes), args.width, args.seed)
+        result = fit(train_df, model_fn, config, features_col="content", label_col="label",
+                     eval_df=eval_df, preprocess=images.Decode((args.size, args.size),
+                                                               args.channels, args.max_shift))
     final = result.history[-1]
     print(f"test accuracy {final['eval_accuracy']:.4f}  test loss {final['eval_loss']:.4f}  "
           f"classes {len(classes)}  fit {result.timings['total_s']:.1f}s  "

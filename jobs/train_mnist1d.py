@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
+
+import _job
 
 from sparkdl_avg.ps.rules import ALGORITHMS
 
@@ -65,39 +65,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# What the JVM prints on every start and no user can act on: Spark's launcher always adds the
-# incubator module jdk.incubator.vector (JavaModuleOptions), and no JVM option hides the line.
-JVM_NOISE = (b"WARNING: Using incubator modules",)
-
-
-def _pass_jvm_stderr_through_a_filter() -> None:
-    """Start the JVM pyspark is about to launch with a pipe as its stderr, and copy every line
-    of it to ours except the `JVM_NOISE` ones. Our own stderr is restored by the caller: only
-    the JVM (and the Python workers it starts) write into the pipe, for as long as it runs."""
-    import threading
-
-    out = os.dup(2)
-    read_end, write_end = os.pipe()
-    os.dup2(write_end, 2)  # inheritable: the JVM, started next, writes its stderr here
-    os.close(write_end)
-
-    def copy() -> None:
-        with os.fdopen(read_end, "rb") as pipe:
-            for line in pipe:
-                if not line.startswith(JVM_NOISE):
-                    os.write(out, line)
-
-    threading.Thread(target=copy, name="jvm-stderr", daemon=True).start()
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    from sparkdl_avg import SPARK_CONF, EarlyStopping, TrainConfig, fit
+    from sparkdl_avg import EarlyStopping, TrainConfig, fit
     from sparkdl_avg.examples import mnist1d
 
     per_mode = {name: getattr(args, name) for name in (
@@ -120,38 +90,11 @@ def main(argv: list[str]) -> int:
         early_stopping=EarlyStopping(patience=args.early_stopping_patience)
         if args.early_stopping_patience else None,
         **per_mode)
-    builder = SparkSession.builder.appName("sparkdl-avg-mnist1d")
-    if args.master:
-        builder = builder.master(args.master)
-    elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # plain `python`, not spark-submit
-        # one machine: loopback, where Spark would warn that the hostname resolves to it
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        builder = builder.master(f"local[{args.num_workers}]").config("spark.ui.enabled", "false")
-        log4j = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
-        builder = builder.config("spark.driver.extraJavaOptions",
-                                 f"-Dlog4j2.configurationFile={log4j}")
-        # the workers run this Python, which has sparkdl-avg: they can start with torch loaded
-        # (on a cluster, pass SPARK_CONF with --conf where the executors have it installed)
-        builder = builder.config(map=SPARK_CONF)
-    builder = builder.config("spark.ui.showConsoleProgress", "false")  # our own progress bar
-    if "PYSPARK_GATEWAY_PORT" in os.environ:  # spark-submit started the JVM already
-        spark = builder.getOrCreate()
-    else:
-        sys.stderr.flush()
-        ours = os.dup(2)
-        _pass_jvm_stderr_through_a_filter()
-        try:
-            spark = builder.getOrCreate()
-        finally:
-            os.dup2(ours, 2)  # our own stderr again; the JVM keeps the pipe
-            os.close(ours)
-    try:
+    with _job.session("sparkdl-avg-mnist1d", args.master, args.num_workers) as spark:
         train_df, test_df = mnist1d.load(spark, args.samples, cache_dir=args.data_dir)
         hidden = tuple(int(h) for h in args.hidden.split(",") if h)
         result = fit(train_df, mnist1d.mlp(hidden), config, eval_df=test_df,
                      resume_from=args.resume_from)
-    finally:
-        spark.stop()
     final = result.history[-1]
     print(f"test accuracy {final['eval_accuracy']:.4f}  test loss {final['eval_loss']:.4f}  "
           f"fit {result.timings['total_s']:.1f}s  MLflow run {result.run_id}")

@@ -19,6 +19,7 @@ from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.driver.asynchronous import train_async
 from sparkdl_avg.driver.checkpoints import open_source
 from sparkdl_avg.driver.plan import FitPlan, Resume, TrainOutcome, make_plan
+from sparkdl_avg.driver.session import default_executor_python
 from sparkdl_avg.driver.sync import train_sync
 from sparkdl_avg.scoring.columns import vector_schema, with_column
 from sparkdl_avg.scoring.outputs import output_names
@@ -180,6 +181,8 @@ class FitResult:
         if output_col in getattr(df, "columns", []):
             raise DataError(f"df already has a column {output_col!r}; choose another "
                             "output_col")
+        if hasattr(df, "sparkSession"):  # a session no fit has used: its scoring UDF's Python
+            default_executor_python(df.sparkSession)
         schema = self.scoring()[0]
         if features_col is not None and self.preprocess is not None:
             raise ConfigError("features_col= cannot rename the inputs of a fit with "

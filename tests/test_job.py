@@ -1,9 +1,10 @@
-"""The jobs under plain python (spark-submit to a standalone cluster: test_standalone)."""
+"""The four jobs under plain python, in one process (spark-submit to a standalone cluster:
+test_standalone): each learns at toy size, logs its run, and prints no warning."""
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
+import json
 import os
 import re
 import subprocess
@@ -13,85 +14,113 @@ from pathlib import Path
 import pytest
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
-JOB = JOBS / "train_mnist1d.py"
-SMALL = ["--samples", "3000", "--epochs", "3", "--hidden", "64", "--lr", "3e-3",
-         "--no-log-model"]
+PEFT = importlib.util.find_spec("peft") is not None  # the fine-tuning job needs the hf extra
 
 
-# The job's script run with the project's own warnings (the package's and the job's) made
-# errors: a warning the job could cause and a user could not act on fails it.
-STRICT = ("import runpy, sys, warnings; "
-          "warnings.filterwarnings('error', module=r'(sparkdl_avg(\\.|$)|__main__$)'); "
-          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+def small_runs(tmp: Path) -> dict[str, list[str]]:
+    """Each job at toy size, a few seconds of training each: the main job logs its model as
+    the README's command does (torch.export's pt2) and checkpoints its overlapped rounds."""
+    runs = {
+        "train_mnist1d": ["--samples", "3000", "--epochs", "3", "--hidden", "64",
+                          "--lr", "3e-3", "--data-dir", str(tmp / "data"),
+                          "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-every", "5",
+                          "--overlap-averaging"],
+        "train_images": ["--max-images", "600", "--epochs", "4", "--eval-percent", "20",
+                         "--no-log-model"],
+        "train_char_lm": ["--max-bytes", "120000", "--seq-len", "64", "--epochs", "2",
+                          "--d-model", "64", "--sample-bytes", "40", "--no-log-model"],
+        "finetune_lm": ["--pretrain-bytes", "40000", "--max-bytes", "40000", "--seq-len", "64",
+                        "--pretrain-epochs", "1", "--pretrain-lr", "3e-3", "--epochs", "2",
+                        "--lr", "1e-2", "--d-model", "64", "--heads", "2", "--layers", "2",
+                        "--rank", "4", "--averaging-frequency", "4", "--batch-size", "16"],
+    }
+    if not PEFT:
+        del runs["finetune_lm"]
+    return runs
+
+
+# The jobs run one after another in one process, as `python jobs/<job>.py ...` runs each (its
+# folder first on sys.path), with the project's own warnings (the package's and the jobs')
+# made errors: a warning a job could cause and a user could not act on fails it. One process
+# starts one JVM: each later job's session is a new SparkContext in it.
+RUN_IN_TURN = """
+import json, os, runpy, sys, warnings
+warnings.filterwarnings('error', module=r'(sparkdl_avg(\\.|$)|__main__$)')
+for name, script, args in json.loads(sys.argv[1]):
+    for stream in (sys.stdout, sys.stderr):
+        print(f'=== {name}', file=stream, flush=True)
+    sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)
+    try:
+        runpy.run_path(script, run_name='__main__')
+    except SystemExit as exc:
+        if exc.code:
+            raise
+"""
 # A Python warning as `warnings` prints it (torch.export's, MLflow's, pandas', on the driver
 # or from an executor's Python worker, whose stderr the local JVM passes on), a Spark log
 # line at WARN, or a Python log record at WARNING in the jobs' logging format
-# ("%(asctime)s %(levelname)s %(message)s": the package's own log.warning), or the JVM's own
-# "WARNING: ..." (the main job filters the incubator-module line Spark's launcher causes).
-WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning: | WARN(ING)? |^WARNING: ")
+# ("%(asctime)s %(levelname)s %(message)s": the package's own log.warning), transformers'
+# own log line ("[transformers] ...", which it prints from WARNING up), or the JVM's own
+# "WARNING: ..." (the jobs filter the incubator-module line Spark's launcher causes).
+WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning: | WARN(ING)? |^WARNING: |^\[transformers\] ")
 
 
-def run_job(cmd: list[str], tmp_path: Path, tracking_uri: str, small: list[str] | None = None,
-            quiet: bool = False) -> str:
-    """The job's stdout; `quiet`: run under STRICT, and no warning printed on either stream."""
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
-           "MLFLOW_TRACKING_URI": tracking_uri}
-    small = SMALL + ["--data-dir", str(tmp_path.parent / "data")] if small is None else small
-    if quiet:
-        cmd = [cmd[0], "-c", STRICT, *cmd[1:]]
-    proc = subprocess.run(cmd + small, env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+@pytest.fixture(scope="module")
+def jobs_run(tmp_path_factory, mlflow_store) -> tuple[dict[str, str], dict[str, str], Path]:
+    """Each job's stdout and stderr, by name, and the folder they ran in. No PYSPARK_PYTHON:
+    a local session's executors run the driver's Python by the library's own default."""
+    tmp = tmp_path_factory.mktemp("jobs")
+    runs = [(name, str(JOBS / f"{name}.py"), args) for name, args in small_runs(tmp).items()]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
+    env.update(SPARK_LOCAL_IP="127.0.0.1", MLFLOW_TRACKING_URI=mlflow_store)
+    proc = subprocess.run([sys.executable, "-c", RUN_IN_TURN, json.dumps(runs)], env=env,
+                          cwd=tmp, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    if quiet:
-        printed = [line for line in (proc.stdout + proc.stderr).splitlines()
-                   if WARNING_LINE.search(line)]
-        assert not printed, printed
-    return proc.stdout
+    return split_by_job(proc.stdout), split_by_job(proc.stderr), tmp
 
 
-def check_output(stdout: str, client, **params: str) -> str:
-    """The run's id, once its output and MLflow run are checked."""
-    match = re.search(r"test accuracy (\S+) .* MLflow run (\w+)", stdout)
-    assert match, stdout
-    assert float(match.group(1)) > 0.3  # 10 classes: well above chance after 3 epochs
-    run = client.get_run(match.group(2))
-    assert run.info.status == "FINISHED"
-    assert run.data.params["epochs"] == "3"
-    for name, value in params.items():
-        assert run.data.params[name] == value
-    return run.info.run_id
+def split_by_job(text: str) -> dict[str, str]:
+    parts = re.split(r"^=== (\w+)\n", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 @pytest.mark.cluster
-def test_job_runs_with_plain_python_and_prints_no_warning(tmp_path, mlflow_store,
-                                                         mlflow_client):
-    """The main job, logging its model as the README's command does (torch.export's pt2),
-    with its warnings made errors and none printed."""
-    ckpt = tmp_path / "ckpt"
-    # overlapped rounds (checkpoint rounds wait): the job's flag reaches the fit
-    cmd = [sys.executable, str(JOB), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5",
-           "--overlap-averaging"]
-    logged = [a for a in SMALL if a != "--no-log-model"]
-    run_id = check_output(run_job(cmd, tmp_path, mlflow_store,
-                                  logged + ["--data-dir", str(tmp_path.parent / "data")],
-                                  quiet=True),
-                          mlflow_client, overlap_averaging="True")
-    data = {a.path.rsplit("/", 1)[-1] for a in mlflow_client.list_artifacts(run_id, "model/data")}
-    assert "model.pt2" in data and "model.pth" not in data  # torch.export's, not pickled
+def test_every_job_prints_no_warning(jobs_run):
+    """Run with their warnings made errors, none of the jobs prints one, on either stream."""
+    stdout, stderr, _ = jobs_run
+    assert set(stdout) == set(small_runs(Path())), stdout.keys()  # every job ran
+    printed = {name: [line for line in (stdout[name] + stderr[name]).splitlines()
+                      if WARNING_LINE.search(line)] for name in stdout}
+    assert not any(printed.values()), printed
+
+
+@pytest.mark.cluster
+def test_main_job_learns_and_logs_its_model_as_pt2(jobs_run, mlflow_client):
+    """The main job's flags reach the fit (overlapped rounds, checkpoints: the newest two
+    kept), and its model is logged as torch.export's pt2, not pickled."""
+    stdout, _, tmp = jobs_run
+    match = re.search(r"test accuracy (\S+) .* MLflow run (\w+)", stdout["train_mnist1d"])
+    assert match, stdout["train_mnist1d"]
+    assert float(match.group(1)) > 0.3  # 10 classes: well above chance after 3 epochs
+    run = mlflow_client.get_run(match.group(2))
+    assert run.info.status == "FINISHED"
+    assert run.data.params["epochs"] == "3"
+    assert run.data.params["overlap_averaging"] == "True"
+    data = {a.path.rsplit("/", 1)[-1]
+            for a in mlflow_client.list_artifacts(run.info.run_id, "model/data")}
+    assert "model.pt2" in data and "model.pth" not in data
+    ckpt = tmp / "ckpt"
     rounds = sorted(p.name for p in ckpt.glob("round-*"))
     assert len(rounds) == 2  # the newest two are kept
     assert all((ckpt / r / "checkpoint.json").exists() for r in rounds)
 
 
 @pytest.mark.cluster
-def test_char_lm_job_beats_the_unigram_baseline(tmp_path, mlflow_store, mlflow_client):
+def test_char_lm_job_beats_the_unigram_baseline(jobs_run, mlflow_client, tmp_path):
     """A short run on 120 kB of the stdlib's sources learns from the context: its held-out
     bits per byte are below the unigram baseline's (about 4.4 bits), as logged to MLflow,
     beside the samples it wrote."""
-    small = ["--max-bytes", "120000", "--seq-len", "64", "--epochs", "2", "--d-model", "64",
-             "--sample-bytes", "40", "--no-log-model"]
-    stdout = run_job([sys.executable, str(JOBS / "train_char_lm.py")], tmp_path, mlflow_store,
-                     small)
+    stdout = jobs_run[0]["train_char_lm"]
     match = re.search(r"bits per byte (\S+)  unigram (\S+) .* MLflow run (\w+)", stdout)
     assert match, stdout
     bpb, unigram, run_id = float(match.group(1)), float(match.group(2)), match.group(3)
@@ -106,21 +135,15 @@ def test_char_lm_job_beats_the_unigram_baseline(tmp_path, mlflow_store, mlflow_c
 
 
 @pytest.mark.cluster
-def test_finetune_lm_job_lowers_perplexity_moving_only_adapters(tmp_path, mlflow_store,
-                                                                 mlflow_client):
+@pytest.mark.skipif(not PEFT, reason="needs peft (the hf extra)")
+def test_finetune_lm_job_lowers_perplexity_moving_only_adapters(jobs_run, mlflow_client):
     """A tiny run of the fine-tuning job: pretrained on the stdlib's sources, LoRA on its
     English lowers the held-out English perplexity, and the fine-tune's rounds move the
     adapters' bytes through the driver, not the model's: the ratio of the two fits' driver
     MB is about that of their trained parameters. Both fits are children of the job's run,
     which holds the report and the pretrained model; the fine-tune's run holds the
     adapters."""
-    pytest.importorskip("peft")
-    small = ["--pretrain-bytes", "40000", "--max-bytes", "40000", "--seq-len", "64",
-             "--pretrain-epochs", "1", "--pretrain-lr", "3e-3", "--epochs", "2", "--lr", "1e-2",
-             "--d-model", "64", "--heads", "2", "--layers", "2", "--rank", "4",
-             "--averaging-frequency", "4", "--batch-size", "16"]
-    stdout = run_job([sys.executable, str(JOBS / "finetune_lm.py")], tmp_path, mlflow_store,
-                     small)
+    stdout = jobs_run[0]["finetune_lm"]
     match = re.search(r"perplexity before (\S+)  after (\S+) .* MLflow run (\w+)", stdout)
     assert match, stdout
     before, after, run_id = float(match.group(1)), float(match.group(2)), match.group(3)
@@ -146,6 +169,8 @@ def test_finetune_lm_job_lowers_perplexity_moving_only_adapters(tmp_path, mlflow
 
 
 def load_job(name: str):
+    if str(JOBS) not in sys.path:  # as `python jobs/<job>.py` has it: the jobs' `_job`
+        sys.path.insert(0, str(JOBS))
     spec = importlib.util.spec_from_file_location(name, JOBS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -165,22 +190,12 @@ def test_images_job_reads_digits_by_default_and_any_folder_with_data():
         job.parse_args(["--channels", "2"])
 
 
-def fit_has_preprocess() -> bool:
-    from sparkdl_avg import fit
-
-    return "preprocess" in inspect.signature(fit).parameters
-
-
 @pytest.mark.cluster
-@pytest.mark.skipif(not fit_has_preprocess(),
-                    reason="needs fit(preprocess=) and binary columns (issue 31's core)")
-def test_images_job_learns_the_digits_from_png_files(tmp_path, mlflow_store, mlflow_client):
+def test_images_job_learns_the_digits_from_png_files(jobs_run, mlflow_client):
     """600 of scikit-learn's digits written as PNG files, read as bytes by binaryFile,
     decoded and shifted in preprocess: a few epochs of the small CNN classify the held-out
     files well above chance (10%), and the run is logged."""
-    small = ["--max-images", "600", "--epochs", "4", "--eval-percent", "20", "--no-log-model"]
-    stdout = run_job([sys.executable, str(JOBS / "train_images.py")], tmp_path, mlflow_store,
-                     small)
+    stdout = jobs_run[0]["train_images"]
     match = re.search(r"test accuracy (\S+) .* classes (\d+) .* MLflow run (\w+)", stdout)
     assert match, stdout
     assert float(match.group(1)) > 0.6 and match.group(2) == "10"

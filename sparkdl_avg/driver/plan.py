@@ -32,6 +32,7 @@ from sparkdl_avg.data.order import epoch_length, padded_rows
 from sparkdl_avg.data.prepare import PreparedData, prepare
 from sparkdl_avg.data.probe_batch import first_rows, passed_ranges
 from sparkdl_avg.data.schema import DataSchema
+from sparkdl_avg.driver import session
 from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.cluster import check_cluster
 from sparkdl_avg.driver.meta_model import assemble, build_on_meta, initial_state
@@ -126,6 +127,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
               on_round: Callable[[dict], bool] | None = None, preprocess=None,
               metrics=None) -> FitPlan:
     check_pyspark(spark)
+    session.default_executor_python(spark)  # before the fit makes its first Python job
     if on_round is not None and not callable(on_round):
         raise ConfigError(f"on_round must be a callable metrics -> bool, got "
                           f"{type(on_round).__name__}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 import uuid
@@ -129,11 +130,46 @@ class TaggedJob:
                     session.cancel_jobs(self._spark, self._tag)
                 thread.join(5)
         if late:
+            failed = self._failed_task_error()
+            if failed is not None:  # the job failed: a slow machine aborted it after the deadline
+                raise ClusterError(failure_message(self._spark, self._what, failed))
             return None
         if self._error is not None:
-            from sparkdl_avg.driver.barrier import _spark_reason
-
-            raise ClusterError(f"{self._what} failed (is sparkdl-avg, with "
-                               f"this version, installed on the executors?): "
-                               f"{_spark_reason(str(self._error))}") from self._error
+            raise ClusterError(failure_message(self._spark, self._what, str(self._error))) \
+                from self._error
         return self._rows
+
+    def _failed_task_error(self) -> str | None:
+        """The error of a task of the job that failed. On a loaded machine a barrier stage's
+        other tasks may still be starting their Python when the deadline comes, and the job
+        not yet aborted (seen on a 2-core machine at load average 13 with a Python that could
+        not start sparkdl-avg): the failure, not the wait, is the answer. None on Connect."""
+        try:
+            tasks = session.group_last_stage_tasks(self._spark, self._tag) or []
+        except Exception:  # noqa: BLE001 - the status store is best effort
+            return None
+        return next((t["error"] for t in tasks if t["status"] == "FAILED" and t["error"]), None)
+
+
+_WORKER_START = re.compile(r"Error from python worker:\s*\n\s*(\S.*)")
+"""What an executor's Python printed when it could not start a worker (Spark quotes it)."""
+_IMPORT = re.compile(r"\b(?:ModuleNotFoundError|ImportError)\b")
+
+
+def failure_message(spark, what: str, text: str) -> str:
+    """Why the first Python job of a fit failed. A worker that did not start, or a module
+    that did not import, is the executors' Python lacking what the tasks need: the message
+    names that Python and the two settings that choose it."""
+    from sparkdl_avg import __version__
+    from sparkdl_avg.driver.barrier import _spark_reason
+
+    start = _WORKER_START.search(text)
+    if start is None and not _IMPORT.search(text):
+        return (f"{what} failed (is sparkdl-avg {__version__} installed in the executors' "
+                f"Python?): {_spark_reason(text)}")
+    reason = start.group(1).strip()[:2000] if start else _spark_reason(text)
+    return (f"{what} failed: the executors' Python cannot run sparkdl-avg's tasks ({reason}). "
+            f"The executors ran {session.describe_executor_python(spark)}. Install "
+            f"sparkdl-avg {__version__} and its requirements (torch, numpy, pyarrow) in the "
+            "Python the executors run, or point them to one that has them: PYSPARK_PYTHON "
+            "(set before the session starts) or spark.pyspark.python")

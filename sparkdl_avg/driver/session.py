@@ -4,18 +4,20 @@ The rest of the driver uses what both kinds offer: `spark.conf`, DataFrames, bar
 `mapInArrow` and the job's own exception. Marking a thread's jobs and cancelling them differ
 (`tag_jobs`, `cancel_jobs`): job tags on Connect, a job group on a classic session, where
 `interruptTag` does not stop a running `collect`. A classic session also has the
-SparkContext: the exact number of task slots, and the status tracker and store (job
-progress, each task's executor and host). Here those are answered where there is a
-SparkContext, and None on Connect, where callers fall back to a probe job and the job's
-exception.
+SparkContext: the exact number of task slots, the status tracker and store (job
+progress, each task's executor and host), and the Python the executors are told to run.
+Here those are answered where there is a SparkContext, and None on Connect, where callers
+fall back to a probe job and the job's exception.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import socket
+import sys
 
 
 def is_connect(spark) -> bool:
@@ -36,6 +38,61 @@ def _connect_session_class():
 def conf(spark, key: str, default: str | None = None) -> str | None:
     """A Spark setting as the session sees it (the server's, on Connect)."""
     return spark.conf.get(key, default)
+
+
+SPARK_DEFAULT_PYTHON = "python3"
+"""What pyspark tells the executors to run when PYSPARK_PYTHON was not set as the
+SparkContext started: `python3` from each executor's PATH, whatever it has installed."""
+_LOCAL_MASTER = re.compile(r"local(-cluster)?(\[.*\])?")
+"""Masters whose executors run on this machine: `local`, `local[N]`, `local[N,F]`,
+`local[*]`, `local-cluster[...]`."""
+
+
+def python_for_executors(master: str, env_python: str | None, conf_python: str | None,
+                         current: str) -> str | None:
+    """The Python the executors should run instead of `current` (the SparkContext's
+    `pythonExec`), or None to leave it. Left: a PYSPARK_PYTHON the user set, or anything but
+    Spark's default. `spark.pyspark.python` set on a session pyspark started from a Python
+    process is not applied by Spark (only spark-submit turns it into PYSPARK_PYTHON): it is
+    applied here. Neither set, on a local master the executors run this driver's Python,
+    which has sparkdl-avg, where PATH's `python3` is often another (a venv not activated)."""
+    if env_python or current != SPARK_DEFAULT_PYTHON:
+        return None
+    if conf_python:
+        return conf_python
+    return (sys.executable or None) if _LOCAL_MASTER.fullmatch(master) else None
+
+
+def default_executor_python(spark) -> None:
+    """Point the session's later Python jobs at `python_for_executors`'s choice. pyspark reads
+    the executable from the SparkContext as each job's Python function is made, so this holds
+    for the jobs made from now on, in every executor started before or after. Nothing on
+    Connect: the server's environment decides, fixed when it started."""
+    if is_connect(spark):
+        return
+    sc = spark.sparkContext
+    chosen = python_for_executors(sc.master, os.environ.get("PYSPARK_PYTHON"),
+                                  conf(spark, "spark.pyspark.python", None), sc.pythonExec)
+    if chosen is not None:
+        sc.pythonExec = chosen
+
+
+def describe_executor_python(spark) -> str:
+    """Which Python the executors are told to run, and why, for an error message."""
+    if is_connect(spark):
+        return ("the Connect server's choice (its PYSPARK_PYTHON as it started, else "
+                f"{SPARK_DEFAULT_PYTHON} from the executors' PATH)")
+    python = spark.sparkContext.pythonExec
+    if python == os.environ.get("PYSPARK_PYTHON"):
+        return f"{python}, from PYSPARK_PYTHON"
+    if python == conf(spark, "spark.pyspark.python", None):
+        return f"{python}, from spark.pyspark.python"
+    if python == SPARK_DEFAULT_PYTHON:
+        return (f"{python} from the executors' PATH, Spark's default: neither PYSPARK_PYTHON "
+                "nor spark.pyspark.python is set")
+    if python == sys.executable:
+        return f"{python}, this driver's own Python (a local master's default)"
+    return python
 
 
 def client_address(spark) -> str | None:

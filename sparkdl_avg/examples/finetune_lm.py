@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import warnings
 from functools import partial
 
 from torch import nn
@@ -82,7 +83,15 @@ def gpt2_config(d_model: int, heads: int, layers: int, max_len: int):
 def _build_gpt2(d_model: int, heads: int, layers: int, max_len: int) -> nn.Module:
     from transformers import GPT2LMHeadModel
 
-    return GPT2LMHeadModel(gpt2_config(d_model, heads, layers, max_len))
+    return _causal_lm_loss(GPT2LMHeadModel(gpt2_config(d_model, heads, layers, max_len)))
+
+
+def _causal_lm_loss(model: nn.Module) -> nn.Module:
+    """Name the loss transformers gives the model anyway: it reads the kind from the class's
+    name, which for GPT2LMHeadModel matches none, and warns at the first loss of every
+    process (each task's too) before falling back to this one."""
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def gpt2(d_model: int = 128, heads: int = 4, layers: int = 4, max_len: int = 128):
@@ -94,7 +103,7 @@ def gpt2(d_model: int = 128, heads: int = 4, layers: int = 4, max_len: int = 128
 def _load(pretrained: str) -> nn.Module:
     from transformers import GPT2LMHeadModel
 
-    return GPT2LMHeadModel.from_pretrained(pretrained).train()  # it loads in eval mode
+    return _causal_lm_loss(GPT2LMHeadModel.from_pretrained(pretrained).train())  # loads in eval
 
 
 def whole(pretrained: str):
@@ -111,7 +120,12 @@ def _build_lora(pretrained: str, rank: int, targets: tuple[str, ...]) -> nn.Modu
     # LoRA's B starts at zero, so the wrapped model starts as the pretrained one.
     adapters = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, fan_in_fan_out=True,
                           target_modules=list(targets))
-    return get_peft_model(base, adapters).train()
+    with warnings.catch_warnings():
+        # peft 0.21 asks the model for transformers' deprecated `is_gradient_checkpointing`
+        # (transformers 5 warns on every wrap): theirs to change, nothing a user can act on
+        warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated",
+                                FutureWarning)
+        return get_peft_model(base, adapters).train()
 
 
 def lora(pretrained: str, rank: int = 8, targets: tuple[str, ...] = ("c_attn", "c_fc")):
