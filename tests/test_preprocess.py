@@ -159,6 +159,7 @@ def decoded(records):
 
 @pytest.mark.spark
 @pytest.mark.parametrize("cache", ["memory", "disk"])
+@pytest.mark.exact
 def test_decoding_bytes_trains_as_the_numbers_do(records, decoded, cache):
     result = _fit(records, data_cache=cache)
     assert {w["cache"] for w in result.workers} == {cache}
@@ -173,6 +174,7 @@ def test_decoding_bytes_trains_as_the_numbers_do(records, decoded, cache):
 
 
 @pytest.mark.spark
+@pytest.mark.exact
 def test_async_lockstep_decodes_as_sync_does(records, decoded):
     lockstep = fit(records, Net, TrainConfig(**COMMON, mode="async", push_every=2,
                                              staleness_bound=0),
@@ -405,6 +407,7 @@ def _threads_in_evaluation(log: str, batch, *, training, rng):
 
 
 @pytest.mark.spark
+@pytest.mark.exact
 def test_evaluation_preprocesses_on_the_pool(records, decoded, tmp_path):
     """Evaluation's chunks are decoded off the training thread, on a pool of their own
     (not training's, whose threads stay busy prefetching steps), with the same losses as the
