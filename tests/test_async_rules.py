@@ -14,6 +14,7 @@ def test_downpour_subtracts_the_pushed_update():
     assert s.params.tolist() == [0.5, 3.0]
 
 
+@pytest.mark.exact
 def test_dcasgd_constant_lambda_by_hand():
     # lr 0.1, lambda 0.04. Worker 0 pulls w=[1, 2]; meanwhile the server moved to [1.5, 1.0].
     s = make_rule("dcasgd", np.array([1.0, 2.0]), lr=0.1, dc_lambda=0.04)
@@ -24,6 +25,7 @@ def test_dcasgd_constant_lambda_by_hand():
     np.testing.assert_allclose(s.params, [1.5 - 0.1 * 2.08, 1.0 - 0.1 * -1.04], rtol=1e-15)
 
 
+@pytest.mark.exact
 def test_dcasgd_takes_the_learning_rate_the_push_was_computed_with():
     # A schedule's push at lr 0.05 (the server's is 0.1): g = [0.2, -0.1] / 0.05 = [4, -2]
     s = make_rule("dcasgd", np.array([1.0, 2.0]), lr=0.1, dc_lambda=0.04)
@@ -52,6 +54,7 @@ def test_dcasgd_keeps_one_backup_per_worker():
     assert s.params.tolist() == [0.0]
 
 
+@pytest.mark.exact
 def test_dcasgd_adaptive_scales_lambda_by_the_mean_square():
     s = make_rule("dcasgd-adaptive", np.array([1.0]), lr=0.5, dc_lambda=2.0)
     assert (s.MOMENTUM, s.EPS) == (0.95, 1e-7)  # the paper's defaults, owned by the rule
@@ -147,6 +150,7 @@ def simulate(rule, schedule=SCHEDULE, lr: float = 0.1) -> list:
 
 
 @pytest.mark.parametrize(("algorithm", "lam"), [("dcasgd", 0.5), ("dcasgd-adaptive", 2.0)])
+@pytest.mark.exact
 def test_dcasgd_compensates_from_where_each_worker_computed_its_update(algorithm, lam):
     """With fetch_every > push_every a worker's second update is computed at its backup
     moved by its own first update (whole: update_scale 0.5 scales only the server's step),
@@ -160,6 +164,7 @@ def test_dcasgd_compensates_from_where_each_worker_computed_its_update(algorithm
     assert np.abs(expected - plain).max() > 1e-3  # the compensation is there, and counts
 
 
+@pytest.mark.exact
 def test_dcasgd_with_one_worker_is_downpour_whatever_it_fetches():
     """One worker has no delay: it computes every update at the server's own parameters,
     whether it fetched them or not (before, its own pushes counted as staleness)."""

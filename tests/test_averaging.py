@@ -10,6 +10,7 @@ from sparkdl_avg.averaging.arithmetic import (
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.exact
 def test_weighted_average_matches_numpy(dtype):
     rng = np.random.default_rng(0)
     bufs = [rng.normal(size=1000).astype(dtype) for _ in range(3)]
@@ -43,6 +44,7 @@ def test_the_divergence_is_the_mean_l2_norm_from_the_average():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.exact
 def test_the_one_pass_round_matches_an_independent_float64_computation(dtype):
     # several chunks and a ragged last one; the divergence stops inside a chunk
     rng = np.random.default_rng(1)

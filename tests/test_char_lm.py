@@ -75,6 +75,7 @@ def test_unigram_baseline_is_the_entropy_of_the_label_bytes(texts):
     assert char_lm.bits_per_byte(math.log(256)) == pytest.approx(8.0)
 
 
+@pytest.mark.exact
 def test_the_transformer_is_causal_and_ignores_padding_after_a_row():
     model = char_lm.transformer(d_model=32, heads=4, layers=2, max_len=24)().double().eval()
     ids = torch.randint(0, 256, (3, 24))

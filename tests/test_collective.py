@@ -102,6 +102,7 @@ def test_a_collective_fit_resumes_from_its_checkpoints_as_an_unbroken_fit(data, 
 
 
 @pytest.mark.spark
+@pytest.mark.exact
 def test_collective_fit_on_the_disk_cache_trains_as_the_driver_transport(data, by_the_driver):
     result = fit(data, FaultyMLP, TrainConfig(**BASE, transport="collective",
                                               data_cache="disk"))

@@ -54,6 +54,7 @@ def _sync_worker(address, secret, rank: int) -> None:
         conn.close()
 
 
+@pytest.mark.exact
 def test_the_sync_driver_averages_over_the_kept_weight_and_the_scored_predictions():
     secret = auth.new_secret()
     with Coordinator(host="127.0.0.1", advertise="127.0.0.1", num_workers=2, secret=secret,
@@ -74,6 +75,7 @@ def test_the_sync_driver_averages_over_the_kept_weight_and_the_scored_prediction
     assert logged["eval_perplexity"] == pytest.approx(math.exp(0.5), rel=1e-12)
 
 
+@pytest.mark.exact
 def test_the_async_driver_logs_the_servers_summed_result_the_same_way():
     logged = []
     intervals = SimpleNamespace(run=SimpleNamespace(

@@ -16,6 +16,7 @@ import pytest
 import torch
 from pyspark.ml.linalg import Vectors, VectorUDT
 from pyspark.sql.types import DoubleType, StructField, StructType
+from rounding import evaluation_here
 
 from sparkdl_avg import ConfigError, ModelError, TrainConfig, fit
 from sparkdl_avg.averaging.flat_buffer import averaged_tensors
@@ -114,9 +115,14 @@ def test_a_frozen_backbone_never_travels_and_stays_as_built(frame, rows, mode):
 
     assert loss(result.model) < loss(_built(Tuned)) - 0.05  # the head learned
     # the workers' own evaluation of the final parameters, on their replicas' backbones
-    # (BatchNorm in eval mode, statistics as built), is the driver's on the result
+    # (BatchNorm in eval mode, statistics as built), is the driver's on the result: within
+    # rounding of sums of 2000 float32 terms (`rounding.evaluation_here`, probably: about
+    # 0.03 here, where the BatchNorm on batch statistics moves the loss by 0.11)
     final = [r["eval_loss"] for r in result.history if "eval_loss" in r][-1]
-    assert final == pytest.approx(loss(result.model).item(), abs=1e-5)
+    here, apart, _, _ = evaluation_here(
+        torch.nn.Sequential(result.model.backbone, result.model.head), x.float(), y.long(),
+        probable=True)
+    assert abs(final - here) <= apart, (final, here, apart)
     history = result.history
     if mode != "async":
         # driver: two pushes and two averages of 80 kB; collective: the control plane, and
@@ -124,6 +130,7 @@ def test_a_frozen_backbone_never_travels_and_stays_as_built(frame, rows, mode):
         assert max(r["driver_mb"] for r in history if "driver_mb" in r) <= 1.0
 
 
+@pytest.mark.exact
 def test_the_heads_trajectory_is_a_fit_on_precomputed_features(spark, rows):
     x, y = rows
     backbone = _built(_double).backbone

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from pyspark.sql import functions as F
+from rounding import classes_agree, linear_magnitude, outputs_tolerance
 
 from sparkdl_avg import DataError, TrainConfig, fit
 
@@ -62,6 +63,17 @@ CONFIG = dict(num_workers=2, epochs=2, batch_size=4, lr=0.5, seed=2,
               experiment_name="image-source")
 
 
+def logits_here(model: torch.nn.Linear, images) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits for `images` (Rows with an `image` struct) from features computed
+    here, and how far scoring elsewhere (other chunks, the exported program) may round them
+    (`rounding.outputs_tolerance`: one Linear layer of 5 inputs)."""
+    x = torch.tensor(np.stack([_features(r.image.data, r.image.height, r.image.width,
+                                         r.image.nChannels, r.image.mode) for r in images]))
+    with torch.no_grad():
+        logits = model(x)
+    return logits, outputs_tolerance(torch.float32, 6, linear_magnitude(model, x.abs()))
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Linear(5, 2)
@@ -72,19 +84,18 @@ def fitted(images):
     return fit(images, _model, TrainConfig(**CONFIG), features_col="image", preprocess=_decode)
 
 
+@pytest.mark.exact
 def test_the_image_struct_reaches_preprocess_as_a_dict_and_scores_alike(images, fitted):
     raw = [(r.image.data, r.image.height, r.image.width, r.image.nChannels, r.image.mode)
            for r in images.collect()]
     assert {(h, w, c, m) for _, h, w, c, m in raw} == {(3, 4, 3, 16), (5, 2, 1, 0)}
     scored = fitted.transform(images).select("image", "prediction").collect()
-    x = torch.tensor(np.stack([_features(r.image.data, r.image.height, r.image.width,
-                                         r.image.nChannels, r.image.mode) for r in scored]))
-    with torch.no_grad():
-        expected = fitted.model(x).argmax(1)
-    assert [r.prediction for r in scored] == expected.tolist()
-    assert len(set(expected.tolist())) > 1  # not one class for every image
+    logits, apart = logits_here(fitted.model, scored)
+    assert classes_agree([r.prediction for r in scored], logits, apart)
+    assert len(set(logits.argmax(1).tolist())) > 1  # not one class for every image
 
 
+@pytest.mark.exact
 def test_predict_udf_and_the_logged_model_score_image_structs_as_transform_does(
         spark, images, fitted):
     """The struct as Spark gives it (not packed as the fit carries it): predict_udf's Arrow
@@ -100,12 +111,17 @@ def test_predict_udf_and_the_logged_model_score_image_structs_as_transform_does(
     loaded = mlflow.pyfunc.load_model(uri)
     [spec] = loaded.metadata.get_input_schema().inputs
     assert spec.name == "image" and type(spec.type).__name__ == "Object"
+    # the exported program's kernels against transform's: both within rounding of these
+    logits, apart = logits_here(fitted.model, rows)
+    assert classes_agree(expected, logits, apart)
     dicts = pd.DataFrame({"image": [r.image.asDict() for r in rows]})
-    assert loaded.predict(dicts).tolist() == expected
-    assert loaded.predict(pd.DataFrame({"image": [r.image for r in rows]})).tolist() == expected
+    assert classes_agree(loaded.predict(dicts), logits, apart)
+    assert loaded.predict(pd.DataFrame({"image": [r.image for r in rows]})).tolist() == \
+        loaded.predict(dicts).tolist()  # the same program on the same rows
     udf = mlflow.pyfunc.spark_udf(spark, uri, result_type="long", env_manager="local")
-    served = scored.select("prediction", udf(F.struct("image")).alias("served")).collect()
-    assert [r.served for r in served] == [r.prediction for r in served]
+    served = scored.select("image", udf(F.struct("image")).alias("served")).collect()
+    logits, apart = logits_here(fitted.model, served)
+    assert classes_agree([r.served for r in served], logits, apart)
 
 
 def test_the_logged_model_requires_what_the_preprocess_imports(fitted):

@@ -32,6 +32,7 @@ def _sequence_batch(seed: int = 0, rows: int = 5, steps: int = 4, classes: int =
     return logits, labels
 
 
+@pytest.mark.exact
 def test_cross_entropy_on_sequences_ignores_minus_100_positions():
     logits, labels = _sequence_batch()
     objective = make_objective("cross_entropy")
@@ -72,6 +73,7 @@ def _outputs(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.exact
 def test_a_row_of_weight_w_counts_as_w_copies_for_every_built_in_loss(name):
     x, labels, w0 = _model_batch(name, rows=6)
     weights = torch.tensor([2.0, 0.0, 1.0, 3.0, 1.0, 2.0], dtype=F64)
@@ -91,6 +93,7 @@ def test_a_row_of_weight_w_counts_as_w_copies_for_every_built_in_loss(name):
     assert grad_weighted.abs().sum() > 0
 
 
+@pytest.mark.exact
 def test_two_outputs_with_two_losses_and_loss_weights_are_the_weighted_sum_by_hand():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(4, 3, dtype=F64, generator=g)
@@ -115,6 +118,7 @@ def test_two_outputs_with_two_losses_and_loss_weights_are_the_weighted_sum_by_ha
         pytest.approx(by_hand, abs=1e-12)
 
 
+@pytest.mark.exact
 def test_bce_with_logits_scores_each_label_of_a_multi_label_output():
     logits = torch.tensor([[2.0, -1.0, 0.5], [-3.0, 1.0, -0.2]])
     labels = torch.tensor([[1, 1, 0], [0, 1, 1]])  # hits: 1, 0, 0 / 1, 1, 0
@@ -140,6 +144,7 @@ def _chunks(logits, labels, weights, sizes):
         start = end
 
 
+@pytest.mark.exact
 def test_evaluation_in_chunks_sums_to_the_one_chunk_weighted_mean():
     logits, labels = _sequence_batch(seed=3, rows=9)
     weights = torch.tensor([0.5, 1.0, 0.0, 2.25, 1.0, 0.0, 3.0, 0.75, 1.5], dtype=F64)
@@ -174,6 +179,7 @@ class _TwoHeads(torch.nn.Module):
         return out[:, :3], out[:, 3]
 
 
+@pytest.mark.exact
 def test_evaluation_of_two_outputs_over_the_schemas_batches_and_binding():
     def field(role, name, dtype, wire):
         return FieldSpec(role=role, name=name, column=name, wire=wire, dtype=dtype, shape=())
@@ -258,6 +264,7 @@ def test_callables_get_weights_when_the_fit_has_them_and_every_output_when_joint
     assert not joint.classify and joint.names == ("loss",)
 
 
+@pytest.mark.exact
 def test_make_loss_keeps_todays_callers_working():
     fn, classify = make_loss("cross_entropy")
     logits, labels = torch.randn(6, 4, dtype=F64), torch.tensor([0, 3, 1, 1, 2, 0])

@@ -79,6 +79,7 @@ def reference_overlapped(x, y, *, hold: set[int], with_state: bool = False) -> t
 @pytest.mark.parametrize(("checkpoint_every", "transport", "with_state"),
                          [(0, "driver", False), (3, "driver", False), (3, "collective", False),
                           (3, "driver", True)])
+@pytest.mark.exact
 def test_overlapped_fit_equals_the_simulated_rule(spark, checkpoint_every, transport,
                                                   with_state):
     # 206 and 205 rows: unequal shards and partial last batches, so the weights matter;

@@ -129,6 +129,7 @@ def padded_sgd() -> list[float]:
 
 @pytest.mark.parametrize(("mode", "cache", "shuffle"),
                          [("sync", "memory", False), ("async", "disk", True)])
+@pytest.mark.exact
 def test_a_fit_trains_on_every_row_every_epoch(spark, caplog, tmp_path, mode, cache,
                                                shuffle):
     """Sync also fails in the padded step once, and restarts from the step before it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from rounding import classes_agree, gamma, linear_magnitude
 
 from sparkdl_avg import TrainConfig, fit
 
@@ -37,6 +38,20 @@ class BagOfTokens(torch.nn.Module):
         return self.head(self.embed(tokens).sum(1))
 
 
+def bag_logits(model: BagOfTokens, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logits alone (no padding), and how far another computation (other padded
+    lengths, other kernels) may lie from them: the sum of up to 7 embeddings rounds within
+    gamma_7 of their magnitudes, carried through the head's |W|, which adds gamma_9 of its
+    own terms (`rounding.forward_tolerance`'s reasoning)."""
+    with torch.no_grad():
+        logits = torch.cat([model(torch.tensor([list(r)])) for r in rows])
+        terms = torch.cat([model.embed(torch.tensor([list(r)])).abs().sum(1) for r in rows])
+    w = model.head.weight.double().abs()
+    error = gamma(torch.float32, 7) * terms.double() @ w.T + \
+        gamma(torch.float32, 9) * linear_magnitude(model.head, terms)
+    return logits, 2 * error
+
+
 @pytest.fixture(scope="module")
 def fitted(spark):
     rng = np.random.default_rng(4)
@@ -49,6 +64,7 @@ def fitted(spark):
 
 
 @pytest.mark.spark
+@pytest.mark.exact
 def test_the_logged_model_scores_batches_of_other_lengths_than_the_sample(fitted):
     import mlflow
     import pandas as pd
@@ -62,7 +78,9 @@ def test_the_logged_model_scores_batches_of_other_lengths_than_the_sample(fitted
     lengths = scored["tokens"].map(len)
     for rows in (scored[lengths <= 3], scored[lengths > 3]):  # longest 3, then 7
         frame = pd.DataFrame({"tokens": [list(map(int, t)) for t in rows["tokens"]]})
-        assert loaded.predict(frame).tolist() == rows["prediction"].tolist()
+        logits, apart = bag_logits(result.model, frame["tokens"])
+        assert classes_agree(loaded.predict(frame), logits, apart)
+        assert classes_agree(rows["prediction"], logits, apart)
     assert {lengths[lengths <= 3].max(), lengths.max()} == {3, 7}
 
 

@@ -121,6 +121,7 @@ def _run_schedule(k: int, algorithm: str, w0, pushes) -> tuple:
 
 
 @pytest.mark.parametrize("algorithm", ["downpour", "dcasgd", "dcasgd-adaptive"])
+@pytest.mark.exact
 def test_shards_answer_like_one_server(algorithm):
     """The same pushes and pulls against 1 and 3 shards give the same parameters (the rules
     are elementwise), the same counters and one report; DC-ASGD's are those computed by

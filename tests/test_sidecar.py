@@ -90,6 +90,7 @@ def by_hand(algorithm: str, *, lr: float, scale: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize("algorithm", ["dcasgd", "dcasgd-adaptive"])
+@pytest.mark.exact
 def test_sidecar_runs_the_delay_compensated_rules(algorithm):
     settings = dataclasses.replace(SETTINGS, algorithm=algorithm)  # lr 0.1, scale 0.5
     with Sidecar(settings, host="127.0.0.1", secret=SECRET) as ps:

@@ -72,6 +72,7 @@ def _linear64() -> torch.nn.Module:
     return torch.nn.Linear(3, 1).double()
 
 
+@pytest.mark.exact
 def test_a_row_of_weight_w_counts_as_w_copies(spark):
     """Float64, one worker, full-batch SGD: weights against the rows repeated."""
     rng = np.random.default_rng(2)
@@ -106,6 +107,7 @@ class MaskedSum(torch.nn.Module):
         return (seq * self.w[: seq.shape[1]] * keep).sum(1) + self.b
 
 
+@pytest.mark.exact
 def test_ragged_sequences_padded_per_batch_equal_row_by_row(spark):
     rng = np.random.default_rng(3)
     seqs = [rng.normal(size=rng.integers(1, 7)) for _ in range(24)]
@@ -141,6 +143,7 @@ class TwoHeads(torch.nn.Module):
         return self.cls(h), self.reg(h)
 
 
+@pytest.mark.exact
 def test_two_outputs_with_two_losses_and_loss_weights_equal_the_weighted_sum(spark):
     rng = np.random.default_rng(4)
     x, c, r = rng.normal(size=(16, 3)), rng.integers(0, 3, 16), rng.normal(size=16)
@@ -217,6 +220,7 @@ class PerToken(torch.nn.Module):
         return self.out(torch.tanh(self.embed(tokens)))
 
 
+@pytest.mark.exact
 def test_accumulated_micro_batches_weigh_their_kept_tokens_and_weights(ratings):
     """Per-token labels (ragged, padded with -100) and row weights: micro-batches of 8 rows
     keep different numbers of tokens and weights, and two of them accumulated make exactly

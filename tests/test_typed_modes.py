@@ -60,6 +60,7 @@ def _max_diff(a, b) -> float:
                for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
 
 
+@pytest.mark.exact
 def test_from_disk_bit_identical_to_memory(ratings, baseline):  # noqa: F811
     on_disk = _fit(ratings, data_cache="disk")
     assert {w["cache"] for w in on_disk.workers} == {"disk"}
@@ -67,11 +68,13 @@ def test_from_disk_bit_identical_to_memory(ratings, baseline):  # noqa: F811
     assert _max_diff(baseline.model, _model()) > 1e-2  # it trained
 
 
+@pytest.mark.exact
 def test_over_the_collective_transport(ratings, baseline):  # noqa: F811
     collective = _fit(ratings, transport="collective")
     assert _max_diff(collective.model, baseline.model) < 1e-12
 
 
+@pytest.mark.exact
 def test_in_async_lockstep(ratings, baseline):  # noqa: F811
     lockstep = fit(ratings, _model, TrainConfig(**COMMON, mode="async", push_every=2,
                                                 staleness_bound=0),
