@@ -46,9 +46,9 @@ def bag_logits(model: BagOfTokens, rows) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         logits = torch.cat([model(torch.tensor([list(r)])) for r in rows])
         terms = torch.cat([model.embed(torch.tensor([list(r)])).abs().sum(1) for r in rows])
-    w = model.head.weight.double().abs()
-    error = gamma(torch.float32, 7) * terms.double() @ w.T + \
-        gamma(torch.float32, 9) * linear_magnitude(model.head, terms)
+        w = model.head.weight.double().abs()
+        error = gamma(torch.float32, 7) * terms.double() @ w.T + \
+            gamma(torch.float32, 9) * linear_magnitude(model.head, terms)
     return logits, 2 * error
 
 
