@@ -76,8 +76,10 @@ def test_unsupported_feature_type(good):
 def test_a_string_in_a_feature_list_says_what_to_do(good):
     with pytest.raises(DataError, match=r"feature column 'name' has type string, but the "
                                         r"columns of features_col are assembled into one "
-                                        r"vector of numbers: decode strings on the Spark side "
-                                        r"first .*, or leave it out of the list"):
+                                        r"vector of numbers: turn it into numbers on the "
+                                        r"Spark side first .*, or pass text as an input of its "
+                                        r"own \(inputs=\) with fit\(preprocess=fn\).*, or "
+                                        r"leave it out of the list"):
         fit(good, model, CFG, features_col=["label", "name"])
 
 

@@ -178,7 +178,9 @@ def check_numeric(df: DataFrame, columns, argument: str, frame_name: str) -> Non
         if not isinstance(field.dataType, (*_FLOATS, *_INTS)):
             hint = "cast it to a number"
             if isinstance(field.dataType, T.StringType):
-                hint = _REFUSED[T.StringType]
+                hint = ("turn it into numbers on the Spark side first (a category as an int "
+                        "id), or pass text as an input of its own (inputs=) with "
+                        "fit(preprocess=fn), which gets it as a list of str")
             elif isinstance(field.dataType, T.ArrayType):
                 hint = "an array is an input of its own: name it in inputs="
             raise DataError(f"{frame_name} feature column {part!r} has type "
