@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from sparkdl_avg._checks import (
     check_async,
+    check_averaging,
     check_cache,
     check_flags,
     check_mode,
@@ -20,6 +20,8 @@ from sparkdl_avg._checks import (
 )
 from sparkdl_avg._controls import EarlyStopping, check_controls
 from sparkdl_avg._errors import ConfigError
+from sparkdl_avg._waits import Waits, resolve_waits
+from sparkdl_avg.averaging.compression import Compression
 from sparkdl_avg.net.message_base import MAX_WORKERS
 
 OptimizerName = Literal["sgd", "adam"]
@@ -29,6 +31,7 @@ DataCache = Literal["auto", "memory", "disk"]
 LrSchedule = Literal["cosine", "linear"]
 Precision = Literal["bf16", "fp16"]
 Transport = Literal["driver", "collective"]
+OuterName = Literal["average", "nesterov", "momentum"]
 
 _OPTIMIZERS = typing.get_args(OptimizerName)
 _DEVICES = typing.get_args(Device)
@@ -37,27 +40,13 @@ _CACHES = typing.get_args(DataCache)
 _TRANSPORTS = typing.get_args(Transport)
 
 SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
-             "tls_cert", "tls_key", "tls_ca", "transport", "overlap_averaging")
+             "tls_cert", "tls_key", "tls_ca", "transport", "overlap_averaging",
+             "outer_optimizer", "outer_lr", "outer_momentum", "averaging_warmup_steps",
+             "delta_compression")
 ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_lambda",
               "ps_address", "ps_secret_file", "ps_tls_ca", "eval_interval_s",
               "ps_checkpoint_every", "reconnect_timeout", "ps_shards")
 """Fields of one mode: set to anything but their default in the other mode, a ConfigError."""
-
-
-@dataclass(frozen=True, slots=True)
-class Waits:
-    """Every wait of a fit, in seconds, resolved from a TrainConfig (`TrainConfig.waits`)."""
-
-    round: float
-    """The driver's (sync) or the server's (async) wait for a worker's next message."""
-    connect: float
-    """Workers loading their partitions and connecting."""
-    reply: float
-    """A worker's (and the async driver's) wait for the coordinator's or server's reply."""
-    finish: float
-    """The training job ending after the last round (or the last push)."""
-    reconnect: float
-    """Async: a worker reconnecting to a parameter server being restarted."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,6 +126,31 @@ class TrainConfig:
     average arrives adds what it learned since (CoCoD-SGD): the round trip hides behind
     compute, and each round starts from the average of the round before last plus the
     worker's own progress. Rounds that evaluate or checkpoint, and the last, still wait."""
+
+    outer_optimizer: OuterName | Callable[[Any], Any] = "average"
+    """Sync: what a round makes of the replicas' average. "average": the replicas take it
+    (plain parameter averaging). "nesterov" (DiLoCo): an outer SGD with Nesterov momentum
+    steps the global parameters on the pseudo-gradient, global minus average; "momentum"
+    (SlowMo): the same with heavy-ball momentum. Or a picklable callable
+    `params -> torch.optim.Optimizer`, built once over the trainable parameters. Floating
+    buffers and averaged optimizer state take the plain average."""
+
+    outer_lr: float | None = None
+    """Sync: the outer optimizer's learning rate; None: 0.7 ("nesterov", "momentum")."""
+
+    outer_momentum: float | None = None
+    """Sync: the outer optimizer's momentum, in [0, 1); None: 0.9."""
+
+    averaging_warmup_steps: int = 0
+    """Sync: average after every optimizer step for the first this many steps, then every
+    averaging_frequency (post-local SGD). The replicas take the plain average during the
+    warm-up; the outer optimizer starts after it."""
+
+    delta_compression: Compression = "none"
+    """Sync: "none" sends the parameters each round; "bf16", "int8" or "int4" each worker's
+    delta from the global parameters, in blocks of 256 values with one scale each, with
+    error feedback (what quantization drops joins the next round's delta); the global
+    update comes back compressed the same way. Float32 wires only (not float64 models)."""
 
     shuffle: bool = True
     """Reshuffle each worker's partition every epoch (seeded); False keeps the DataFrame's order."""
@@ -347,6 +361,7 @@ class TrainConfig:
         check_async(self)
         check_controls(self)
         check_sync_transport(self)
+        check_averaging(self)
         check_registered_model(self)
         check_flags(self, ("average_optimizer_state", "overlap_averaging", "shuffle",
                            "deterministic"))
@@ -378,23 +393,18 @@ class TrainConfig:
 
     def waits(self) -> Waits:
         """Every wait of the fit, the unset ones derived from round_timeout."""
-        rt = self.round_timeout
-        connect = self.connect_timeout if self.connect_timeout is not None else max(300.0, rt)
-        if self.reply_timeout is not None:
-            reply = self.reply_timeout
-        else:
-            reply = 2 * rt + 30 if self.mode == "sync" else max(rt, connect)
-        return Waits(round=rt, connect=connect, reply=reply,
-                     finish=self.finish_timeout if self.finish_timeout is not None else rt,
-                     reconnect=self.reconnect_timeout if self.reconnect_timeout is not None
-                     else rt)
+        return resolve_waits(self)
 
     def to_dict(self) -> dict[str, str]:
-        """Every field as a string, for MLflow params (callables by qualified name)."""
+        """Every field as a string, for MLflow params (callables by qualified name; the outer
+        optimizer's lr and momentum as they take effect)."""
+        from sparkdl_avg.averaging.outer import outer_settings
+
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(outer_settings(self))
         out = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        for name, value in values.items():
             if callable(value):
                 value = getattr(value, "__qualname__", type(value).__name__)
-            out[field.name] = str(value)
+            out[name] = str(value)
         return out

@@ -28,6 +28,9 @@ class StartPoint:
     """After a restart: this worker's optimizer state (layout, bytes) to restore."""
     wait_next: bool = False
     """`RoundReply.wait_next`, for the first round."""
+    global_state: tuple[list, memoryview | None] | None = None
+    """The collective transport's restart: the outer optimizer's state (and the update's
+    residual), for `averaging.global_step.GlobalStep.restore`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,17 @@ class Transport(ABC):
     @abstractmethod
     def open(self, hello: msg.WorkerHello) -> None:
         """Join the fit (authenticated)."""
+
+    @abstractmethod
+    def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int) -> None:
+        """Before `receive_start`: the fit's averaging settings (`outer_optimizer`,
+        `delta_compression`), the shapes of the replica's trainable parameters (the first
+        tensors of its flat buffer) and the warm-up's rounds."""
+
+    def state(self) -> list[tuple[int, dict]]:
+        """What this transport keeps for a checkpoint besides the optimizer (the residual
+        of compressed deltas), as `task.worker_state.pack_entries` entries."""
+        return []
 
     @abstractmethod
     def receive_start(self, params: np.ndarray) -> StartPoint:

@@ -27,13 +27,15 @@ import numpy as np
 from sparkdl_avg._errors import PeerClosed, ProtocolError
 
 MAGIC = b"SDLA"
-VERSION = 6
+VERSION = 7
 """2: typed messages (`messages`), SETTINGS and FAILED frames. 3: async evaluation on the
 workers (EVALUATE, FINISHED, and the evaluation fields of PULL, PARAMS, ACK and EVAL). 4:
 STATS carries `checkpoint_error` (a version 3 peer would refuse every STATS with "no
 fields", mid-fit; the handshake now refuses it at once, with the reason `version`). 5: EVAL
 carries `loss_weight` and `scored` (the eval loss and accuracy over weighted rows, ignored
-positions and several outputs). 6: AUTH names the role whose key made its MAC (`auth`)."""
+positions and several outputs). 6: AUTH names the role whose key made its MAC (`auth`). 7:
+PUSH and AVERAGE carry `encoding` (compressed deltas), AVERAGE `global_follows`, REPORT
+`outer_norm` (`TrainConfig.outer_optimizer`, `delta_compression`)."""
 HEADER = struct.Struct("!4sBBHIQ")
 MAX_META_BYTES = 1 << 20
 _CHUNK = 1 << 20
