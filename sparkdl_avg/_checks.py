@@ -172,3 +172,31 @@ def check_averaging(config) -> None:
                           "average_optimizer_state=True: optimizer state is averaged as it "
                           "is, not as a delta from a global copy, and it appears lazily "
                           "after the first steps; use one or the other")
+
+
+def check_choices(config, *, optimizers: tuple[str, ...], devices: tuple[str, ...],
+                  transports: tuple[str, ...]) -> None:
+    """The optimizer and its numbers, the timeouts, the device and the transport (a
+    TrainConfig calls this when built)."""
+    if isinstance(config.optimizer, str):
+        if config.optimizer not in optimizers:
+            raise ConfigError(
+                f"optimizer={config.optimizer!r} is not supported; use one of {optimizers} "
+                "or a callable params -> torch.optim.Optimizer"
+            )
+    elif not callable(config.optimizer):
+        raise ConfigError(f"optimizer must be a name or a callable, got {config.optimizer!r}")
+    require_float("lr", config.lr, positive=True)
+    require_float("momentum", config.momentum)
+    require_float("weight_decay", config.weight_decay)
+    if config.momentum >= 1:
+        raise ConfigError(f"momentum must be in [0, 1), got {config.momentum}")
+    require_float("round_timeout", config.round_timeout, positive=True)
+    for name in ("connect_timeout", "reply_timeout", "finish_timeout", "reconnect_timeout"):
+        if getattr(config, name) is not None:
+            require_float(name, getattr(config, name), positive=True)
+    if config.device not in devices:
+        raise ConfigError(f"device={config.device!r} is not supported; use one of {devices}")
+    if config.transport not in transports:
+        raise ConfigError(f"transport={config.transport!r} is not supported; use one of "
+                          f"{transports}")

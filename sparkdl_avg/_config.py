@@ -11,11 +11,11 @@ from sparkdl_avg._checks import (
     check_async,
     check_averaging,
     check_cache,
+    check_choices,
     check_flags,
     check_mode,
     check_registered_model,
     check_sync_transport,
-    require_float,
     require_int,
 )
 from sparkdl_avg._controls import EarlyStopping, check_controls
@@ -336,28 +336,7 @@ class TrainConfig:
                 not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise ConfigError(f"checkpoint_dir must be a directory path, got "
                               f"{self.checkpoint_dir!r}")
-        if isinstance(self.optimizer, str):
-            if self.optimizer not in _OPTIMIZERS:
-                raise ConfigError(
-                    f"optimizer={self.optimizer!r} is not supported; use one of {_OPTIMIZERS} "
-                    "or a callable params -> torch.optim.Optimizer"
-                )
-        elif not callable(self.optimizer):
-            raise ConfigError(f"optimizer must be a name or a callable, got {self.optimizer!r}")
-        require_float("lr", self.lr, positive=True)
-        require_float("momentum", self.momentum)
-        require_float("weight_decay", self.weight_decay)
-        if self.momentum >= 1:
-            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        require_float("round_timeout", self.round_timeout, positive=True)
-        for name in ("connect_timeout", "reply_timeout", "finish_timeout", "reconnect_timeout"):
-            if getattr(self, name) is not None:
-                require_float(name, getattr(self, name), positive=True)
-        if self.device not in _DEVICES:
-            raise ConfigError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
-        if self.transport not in _TRANSPORTS:
-            raise ConfigError(f"transport={self.transport!r} is not supported; use one of "
-                              f"{_TRANSPORTS}")
+        check_choices(self, optimizers=_OPTIMIZERS, devices=_DEVICES, transports=_TRANSPORTS)
         check_async(self)
         check_controls(self)
         check_sync_transport(self)
