@@ -173,3 +173,20 @@ def test_compressing_a_float64_model_is_refused_before_any_spark_job(spark, mlfl
         fit(df, make_model_f64, TrainConfig(outer_optimizer=lambda p: None, log_model=False,
                                             experiment_name="outer-refused"))
     assert latest_run(mlflow_client, "outer-refused").info.status == "FAILED"
+
+
+@pytest.mark.exact
+@pytest.mark.parametrize("fields", [
+    {"outer_optimizer": "nesterov", "overlap_averaging": True,
+     "average_optimizer_state": True},
+    {"delta_compression": "int8", "outer_optimizer": "momentum", "overlap_averaging": True},
+], ids=["outer+overlap+state", "int8+outer+overlap"])
+def test_outer_steps_and_compression_compose_with_overlap_and_optimizer_state(data, fields):
+    """The outer step covers the trainable parameters while Adam's moments ride along
+    plainly averaged, and an overlapped round takes the outer step's result (x - sent +
+    G_new): both transports compute it to the same bits, and the fit trains."""
+    by_driver = fit(data, FaultyMLP, TrainConfig(**BASE, **fields))
+    by_tasks = fit(data, FaultyMLP, TrainConfig(**BASE, **fields, transport="collective"))
+    assert same_parameters(by_driver.model, by_tasks.model)
+    losses = [h["train_loss"] for h in by_driver.history]
+    assert losses[-1] < 0.8 * losses[0]
