@@ -32,6 +32,7 @@ run a job before; both sessions have `sparkdl_avg.SPARK_CONF`, as our jobs' do
 
     python bench/mnist1d_vs_torchdistributor.py [--sessions 2] [--repeats 3] [--target 0.77]
         [--averaging-frequency 8 1] [--transport collective] [--overlap] [--c1-jit]
+        [--outer-optimizer nesterov] [--delta-compression int4]
 
 `--c1-jit` gives both sessions' JVM `-XX:TieredStopAtLevel=1` (spark.driver.extraJavaOptions):
 in local mode that JVM is the executor too, and its C2 compiler's CPU (1.4-2.5 s a fit here)
@@ -108,7 +109,7 @@ def run_torchdistributor(folder) -> dict:
 
 
 def run_sparkdl_avg(spark, train_df, test_df, every: int, transport: str,
-                    overlap: bool) -> dict:
+                    overlap: bool, outer: str = "average", compression: str = "none") -> dict:
     from sparkdl_avg import TrainConfig, fit
     from sparkdl_avg.examples import mnist1d
 
@@ -116,6 +117,8 @@ def run_sparkdl_avg(spark, train_df, test_df, every: int, transport: str,
                       optimizer="adam", lr=LR, seed=SEED, experiment_name="bench-mnist1d",
                       eval_every=None,  # after the round in which each epoch ends, as DDP
                       transport=transport, overlap_averaging=overlap,
+                      outer_optimizer=outer, delta_compression=compression,
+                      eval_before_training=False,  # DDP's curve starts after its epoch 1
                       # overlap needs checkpoints counted in rounds: after the last only,
                       # as the timed default gives a fit this short
                       checkpoint_every=10**6 if overlap else None)
@@ -134,7 +137,7 @@ def run_sparkdl_avg(spark, train_df, test_df, every: int, transport: str,
 
 
 def one_side(side: str, repeats: int, every: int, transport: str, overlap: bool,
-             c1_jit: bool) -> list:
+             c1_jit: bool, outer: str = "average", compression: str = "none") -> list:
     """This process: a fresh local[2] session and `repeats` runs of one side."""
     from sparkdl_avg import SPARK_CONF
     from sparkdl_avg.examples import mnist1d
@@ -145,8 +148,8 @@ def one_side(side: str, repeats: int, every: int, transport: str, overlap: bool,
         train_df, test_df = mnist1d.load(spark, 20_000)
         train_df.count()  # the session is up and has run a job, on both sides
         if side == "ours":
-            return [run_sparkdl_avg(spark, train_df, test_df, every, transport, overlap)
-                    for _ in range(repeats)]
+            return [run_sparkdl_avg(spark, train_df, test_df, every, transport, overlap,
+                                    outer, compression) for _ in range(repeats)]
         folder = mnist1d.write_parquet(20_000, 42, None)
         return [run_torchdistributor(folder) for _ in range(repeats)]
     finally:
@@ -199,11 +202,16 @@ def main() -> None:
                         help="our side with overlap_averaging")
     parser.add_argument("--c1-jit", action="store_true",
                         help="both sessions' JVM compiles with C1 only")
+    parser.add_argument("--outer-optimizer", default="average",
+                        help="our side's outer_optimizer (nesterov: DiLoCo's)")
+    parser.add_argument("--delta-compression", default="none",
+                        help="our side's delta_compression (bf16, int8, int4)")
     parser.add_argument("--side", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         print(json.dumps(one_side(args.side, args.repeats, args.averaging_frequency[0],
-                                  args.transport, args.overlap, args.c1_jit)))
+                                  args.transport, args.overlap, args.c1_jit,
+                                  args.outer_optimizer, args.delta_compression)))
         return
     store = f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"
     import mlflow
@@ -220,15 +228,20 @@ def main() -> None:
                 "--averaging-frequency", str(every or 1),
                 "--transport", args.transport, *(["--overlap"] if args.overlap else []),
                 *(["--c1-jit"] if args.c1_jit else []),
+                "--outer-optimizer", args.outer_optimizer,
+                "--delta-compression", args.delta_compression,
                 env={**os.environ, "MLFLOW_TRACKING_URI": store}))
     summaries = {key: summary(sessions, args.target) for key, sessions in runs.items()}
     theirs = summaries["torchdistributor"]
     name = "mnist1d_vs_torchdistributor" + (
         f"_{args.transport}" if args.transport != "driver" else "") + (
-        "_overlap" if args.overlap else "") + ("_c1_jit" if args.c1_jit else "")
+        "_overlap" if args.overlap else "") + ("_c1_jit" if args.c1_jit else "") + (
+        f"_{args.outer_optimizer}" if args.outer_optimizer != "average" else "") + (
+        f"_{args.delta_compression}" if args.delta_compression != "none" else "")
     report(name, {
         "averaging_frequencies": args.averaging_frequency, "target_accuracy": args.target,
         "transport": args.transport, "overlap_averaging": args.overlap, "c1_jit": args.c1_jit,
+        "outer_optimizer": args.outer_optimizer, "delta_compression": args.delta_compression,
         "sessions": args.sessions, "repeats": args.repeats,
         "summary": summaries,
         "ratio_to_torchdistributor": {key: ratios(s, theirs) for key, s in summaries.items()

@@ -142,3 +142,64 @@ def check_mode(config, modes: tuple[str, ...], *, sync_only: tuple[str, ...],
                 f"mode={'async' if config.mode == 'sync' else 'sync'!r} only, and this "
                 f"config has mode={config.mode!r}; leave {f.name} at its default "
                 f"({f.default!r})")
+
+
+def check_averaging(config) -> None:
+    """The outer optimizer, the warm-up and delta compression (a TrainConfig calls this when
+    built): names, ranges, and the combinations that cannot be honoured."""
+    from sparkdl_avg.averaging.compression import COMPRESSIONS
+
+    outer = config.outer_optimizer
+    if not callable(outer) and outer not in ("average", "nesterov", "momentum"):
+        raise ConfigError(f"outer_optimizer={outer!r} is not supported; use 'average', "
+                          "'nesterov', 'momentum' or a callable params -> "
+                          "torch.optim.Optimizer")
+    if config.outer_lr is not None:
+        require_float("outer_lr", config.outer_lr, positive=True)
+    if config.outer_momentum is not None:
+        require_float("outer_momentum", config.outer_momentum)
+        if config.outer_momentum >= 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {config.outer_momentum}")
+    for name in ("outer_lr", "outer_momentum"):
+        if getattr(config, name) is not None and (outer == "average" or callable(outer)):
+            raise ConfigError(f"{name} applies to outer_optimizer='nesterov' or 'momentum'; "
+                              f"with {'a callable' if callable(outer) else repr(outer)} it "
+                              "would be ignored" + (" (the callable sets its own)"
+                                                    if callable(outer) else ""))
+    require_int("averaging_warmup_steps", config.averaging_warmup_steps, minimum=0)
+    if config.delta_compression not in COMPRESSIONS:
+        raise ConfigError(f"delta_compression={config.delta_compression!r} is not supported; "
+                          f"use one of {COMPRESSIONS}")
+    if config.delta_compression != "none" and config.average_optimizer_state:
+        raise ConfigError(f"delta_compression={config.delta_compression!r} with "
+                          "average_optimizer_state=True: optimizer state is averaged as it "
+                          "is, not as a delta from a global copy, and it appears lazily "
+                          "after the first steps; use one or the other")
+
+
+def check_choices(config, *, optimizers: tuple[str, ...], devices: tuple[str, ...],
+                  transports: tuple[str, ...]) -> None:
+    """The optimizer and its numbers, the timeouts, the device and the transport (a
+    TrainConfig calls this when built)."""
+    if isinstance(config.optimizer, str):
+        if config.optimizer not in optimizers:
+            raise ConfigError(
+                f"optimizer={config.optimizer!r} is not supported; use one of {optimizers} "
+                "or a callable params -> torch.optim.Optimizer"
+            )
+    elif not callable(config.optimizer):
+        raise ConfigError(f"optimizer must be a name or a callable, got {config.optimizer!r}")
+    require_float("lr", config.lr, positive=True)
+    require_float("momentum", config.momentum)
+    require_float("weight_decay", config.weight_decay)
+    if config.momentum >= 1:
+        raise ConfigError(f"momentum must be in [0, 1), got {config.momentum}")
+    require_float("round_timeout", config.round_timeout, positive=True)
+    for name in ("connect_timeout", "reply_timeout", "finish_timeout", "reconnect_timeout"):
+        if getattr(config, name) is not None:
+            require_float(name, getattr(config, name), positive=True)
+    if config.device not in devices:
+        raise ConfigError(f"device={config.device!r} is not supported; use one of {devices}")
+    if config.transport not in transports:
+        raise ConfigError(f"transport={config.transport!r} is not supported; use one of "
+                          f"{transports}")

@@ -9,17 +9,19 @@ from typing import Any, Literal
 
 from sparkdl_avg._checks import (
     check_async,
+    check_averaging,
     check_cache,
+    check_choices,
     check_flags,
     check_mode,
     check_registered_model,
     check_sync_transport,
-    require_float,
     require_int,
 )
 from sparkdl_avg._controls import EarlyStopping, check_controls
 from sparkdl_avg._errors import ConfigError
 from sparkdl_avg._waits import Waits, waits_of
+from sparkdl_avg.averaging.compression import Compression
 from sparkdl_avg.net.message_base import MAX_WORKERS
 
 OptimizerName = Literal["sgd", "adam", "adamw"]
@@ -29,6 +31,7 @@ DataCache = Literal["auto", "memory", "disk"]
 LrSchedule = Literal["cosine", "linear"]
 Precision = Literal["bf16", "fp16"]
 Transport = Literal["driver", "collective"]
+OuterName = Literal["average", "nesterov", "momentum"]
 
 _OPTIMIZERS = typing.get_args(OptimizerName)
 _DEVICES = typing.get_args(Device)
@@ -37,7 +40,9 @@ _CACHES = typing.get_args(DataCache)
 _TRANSPORTS = typing.get_args(Transport)
 
 SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
-             "tls_cert", "tls_key", "tls_ca", "transport", "overlap_averaging")
+             "tls_cert", "tls_key", "tls_ca", "transport", "overlap_averaging",
+             "outer_optimizer", "outer_lr", "outer_momentum", "averaging_warmup_steps",
+             "delta_compression")
 ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_lambda",
               "ps_address", "ps_secret_file", "ps_tls_ca", "eval_interval_s",
               "ps_checkpoint_every", "reconnect_timeout", "ps_shards")
@@ -128,6 +133,31 @@ class TrainConfig:
     average arrives adds what it learned since (CoCoD-SGD): the round trip hides behind
     compute, and each round starts from the average of the round before last plus the
     worker's own progress. Rounds that evaluate or checkpoint, and the last, still wait."""
+
+    outer_optimizer: OuterName | Callable[[Any], Any] = "average"
+    """Sync: what a round makes of the replicas' average. "average": the replicas take it
+    (plain parameter averaging). "nesterov" (DiLoCo): an outer SGD with Nesterov momentum
+    steps the global parameters on the pseudo-gradient, global minus average; "momentum"
+    (SlowMo): the same with heavy-ball momentum. Or a picklable callable
+    `params -> torch.optim.Optimizer`, built once over the trainable parameters. Floating
+    buffers and averaged optimizer state take the plain average."""
+
+    outer_lr: float | None = None
+    """Sync: the outer optimizer's learning rate; None: 0.7 ("nesterov", "momentum")."""
+
+    outer_momentum: float | None = None
+    """Sync: the outer optimizer's momentum, in [0, 1); None: 0.9."""
+
+    averaging_warmup_steps: int = 0
+    """Sync: average after every optimizer step for the first this many steps, then every
+    averaging_frequency (post-local SGD). The replicas take the plain average during the
+    warm-up; the outer optimizer starts after it."""
+
+    delta_compression: Compression = "none"
+    """Sync: "none" sends the parameters each round; "bf16", "int8" or "int4" each worker's
+    delta from the global parameters, in blocks of 256 values with one scale each, with
+    error feedback (what quantization drops joins the next round's delta); the global
+    update comes back compressed the same way. Float32 wires only (not float64 models)."""
 
     shuffle: bool = True
     """Reshuffle each worker's partition every epoch (seeded); False keeps the DataFrame's order."""
@@ -313,28 +343,11 @@ class TrainConfig:
                 not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise ConfigError(f"checkpoint_dir must be a directory path, got "
                               f"{self.checkpoint_dir!r}")
-        if isinstance(self.optimizer, str) and self.optimizer not in _OPTIMIZERS:
-            raise ConfigError(f"optimizer={self.optimizer!r} is not supported; use one of "
-                              f"{_OPTIMIZERS} or a callable params -> torch.optim.Optimizer")
-        if not isinstance(self.optimizer, str) and not callable(self.optimizer):
-            raise ConfigError(f"optimizer must be a name or a callable, got {self.optimizer!r}")
-        require_float("lr", self.lr, positive=True)
-        require_float("momentum", self.momentum)
-        require_float("weight_decay", self.weight_decay)
-        if self.momentum >= 1:
-            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        require_float("round_timeout", self.round_timeout, positive=True)
-        for name in ("connect_timeout", "reply_timeout", "finish_timeout", "reconnect_timeout"):
-            if getattr(self, name) is not None:
-                require_float(name, getattr(self, name), positive=True)
-        if self.device not in _DEVICES:
-            raise ConfigError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
-        if self.transport not in _TRANSPORTS:
-            raise ConfigError(f"transport={self.transport!r} is not supported; use one of "
-                              f"{_TRANSPORTS}")
+        check_choices(self, optimizers=_OPTIMIZERS, devices=_DEVICES, transports=_TRANSPORTS)
         check_async(self)
         check_controls(self)
         check_sync_transport(self)
+        check_averaging(self)
         check_registered_model(self)
         check_flags(self, ("average_optimizer_state", "overlap_averaging", "shuffle",
                            "deterministic"))
@@ -373,11 +386,15 @@ class TrainConfig:
         return has_eval if self.eval_before_training is None else self.eval_before_training
 
     def to_dict(self) -> dict[str, str]:
-        """Every field as a string, for MLflow params (callables by qualified name)."""
+        """Every field as a string, for MLflow params (callables by qualified name; the outer
+        optimizer's lr and momentum as they take effect)."""
+        from sparkdl_avg.averaging.outer import outer_settings
+
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(outer_settings(self))
         out = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        for name, value in values.items():
             if callable(value):
                 value = getattr(value, "__qualname__", type(value).__name__)
-            out[field.name] = str(value)
+            out[name] = str(value)
         return out

@@ -9,8 +9,14 @@ import pytest
 from sparkdl_avg import ClusterError, ConfigError
 from sparkdl_avg.driver.checkpoints import Checkpoint, DirStore, MlflowStore
 from sparkdl_avg.driver.resume_checks import check_devices, check_resumable
+from sparkdl_avg.task.schedule import Schedule
 
 FINGERPRINT = {"averaging_frequency": 2, "lr": 0.1}
+
+
+def steps(total: int) -> Schedule:
+    """A schedule of `total` steps averaged every 2 (the fingerprint's)."""
+    return Schedule(micro_batches_per_epoch=total, epochs=1, averaging_frequency=2)
 
 
 def checkpoint(round_index: int) -> Checkpoint:
@@ -74,11 +80,11 @@ def test_a_damaged_newest_mlflow_checkpoint_falls_back_to_the_previous(
 
 def test_resume_checks_name_each_difference():
     with pytest.raises(ConfigError, match=r"lr: checkpoint 0.1, this fit 0.2"):
-        check_resumable(checkpoint(3), {**FINGERPRINT, "lr": 0.2}, total_steps=100,
+        check_resumable(checkpoint(3), {**FINGERPRINT, "lr": 0.2}, schedule=steps(100),
                         source="x")
     with pytest.raises(ConfigError, match="raise epochs"):
-        check_resumable(checkpoint(3), FINGERPRINT, total_steps=6, source="x")
-    check_resumable(checkpoint(3), FINGERPRINT, total_steps=100, source="x")
+        check_resumable(checkpoint(3), FINGERPRINT, schedule=steps(6), source="x")
+    check_resumable(checkpoint(3), FINGERPRINT, schedule=steps(100), source="x")
 
 
 def test_a_checkpoint_from_before_padding_is_refused_only_where_padding_changes_the_order():
@@ -86,9 +92,9 @@ def test_a_checkpoint_from_before_padding_is_refused_only_where_padding_changes_
     partitions the order differs, with even ones it does not."""
     old = Checkpoint(round=1, steps=2, params=np.zeros(3, np.float32), states=None,
                      fingerprint=FINGERPRINT)
-    check_resumable(old, {**FINGERPRINT, "padded_rows": 0}, total_steps=10, source="x")
+    check_resumable(old, {**FINGERPRINT, "padded_rows": 0}, schedule=steps(10), source="x")
     with pytest.raises(ConfigError, match="padded_rows: checkpoint 0, this fit 1"):
-        check_resumable(old, {**FINGERPRINT, "padded_rows": 1}, total_steps=10, source="x")
+        check_resumable(old, {**FINGERPRINT, "padded_rows": 1}, schedule=steps(10), source="x")
 
 
 def test_a_deterministic_restart_on_other_devices_is_refused_naming_them():

@@ -75,7 +75,9 @@ def _non_default(name: str):
             "ps_checkpoint_every": 3, "reconnect_timeout": 5.0, "tls_cert": "c.pem",
             "ps_shards": 2,
             "tls_key": "k.pem", "tls_ca": "ca.pem", "transport": "collective",
-            "overlap_averaging": True}[name]
+            "overlap_averaging": True, "outer_optimizer": "nesterov", "outer_lr": 0.5,
+            "outer_momentum": 0.5, "averaging_warmup_steps": 10, "delta_compression": "int8",
+            }[name]
 
 
 @pytest.mark.parametrize("name", ASYNC_ONLY)

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from sparkdl_avg._errors import ProtocolError
-from sparkdl_avg.averaging.driver_channel import DriverChannel
+from sparkdl_avg.averaging.driver_channel import DriverChannel, WorkerDeltas
 from sparkdl_avg.averaging.flat_buffer import WireBuffer
+from sparkdl_avg.averaging.global_step import GlobalStep
 from sparkdl_avg.averaging.process_group import TaskGroup
 from sparkdl_avg.averaging.transport import RoundReply, RoundReport, StartPoint, Transport
 from sparkdl_avg.net import messages as msg
@@ -36,9 +37,15 @@ class CollectiveChannel(Transport):
         self._model_numel = 0
         self._before: torch.Tensor | None = None
         self._wide: torch.Tensor | None = None
+        self._settings: tuple | None = None
+        self._step: GlobalStep | None = None
+        self._deltas: WorkerDeltas | None = None
 
     def open(self, hello: msg.WorkerHello) -> None:
         self._control.open(hello)
+
+    def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int) -> None:
+        self._settings = (config, trainable, warmup_rounds)
 
     def receive_start(self, params: np.ndarray) -> StartPoint:
         """From the driver, as with the driver transport (once per attempt), then form the
@@ -48,6 +55,7 @@ class CollectiveChannel(Transport):
         (Spark's `barrierAndServe` lets the TaskKilledException escape)."""
         self._model_numel = params.size  # optimizer state, if averaged, joins later
         start = self._control.receive_start(params)
+        self._step, self._deltas = _global_step(self._settings, params, start, self._device)
         self._group = TaskGroup.form(
             rank=self._rank, world=self._world, address=self._control.local_address,
             device=self._device, all_gather=self._all_gather,
@@ -56,6 +64,37 @@ class CollectiveChannel(Transport):
 
     def exchange(self, report: RoundReport, flat: WireBuffer) -> RoundReply:
         t0 = time.perf_counter()
+        if self._deltas is not None:
+            distance, outer_norm, replica_finite, average_finite = self._exchange_deltas(
+                report, flat)
+        else:
+            distance, outer_norm, replica_finite, average_finite = self._all_reduce(
+                report, flat)
+        self._control.send(msg.Report(
+            round=report.round, samples=report.samples, loss_sum=report.loss_sum,
+            compute_s=report.compute_s, setup_s=report.setup_s, lr=report.lr,
+            reduce_s=time.perf_counter() - t0, distance=distance,
+            replica_finite=replica_finite, average_finite=average_finite,
+            outer_norm=msg.finite_or_none(outer_norm) if outer_norm is not None else None))
+        orders = self._control.expect(msg.Orders)
+        if orders.round != report.round:
+            raise ProtocolError(f"the driver's orders are for round {orders.round}, this "
+                                f"worker is at round {report.round}", "unexpected")
+        if orders.send_average and self._rank == 0:
+            average = flat.gather()
+            self._control.send(msg.Averaged(round=report.round, **msg.tensor(average)),
+                               average)
+            if orders.checkpoint and self._step is not None and self._step.has_state:
+                from sparkdl_avg.task.worker_state import pack_entries
+
+                layout, payload = pack_entries(self._step.state())
+                self._control.send(msg.State(layout=layout), payload)
+        return RoundReply(evaluate=orders.evaluate, checkpoint=orders.checkpoint,
+                          stop=orders.stop, wait_next=orders.wait_next)
+
+    def _all_reduce(self, report: RoundReport, flat: WireBuffer):
+        """The replicas' weighted average by one all-reduce, then the outer step if any:
+        (distance, outer step's norm, replica finite, average finite)."""
         values, numel = self._in_wire_dtype(flat), self._model_numel
         if self._before is None:
             self._before = torch.empty(numel, dtype=values.dtype, device=values.device)
@@ -65,28 +104,36 @@ class CollectiveChannel(Transport):
         self._group.all_reduce_sum(weights)
         values.mul_(report.samples / float(weights.item()))
         self._group.all_reduce_sum(values)
-        if values is not flat.flat:
-            flat.flat.copy_(values)  # rounded to the model's dtype once, at the end
         # the average is finite when every replica was; only when it is not, which were
         average_finite = _finite(values)
         replica_finite = average_finite or _finite(self._before)
         distance = msg.finite_or_none(float(torch.dist(self._before, values[:numel]))) \
             if average_finite else None
-        self._control.send(msg.Report(
-            round=report.round, samples=report.samples, loss_sum=report.loss_sum,
-            compute_s=report.compute_s, setup_s=report.setup_s, lr=report.lr,
-            reduce_s=time.perf_counter() - t0, distance=distance,
-            replica_finite=replica_finite, average_finite=average_finite))
-        orders = self._control.expect(msg.Orders)
-        if orders.round != report.round:
-            raise ProtocolError(f"the driver's orders are for round {orders.round}, this "
-                                f"worker is at round {report.round}", "unexpected")
-        if orders.send_average and self._rank == 0:
-            average = flat.gather()
-            self._control.send(msg.Averaged(round=report.round, **msg.tensor(average)),
-                               average)
-        return RoundReply(evaluate=orders.evaluate, checkpoint=orders.checkpoint,
-                          stop=orders.stop, wait_next=orders.wait_next)
+        outer_norm = self._step.after_average(report.round, values) \
+            if average_finite and self._step is not None else None
+        if values is not flat.flat:
+            flat.flat.copy_(values)  # rounded to the model's dtype once, at the end
+        return distance, outer_norm, replica_finite, average_finite
+
+    def _exchange_deltas(self, report: RoundReport, flat: WireBuffer):
+        """Compressed deltas: every task's, all-gathered with the weights; each task then
+        computes the same update (`GlobalStep.from_deltas`) and applies it to the same G."""
+        params = flat.gather()
+        own = self._deltas.encode(params)
+        finite_delta = self._deltas.finite
+        weights = self._group.all_gather(torch.tensor([float(report.samples)],
+                                                      dtype=torch.float64, device=self._device))
+        gathered = self._group.all_gather(torch.from_numpy(own).to(self._device))
+        payloads = [g.cpu().numpy() for g in gathered]
+        distances, outer_norm, finite = self._step.from_deltas(
+            report.round, payloads, [float(w.item()) for w in weights], self._deltas.global_)
+        params[:] = self._deltas.global_
+        flat.scatter()
+        distance = msg.finite_or_none(distances[self._rank]) if finite else None
+        return distance, outer_norm, finite_delta, finite
+
+    def state(self) -> list[tuple[int, dict]]:
+        return self._deltas.state() if self._deltas is not None else []
 
     def _in_wire_dtype(self, flat: WireBuffer) -> torch.Tensor:
         """What the all-reduce sums: the replica itself, or for a bfloat16 replica a float32
@@ -120,6 +167,29 @@ class CollectiveChannel(Transport):
                 self._group = None
         finally:
             self._control.close()
+
+
+def _global_step(settings, params: np.ndarray, start: StartPoint, device: torch.device):
+    """This task's `GlobalStep` (None: plain averaging) and, with compression, its deltas;
+    restored from the restart's states when there are any."""
+    from sparkdl_avg.averaging.outer import OuterOptimizer, outer_factory
+    from sparkdl_avg.task.worker_state import unpack
+
+    config, trainable, warmup_rounds = settings
+    make = outer_factory(config.outer_optimizer, config.outer_lr, config.outer_momentum)
+    compression = config.delta_compression
+    if make is None and compression == "none":
+        return None, None
+    # compressed deltas are combined on the host (numpy); an outer step on the plain
+    # average where the all-reduce left it, on the task's device
+    outer = None if make is None else OuterOptimizer(
+        make, trainable, params, device="cpu" if compression != "none" else device)
+    step = GlobalStep(numel=params.size, dtype=params.dtype, outer=outer,
+                      compression=compression, warmup_rounds=warmup_rounds)
+    if start.global_state is not None:
+        step.restore(unpack(*start.global_state), params)
+    deltas = WorkerDeltas(compression, params, start.state) if compression != "none" else None
+    return step, deltas
 
 
 def _finite(values: torch.Tensor) -> bool:

@@ -14,16 +14,22 @@ import time
 import numpy as np
 
 from sparkdl_avg._errors import ProtocolError, TrainingError
-from sparkdl_avg.averaging.coordinator import (
-    Coordinator,
-    RoundStats,
-    sum_or_nan,
-)
+from sparkdl_avg.averaging.compression import encoded_nbytes
+from sparkdl_avg.averaging.coordinator import Coordinator
+from sparkdl_avg.averaging.round_stats import RoundStats, sum_or_nan
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
 
 
 class CollectiveCoordinator(Coordinator):
+    def __init__(self, *, compression: str = "none", global_state: bool = False,
+                 **kwargs) -> None:
+        """`compression`: the tasks all-gather compressed deltas instead of all-reducing
+        their replicas; `global_state`: worker 0 sends its `GlobalStep` state (an outer
+        optimizer's, the update's residual) after the average at checkpoints."""
+        super().__init__(**kwargs)
+        self._compression, self._global_state = compression, global_state
+
     def run_round(self, round_index: int, *, model_numel: int, allow_state: bool,
                   evaluate: bool, checkpoint: bool = False, stop: bool = False,
                   need_average: bool = True, wait_next: bool = False) -> RoundStats:
@@ -42,8 +48,10 @@ class CollectiveCoordinator(Coordinator):
                             send_average=(need_average or checkpoint) and not stop,
                             wait_next=wait_next)
         self._all(lambda rank, conn: msg.send(conn, orders))
+        global_state = None
         if orders.send_average:
-            self._recv_average(round_index, model_numel, allow_state)
+            global_state = self._recv_average(round_index, model_numel, allow_state,
+                                              orders.checkpoint)
         weights = [r.samples for r, _ in reports]
         stats = RoundStats(
             samples=sum(weights),
@@ -55,6 +63,9 @@ class CollectiveCoordinator(Coordinator):
             divergence=_mean_or_nan([r.distance for r, _ in reports]),
             lr=reports[0][0].lr,
             has_average=orders.send_average,
+            wire_bytes=self._wire_bytes(model_numel),
+            outer_norm=reports[0][0].outer_norm,
+            global_state=global_state,
         )
         return self._finish_round(stats, reports, t_reduced, checkpoint=orders.checkpoint,
                                   evaluate=orders.evaluate)
@@ -67,9 +78,19 @@ class CollectiveCoordinator(Coordinator):
                                 f"{round_index}", "unexpected")
         return report, time.perf_counter()
 
-    def _recv_average(self, round_index: int, model_numel: int, allow_state: bool) -> None:
+    def _wire_bytes(self, numel: int) -> int:
+        """What the tasks' collective moved, as a ring moves it (gloo's and NCCL's choice
+        for large tensors; not measured): an all-reduce of S bytes sends 2(n-1)/n S from
+        each of the n tasks; an all-gather of n pieces of s bytes, (n-1) s from each."""
+        n = self.num_workers
+        if self._compression != "none":
+            return n * (n - 1) * encoded_nbytes(self._compression, numel)
+        return 2 * (n - 1) * numel * self._dtype.itemsize
+
+    def _recv_average(self, round_index: int, model_numel: int, allow_state: bool,
+                      checkpoint: bool) -> tuple[list, np.ndarray] | None:
         """Worker 0's average into `average` (with the optimizer state that rides with the
-        parameters when it is averaged too)."""
+        parameters when it is averaged too); at a checkpoint, its `GlobalStep` state."""
         def target(message: msg.Message) -> np.ndarray | None:
             if not isinstance(message, msg.Averaged):
                 return None
@@ -82,6 +103,11 @@ class CollectiveCoordinator(Coordinator):
         if averaged.round != round_index:
             raise ProtocolError(f"worker 0 sent the average of round {averaged.round} during "
                                 f"round {round_index}", "unexpected")
+        if checkpoint and self._global_state:
+            state, payload = self._expect(0, self._workers[0], msg.State)
+            return state.layout, np.frombuffer(payload, np.uint8) if payload is not None \
+                else np.zeros(0, np.uint8)
+        return None
 
 
 

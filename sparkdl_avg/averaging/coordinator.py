@@ -13,7 +13,6 @@ import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +28,8 @@ from sparkdl_avg.averaging.arithmetic import (
     average_and_diverge,
     non_finite_replicas,
 )
+from sparkdl_avg.averaging.global_step import GlobalStep
+from sparkdl_avg.averaging.round_stats import RoundStats, phases, sum_or_nan
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
 from sparkdl_avg.net.server import Server, escaped
@@ -41,38 +42,15 @@ _JOB_FAILURE_WAIT_S = 5.0
 """After losing a worker's socket, how long to wait for Spark to say why the task died."""
 
 
-@dataclass(slots=True)
-class RoundStats:
-    samples: int
-    train_loss: float
-    compute_s: float
-    round_s: float
-    averaging_s: float
-    divergence: float
-    eval: dict | None = None
-    """With an evaluation: the workers' sums merged (`_eval_sums.merge`)."""
-    lr: float | None = None
-    """The learning rate of the round's last optimizer step (worker 0's: all follow one
-    schedule)."""
-    states: list[tuple[list, np.ndarray]] | None = None
-    """At checkpoint rounds: each worker's optimizer state (layout, bytes)."""
-    phases: list[dict[str, tuple[float, float]]] | None = None
-    """Per worker: (start, end) perf_counter times of setup, compute, transfer, waiting,
-    averaging and return+eval, as the driver sees them."""
-    has_average: bool = True
-    """Whether the coordinator's `average` holds this round's (the collective transport
-    fetches it only when asked to)."""
-    driver_bytes: int = 0
-    """Bytes the driver sent and received in the round, over all workers."""
-
-
 class Coordinator(Server):
     """Owns the workers' connections and the averaging buffers; `close()` releases all."""
 
     def __init__(self, *, host: str, advertise: str, num_workers: int, secret: bytes,
                  timeout: float, dtype: np.dtype, model_numel: int,
                  check_job: Callable[[float], None], tls: ssl.SSLContext | None = None,
-                 port: int = 0) -> None:
+                 port: int = 0, step: GlobalStep | None = None) -> None:
+        """`step`: what a round makes of the replicas beyond their plain average (an outer
+        optimizer, compressed deltas); None: the plain average."""
         # room for each rank's retry beside a connection it replaces (`serve`)
         super().__init__(secret=secret, host=host, port=port,
                          max_connections=2 * num_workers, tls=tls, name="coordinator")
@@ -93,6 +71,10 @@ class Coordinator(Server):
         self._max_state_bytes = MAX_STATE_FACTOR * model_numel * 8 + (1 << 20)
         self._round_end = time.perf_counter()
         self._bytes_mark = 0
+        self.step = step
+        self._compression = step.compression if step is not None else "none"
+        if self._compression != "none":  # each push: a compressed delta
+            self._buffers = [np.empty(step.payload.size, np.uint8) for _ in range(num_workers)]
 
     def start(self) -> None:
         super().start()
@@ -149,10 +131,12 @@ class Coordinator(Server):
     def accept_workers(self, initial: np.ndarray, deadline_s: float, *, start_round: int = 0,
                        states: list[tuple[list, np.ndarray]] | None = None,
                        vet: Callable[[list[msg.WorkerHello]], None] | None = None,
-                       wait_next: bool = False, evaluate: bool = False) -> dict | None:
+                       wait_next: bool = False, evaluate: bool = False,
+                       global_state: tuple[list, np.ndarray] | None = None) -> dict | None:
         """Wait for every worker to connect and authenticate, let `vet` see their hellos (by
         rank; it raises to stop), then send the parameters to start from: before
-        `start_round`, with each worker's optimizer state when restarting. `evaluate`: the
+        `start_round`, with each worker's optimizer state when restarting (and, to the
+        collective transport's tasks, the outer optimizer's: `global_state`). `evaluate`: the
         workers evaluate those parameters first (round 0); returns the merged sums."""
         deadline = time.monotonic() + deadline_s
         while True:
@@ -176,13 +160,16 @@ class Coordinator(Server):
             vet([self.hellos[rank] for rank in range(self.num_workers)])
         self.average[:initial.size] = initial  # the result if no round is left to run
         start = msg.Average(round=start_round - 1, state_follows=states is not None,
-                            wait_next=wait_next, evaluate=evaluate, **msg.tensor(initial))
+                            wait_next=wait_next, evaluate=evaluate,
+                            global_follows=global_state is not None, **msg.tensor(initial))
 
         def send_start(rank: int, conn: Connection) -> None:
             msg.send(conn, start, initial)
             if states is not None:
                 layout, payload = states[rank]
                 msg.send(conn, msg.State(layout=layout), payload)
+            if global_state is not None:
+                msg.send(conn, msg.State(layout=global_state[0]), global_state[1])
 
         self._all(send_start)
         result = self.evaluations() if evaluate else None
@@ -209,20 +196,30 @@ class Coordinator(Server):
             self.average = np.empty(self._buffers[0].size, self._dtype)
         t_avg = time.perf_counter()
         weights = [push.samples for push, _ in pushes]
-        finite, divergence = average_and_diverge(self._buffers, weights, self.average,
-                                                 diverge_numel=model_numel)
+        if self._compression == "none":
+            out = self.average
+            finite, divergence = average_and_diverge(self._buffers, weights, self.average,
+                                                     diverge_numel=model_numel)
+            outer_norm = self.step.after_average(round_index, self.average) \
+                if finite and self.step is not None else None
+        else:  # `average` is the global parameters, which take the update `payload` holds
+            out = self.step.payload
+            distances, outer_norm, finite = self.step.from_deltas(
+                round_index, self._buffers, weights, self.average)
+            divergence = float(np.mean(distances))
         if not finite:  # find the culprits only when needed
             raise TrainingError(
-                f"worker(s) {non_finite_replicas(self._buffers)} pushed NaN/Inf parameters in "
+                f"worker(s) {self._non_finite()} pushed NaN/Inf parameters in "
                 f"round {round_index}: training diverged; lower the learning rate or check "
                 "the loss"
             )
         t_averaged = time.perf_counter()
         reply = msg.Average(round=round_index, evaluate=evaluate and not stop,
                             checkpoint=checkpoint and not stop, stop=stop,
-                            wait_next=wait_next, **msg.tensor(self.average))
+                            wait_next=wait_next, encoding=self._compression,
+                            **msg.tensor(self.average))
         evaluate, checkpoint = reply.evaluate, reply.checkpoint
-        self._all(lambda rank, conn: msg.send(conn, reply, self.average))
+        self._all(lambda rank, conn: msg.send(conn, reply, out))
         stats = RoundStats(
             samples=sum(weights),
             train_loss=sum_or_nan(push.loss_sum for push, _ in pushes) / max(1, sum(weights)),
@@ -231,9 +228,26 @@ class Coordinator(Server):
             averaging_s=t_averaged - t_avg,
             divergence=divergence,
             lr=pushes[0][0].lr,
+            # every push up, the reply down to each worker
+            wire_bytes=sum(b.nbytes for b in self._buffers) + self.num_workers * out.nbytes,
+            outer_norm=outer_norm,
         )
         return self._finish_round(stats, pushes, t_averaged, checkpoint=checkpoint,
                                   evaluate=evaluate)
+
+    def _non_finite(self) -> list[int]:
+        """The ranks whose push held a NaN or an infinity (decoded, when compressed)."""
+        if self._compression == "none":
+            return non_finite_replicas(self._buffers)
+        from sparkdl_avg.averaging.compression import decode
+
+        values = np.empty(self.average.size, self._dtype)
+        found = []
+        for rank, payload in enumerate(self._buffers):
+            decode(payload, self._compression, values)
+            if not np.isfinite(values).all():
+                found.append(rank)
+        return found
 
     def _finish_round(self, stats: RoundStats, reports: list, t_averaged: float, *,
                       checkpoint: bool, evaluate: bool) -> RoundStats:
@@ -244,7 +258,7 @@ class Coordinator(Server):
         if evaluate:
             stats.eval = self.evaluations()
         now = time.perf_counter()
-        stats.phases = _phases(self._round_end, [r.setup_s for r, _ in reports],
+        stats.phases = phases(self._round_end, [r.setup_s for r, _ in reports],
                                [r.compute_s for r, _ in reports],
                                [arrival for _, arrival in reports], t_averaged, now)
         stats.round_s, self._round_end = now - self._round_end, now
@@ -284,7 +298,15 @@ class Coordinator(Server):
                 return None
             numel = message.numel
             self._check_size(f"worker {rank}", message, model_numel, allow_state)
-            if self._buffers[rank].size != numel:  # grows once when optimizer state joins
+            if message.encoding != self._compression:
+                raise ProtocolError(f"worker {rank} sent values encoded as "
+                                    f"{message.encoding!r}; this fit's are "
+                                    f"{self._compression!r}", "shape")
+            if self._compression != "none":  # a delta of exactly the model's size
+                if numel != model_numel:
+                    raise ProtocolError(f"worker {rank} sent a delta of {numel} values; the "
+                                        f"model has {model_numel}", "shape")
+            elif self._buffers[rank].size != numel:  # grows once when optimizer state joins
                 self._buffers[rank] = np.empty(numel, self._dtype)
             return self._buffers[rank]
 
@@ -360,26 +382,3 @@ class Coordinator(Server):
         if isinstance(exc, TrainingError):
             raise exc
         raise TrainingError(str(exc)) from exc
-
-
-def sum_or_nan(values) -> float:
-    """A sum of losses, NaN when a worker's was not finite (sent as None)."""
-    values = list(values)
-    return float("nan") if None in values else sum(values)
-
-
-def _phases(start: float, setup: list[float], compute: list[float], arrivals: list[float],
-            averaged: float, end: float) -> list[dict[str, tuple[float, float]]]:
-    """Each worker's round as the driver sees it (see `tracking.plots.PHASES`): setup, computing,
-    transfer until its push arrived, waiting for the last push, the averaging, then sending
-    the average (and evaluation when due) until the round ended. The worker's own durations
-    are clamped into the driver's clock."""
-    last = max(arrivals)
-    out = []
-    for s, c, arrived in zip(setup, compute, arrivals, strict=True):
-        ready = min(start + max(s, 0.0), arrived)
-        computed = min(ready + c, arrived)
-        out.append({"setup": (start, ready), "compute": (ready, computed),
-                    "transfer": (computed, arrived), "waiting": (arrived, last),
-                    "averaging": (last, averaged), "return+eval": (averaged, end)})
-    return out

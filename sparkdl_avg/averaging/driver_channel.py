@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 
+from sparkdl_avg.averaging.compression import RESIDUAL, ErrorFeedback, apply_update
 from sparkdl_avg.averaging.coordinator import MAX_STATE_FACTOR
 from sparkdl_avg.averaging.flat_buffer import WireBuffer
 from sparkdl_avg.averaging.transport import RoundReply, RoundReport, StartPoint, Transport
@@ -29,6 +30,11 @@ class DriverChannel(Transport):
         self._connect_timeout, self._reply_timeout = connect_timeout, reply_timeout
         self._tls = client_context(tls_ca_pem) if tls_ca_pem else None
         self._conn: Connection | None = None
+        self._compression = "none"
+        self._deltas: WorkerDeltas | None = None
+
+    def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int) -> None:
+        self._compression = config.delta_compression
 
     def open(self, hello: msg.WorkerHello) -> None:
         def attempt(connect_s: float, until: float, tries: int) -> Connection:
@@ -54,21 +60,36 @@ class DriverChannel(Transport):
         self._conn.set_timeout(self._reply_timeout)
         # optimizer state (at checkpoints, and on restart) may be up to 3x the parameters
         self._conn.max_payload = MAX_STATE_FACTOR * params.nbytes + (1 << 20)
-        state = None
+        state = global_state = None
         if start.state_follows:
             frame, payload = msg.expect(self._conn, msg.State)
             state = (frame.layout, payload)
+        if start.global_follows:
+            frame, payload = msg.expect(self._conn, msg.State)
+            global_state = (frame.layout, payload)
+        if self._compression != "none":
+            self._deltas = WorkerDeltas(self._compression, params, state)
         return StartPoint(round=start.round + 1, state=state, wait_next=start.wait_next,
-                          evaluate=start.evaluate)
+                          evaluate=start.evaluate, global_state=global_state)
 
     def exchange(self, report: RoundReport, flat: WireBuffer) -> RoundReply:
         params = flat.gather()
-        msg.send(self._conn, msg.Push(**dataclasses.asdict(report), **msg.tensor(params)),
-                 params)
-        reply, _ = msg.expect(self._conn, msg.Average, into=msg.into_checked(params, "the driver"))
+        push = msg.Push(**dataclasses.asdict(report), **msg.tensor(params),
+                        encoding=self._compression)
+        if self._deltas is None:
+            msg.send(self._conn, push, params)
+            reply, _ = msg.expect(self._conn, msg.Average,
+                                  into=msg.into_checked(params, "the driver"))
+        else:
+            msg.send(self._conn, push, self._deltas.encode(params))
+            reply, _ = msg.expect(self._conn, msg.Average, into=self._deltas.receiving(params))
+            self._deltas.apply(params)
         flat.scatter()
         return RoundReply(evaluate=reply.evaluate, checkpoint=reply.checkpoint,
                           stop=reply.stop, wait_next=reply.wait_next)
+
+    def state(self) -> list[tuple[int, dict]]:
+        return self._deltas.state() if self._deltas is not None else []
 
     def send(self, message: msg.Message, payload=None) -> None:
         msg.send(self._conn, message, payload)
@@ -98,3 +119,45 @@ class DriverChannel(Transport):
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
+
+
+class WorkerDeltas:
+    """A worker's side of compressed deltas: the global parameters G the workers share, the
+    error feedback of what it sends (G minus its replica), and (from the driver) the update
+    it receives."""
+
+    def __init__(self, compression: str, start: np.ndarray,
+                 state: tuple[list, memoryview | None] | None) -> None:
+        from sparkdl_avg.task.worker_state import unpack
+
+        self.compression = compression
+        self.global_ = start.copy()
+        self.feedback = ErrorFeedback(compression, start.size, start.dtype)
+        saved = unpack(*state).get(RESIDUAL) if state is not None else None
+        if saved is not None:  # a restart: the residual the checkpoint kept
+            self.feedback.residual[:] = saved["residual"].numpy()
+        self._delta = np.empty_like(start)
+        self.finite = True
+        """Whether the last delta encoded was finite."""
+        self._push = np.empty(self.feedback.nbytes, np.uint8)
+        self._update = np.empty(self.feedback.nbytes, np.uint8)
+
+    def encode(self, params: np.ndarray) -> np.ndarray:
+        """The payload of this round's push: G - params, plus the residual, compressed."""
+        np.subtract(self.global_, params, out=self._delta)
+        self.finite = bool(np.isfinite(self._delta).all())
+        self.feedback.encode(self._delta, self._push)
+        return self._push
+
+    def receiving(self, params: np.ndarray):
+        return msg.into_encoded(self._update, params, self.compression, "the driver")
+
+    def apply(self, params: np.ndarray) -> None:
+        """G minus the update received, as the driver applies it; the replica becomes G."""
+        apply_update(self.global_, self._update, self.compression)
+        params[:] = self.global_
+
+    def state(self) -> list[tuple[int, dict]]:
+        import torch
+
+        return [(RESIDUAL, {"residual": torch.from_numpy(self.feedback.residual)})]

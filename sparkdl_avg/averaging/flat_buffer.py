@@ -11,8 +11,14 @@ def averaged_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     gradients, then the floating buffers of the modules in training mode (BatchNorm's
     statistics; a frozen backbone in eval mode keeps its own). Everything else is frozen:
     each replica builds it with `model_fn` and it never travels (`averaging.frozen`)."""
-    tensors = [p for p in model.parameters() if p.requires_grad]
+    tensors = trainable_parameters(model)
     return tensors + [b for _, b in _training_buffers(model) if b.is_floating_point()]
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters that require gradients: the first of `averaged_tensors`, and what an
+    outer optimizer steps."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def counted_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

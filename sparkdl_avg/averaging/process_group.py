@@ -59,6 +59,12 @@ class TaskGroup:
         """`tensor` becomes the sum of every task's, in place; identical bits on every task."""
         self._backend.allreduce([tensor]).wait()
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every task's `tensor` (the same shape on every task), by rank."""
+        out = [torch.empty_like(tensor) for _ in range(self._backend.size())]
+        self._backend.allgather([out], [tensor]).wait()
+        return out
+
     def close(self) -> None:
         backend, self._backend = self._backend, None
         if backend is not None:

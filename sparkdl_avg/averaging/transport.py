@@ -30,6 +30,9 @@ class StartPoint:
     """`RoundReply.wait_next`, for the first round."""
     evaluate: bool = False
     """Evaluate the start parameters before the first step (round 0) and send the sums."""
+    global_state: tuple[list, memoryview | None] | None = None
+    """The collective transport's restart: the outer optimizer's state (and the update's
+    residual), for `averaging.global_step.GlobalStep.restore`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,17 @@ class Transport(ABC):
     @abstractmethod
     def open(self, hello: msg.WorkerHello) -> None:
         """Join the fit (authenticated)."""
+
+    @abstractmethod
+    def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int) -> None:
+        """Before `receive_start`: the fit's averaging settings (`outer_optimizer`,
+        `delta_compression`), the shapes of the replica's trainable parameters (the first
+        tensors of its flat buffer) and the warm-up's rounds."""
+
+    def state(self) -> list[tuple[int, dict]]:
+        """What this transport keeps for a checkpoint besides the optimizer (the residual
+        of compressed deltas), as `task.worker_state.pack_entries` entries."""
+        return []
 
     @abstractmethod
     def receive_start(self, params: np.ndarray) -> StartPoint:

@@ -55,6 +55,9 @@ class Checkpoint:
     stop: dict | None = None
     """A stop already decided at this point (early stopping or on_round): by, round,
     reason."""
+    global_state: tuple[list, np.ndarray] | None = None
+    """With an outer optimizer or compressed deltas: its state and the update's residual
+    (`averaging.global_step.GlobalStep.state`, packed), `global.npy`."""
 
 
 # --- one checkpoint <-> one local folder -------------------------------------------------
@@ -64,6 +67,8 @@ def write_folder(checkpoint: Checkpoint, folder: Path) -> None:
     files = {"params.npy": checkpoint.params}
     if checkpoint.best is not None:
         files["best.npy"] = checkpoint.best
+    if checkpoint.global_state is not None:
+        files["global.npy"] = checkpoint.global_state[1]
     layouts = None
     if checkpoint.states is not None:
         layouts = [layout for layout, _ in checkpoint.states]
@@ -75,8 +80,9 @@ def write_folder(checkpoint: Checkpoint, folder: Path) -> None:
         digests[name] = _sha256(folder / name)
     meta = {"format": FORMAT, "round": checkpoint.round, "steps": checkpoint.steps,
             "fingerprint": checkpoint.fingerprint, "history": checkpoint.history,
-            "stop": checkpoint.stop,
-            "state_layouts": layouts, "sha256": digests}
+            "stop": checkpoint.stop, "state_layouts": layouts,
+            "global_layout": checkpoint.global_state[0] if checkpoint.global_state else None,
+            "sha256": digests}
     (folder / "checkpoint.json").write_text(json.dumps(meta))
 
 
@@ -95,9 +101,14 @@ def read_folder(folder: Path) -> Checkpoint:
         if meta["state_layouts"] is not None:
             states = [(layout, np.load(folder / f"state-{rank}.npy", allow_pickle=False))
                       for rank, layout in enumerate(meta["state_layouts"])]
+        global_state = None
+        if meta.get("global_layout") is not None:
+            global_state = (meta["global_layout"],
+                            np.load(folder / "global.npy", allow_pickle=False))
         return Checkpoint(round=int(meta["round"]), steps=int(meta["steps"]), params=params,
                           states=states, fingerprint=meta["fingerprint"],
-                          history=meta["history"], best=best, stop=meta.get("stop"))
+                          history=meta["history"], best=best, stop=meta.get("stop"),
+                          global_state=global_state)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"cannot read the checkpoint in {folder}: {exc}") from exc
 

@@ -28,6 +28,8 @@ from sparkdl_avg._model_output import model_head
 from sparkdl_avg._spark_compat import check_pyspark
 from sparkdl_avg.averaging.flat_buffer import averaged_tensors, wire_dtype
 from sparkdl_avg.averaging.frozen import Fingerprint
+from sparkdl_avg.averaging.global_step import build_outer
+from sparkdl_avg.averaging.outer import OuterOptimizer
 from sparkdl_avg.data.order import epoch_length, padded_rows
 from sparkdl_avg.data.prepare import PreparedData, prepare
 from sparkdl_avg.data.probe_batch import first_rows, passed_ranges
@@ -81,6 +83,9 @@ class FitPlan:
     from the model and its probe output (`_model_output.model_head`)."""
     build_warnings: tuple[str, ...] = ()
     """What the driver's build of model_fn warned of (`_model.heard_warnings`)."""
+    outer: OuterOptimizer | None = None
+    """Sync: the outer optimizer over the trainable parameters (`outer_optimizer`), built
+    once; the driver steps it with the "driver" transport."""
 
     def trained_model(self) -> torch.nn.Module:
         """The whole trained model, in eval mode: `model` itself, or with
@@ -151,8 +156,10 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
     check_schedule(config, model)
     if config.mode == "async":  # a model too small to shard: refused before any Spark job
         shard_bounds(sum(t.numel() for t in averaged_tensors(model)), config.ps_shards)
-    if callable(config.optimizer):  # fails naming the optimizer, not the whole config
-        pickle_for_executors("optimizer", config.optimizer)
+    outer = build_outer(config, model, dtype) if config.mode == "sync" else None
+    for name in ("optimizer", "outer_optimizer"):  # fails naming it, not the whole config
+        if callable(getattr(config, name)):
+            pickle_for_executors(name, getattr(config, name))
     pickled = {"model_fn": pickle_for_executors("model_fn", model_fn),
                "loss": pickle_for_executors("loss", objective),
                "config": pickle_for_executors("config", config)}
@@ -188,7 +195,8 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
             f"batch_size={config.batch_size}; lower batch_size or num_workers"
         )
     schedule = make_schedule(epoch_length(data.train_sizes), config.batch_size, config.epochs,
-                             config.averaging_frequency, config.grad_accumulation)
+                             config.averaging_frequency, config.grad_accumulation,
+                             config.averaging_warmup_steps if config.mode == "sync" else 0)
     check_warmup(config, schedule.total_steps)
     padding = padded_rows(data.train_sizes)
     if padding:
@@ -206,7 +214,7 @@ def make_plan(spark, train_df, eval_df, model_fn, config: TrainConfig, *, featur
                    objective=objective, pickled=pickled, params=params, resume=resume,
                    frozen=frozen, on_round=on_round,
                    model_fn=model_fn, model_schema=model_schema, heads=heads,
-                   build_warnings=tuple(dict.fromkeys(heard)))
+                   build_warnings=tuple(dict.fromkeys(heard)), outer=outer)
 
 
 def check_evaluation(config: TrainConfig, objective: Objective, *, has_eval: bool) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from sparkdl_avg._controls import FINGERPRINT_DEFAULTS
 from sparkdl_avg._controls import fingerprint as controls_fingerprint
 from sparkdl_avg._errors import ClusterError, ConfigError
+from sparkdl_avg.averaging.outer import outer_settings
 from sparkdl_avg.data.order import padded_rows
 from sparkdl_avg.driver.checkpoints import Checkpoint
 
@@ -30,14 +31,22 @@ def fingerprint(config, *, train_rows: list[int], data: dict, model_numel: int,
             "train_rows": list(train_rows), "padded_rows": padded_rows(train_rows),
             "num_features": data.get("num_features"), "data": data,
             "model_numel": model_numel, "dtype": dtype, **frozen_part,
-            **controls_fingerprint(config, total_steps)}
+            **controls_fingerprint(config, total_steps), **outer_settings(config),
+            "averaging_warmup_steps": config.averaging_warmup_steps,
+            "delta_compression": config.delta_compression}
 
 
-def check_resumable(checkpoint: Checkpoint, expected: dict, *, total_steps: int,
+AVERAGING_DEFAULTS = {"outer_optimizer": "average", "outer_lr": None, "outer_momentum": None,
+                      "averaging_warmup_steps": 0, "delta_compression": "none"}
+"""What a checkpoint written before outer optimizers and compressed deltas trained with."""
+
+
+def check_resumable(checkpoint: Checkpoint, expected: dict, *, schedule,
                     source: str) -> None:
     """Raise ConfigError, naming each difference, if this fit cannot continue `checkpoint`."""
     # older checkpoints; before padding, an epoch left a longer partition's extra row out
-    recorded = {**FINGERPRINT_DEFAULTS, "padded_rows": 0, **checkpoint.fingerprint}
+    recorded = {**FINGERPRINT_DEFAULTS, **AVERAGING_DEFAULTS, "padded_rows": 0,
+                **checkpoint.fingerprint}
     if "data" not in checkpoint.fingerprint:  # before typed inputs: one vector, its width
         recorded["data"] = expected.get("data")
     diffs = [f"{k}: checkpoint {recorded.get(k)!r}, this fit {v!r}"
@@ -48,10 +57,11 @@ def check_resumable(checkpoint: Checkpoint, expected: dict, *, total_steps: int,
     if diffs:
         raise ConfigError(f"cannot resume from {source}: the fit differs from the one that "
                           f"wrote the checkpoint ({'; '.join(diffs)})")
+    total_steps = schedule.total_steps
     if checkpoint.steps >= total_steps:
         raise ConfigError(f"cannot resume from {source}: it has all {checkpoint.steps} steps "
                           f"of this fit's {total_steps}; raise epochs to train further")
-    if checkpoint.steps != checkpoint.round * expected["averaging_frequency"]:
+    if checkpoint.steps != schedule.round_start(checkpoint.round):
         raise ConfigError(f"cannot resume from {source}: it was taken after a partial last "
                           "round, so more epochs would not line up with the original rounds")
 

@@ -12,8 +12,10 @@ import time
 
 from sparkdl_avg._errors import WorkerLostError
 from sparkdl_avg.averaging.collective_coordinator import CollectiveCoordinator
-from sparkdl_avg.averaging.coordinator import Coordinator, RoundStats
+from sparkdl_avg.averaging.coordinator import Coordinator
 from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
+from sparkdl_avg.averaging.global_step import GlobalStep
+from sparkdl_avg.averaging.round_stats import RoundStats
 from sparkdl_avg.driver.barrier import BarrierJob
 from sparkdl_avg.driver.checkpoints import (
     Checkpoint,
@@ -32,6 +34,7 @@ from sparkdl_avg.net.auth import new_secret
 from sparkdl_avg.net.tls import read_certificates, server_context
 from sparkdl_avg.task import worker_state
 from sparkdl_avg.task.evaluate import eval_metrics
+from sparkdl_avg.task.worker_state import pack_entries, unpack
 from sparkdl_avg.tracking.plots import worker_timeline
 from sparkdl_avg.tracking.progress import Progress
 from sparkdl_avg.tracking.run import RunLogger
@@ -57,7 +60,7 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
                          resume.source if resume is not None else None)
     if resume is not None:
         point = resume.point
-        check_resumable(point, expected, total_steps=plan.schedule.total_steps,
+        check_resumable(point, expected, schedule=plan.schedule,
                         source=resume.source.description)
         run.log_params({"resumed_from": resume.source.description,
                         "resumed_at_round": point.round})
@@ -112,18 +115,34 @@ class _Attempt:
         is their last (it is not logged)."""
         self.timeline: list[dict] = []
         """Per round: each worker's phases, seconds since training began (for the picture)."""
+        self.step: GlobalStep | None = None
+        """With the "driver" transport, an outer optimizer or compression: the driver's
+        side of every round, its state taken up from each attempt's restart point."""
+        if config.transport == "driver" and (plan.outer is not None
+                                             or config.delta_compression != "none"):
+            self.step = GlobalStep(numel=flat.array.size, dtype=flat.array.dtype,
+                                   outer=plan.outer, compression=config.delta_compression,
+                                   warmup_rounds=plan.schedule.warmup_rounds)
 
     def run(self) -> list[dict]:
         plan, config, flat, point = self.plan, self.plan.config, self.flat, self.point
         waits = config.waits()
         secret = new_secret()
         address = driver_address(self.spark, config)
-        coordinator = CollectiveCoordinator if config.transport == "collective" else Coordinator
+        if config.transport == "collective":
+            coordinator, extra = CollectiveCoordinator, {
+                "compression": config.delta_compression,
+                "global_state": plan.outer is not None or config.delta_compression != "none"}
+        else:
+            coordinator, extra = Coordinator, {"step": self.step}
+            if self.step is not None:  # the outer state and residual of the restart point
+                self.step.restore(unpack(*point.global_state) if point.global_state
+                                  else {}, point.params)
         with coordinator(
             host=address.bind, port=address.port, advertise=address.advertise,
             num_workers=config.num_workers, secret=secret,
             timeout=waits.round, dtype=flat.array.dtype, model_numel=flat.array.size,
-            check_job=lambda wait_s: job.check(wait_s), tls=self.tls,
+            check_job=lambda wait_s: job.check(wait_s), tls=self.tls, **extra,
         ) as coord, BarrierJob.training(
             plan.data.frame, plan.worker_spec(coord.address, self.tls_ca_pem),
             f"sparkdl-avg: train {config.num_workers} replicas from round {point.round}",
@@ -135,7 +154,9 @@ class _Attempt:
                 first = coord.accept_workers(
                     point.params, waits.connect, start_round=point.round, states=point.states,
                     vet=self._check_devices, wait_next=any(self.orders),
-                    evaluate=self._evaluates_first())
+                    evaluate=self._evaluates_first(),
+                    global_state=point.global_state if config.transport == "collective"
+                    else None)
                 if first is not None:
                     self._log_first(first)
                 self.t_train = self.t_train or time.perf_counter()
@@ -249,13 +270,15 @@ class _Attempt:
                 {name: (a - self.t_train, b - self.t_train) for name, (a, b) in w.items()}
                 for w in stats.phases]})
         if stats.states is not None:
+            global_state = stats.global_state
+            if self.step is not None and self.step.has_state:
+                global_state = pack_entries(self.step.state())
             self.point = Checkpoint(
-                round=r + 1, steps=min((r + 1) * schedule.averaging_frequency,
-                                       schedule.total_steps),
+                round=r + 1, steps=schedule.round_start(r + 1),
                 params=coord.average[:numel].copy(), states=stats.states,
                 fingerprint=self.expected,
                 history=[row for row in self.history if row["round"] <= r + 1],
-                best=self.stopper.best, stop=self.stopper.state())
+                best=self.stopper.best, stop=self.stopper.state(), global_state=global_state)
             self.writer.submit(self.point)
 
 
@@ -272,7 +295,10 @@ def round_metrics(stats: RoundStats, metrics=()) -> dict[str, float]:
         "time_averaging_s": stats.averaging_s,
         "replica_divergence": stats.divergence,
         "driver_mb": stats.driver_bytes / 1e6,
+        "wire_mb": stats.wire_bytes / 1e6,
     }
+    if stats.outer_norm is not None:
+        logged["outer_update_norm"] = stats.outer_norm
     if stats.lr is not None:
         logged["lr"] = stats.lr
     if stats.eval is not None:

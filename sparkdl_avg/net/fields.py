@@ -69,6 +69,24 @@ def type_name(expected: Any) -> str:
 def payload_description(message: Message) -> None:
     if message.dtype not in DTYPES or not 1 <= message.numel <= MAX_NUMBER:
         raise message.invalid(f"a payload of {message.numel} {message.dtype!r} values")
+    encoding = getattr(message, "encoding", "none")
+    if encoding not in ENCODINGS or (encoding != "none" and message.dtype != "float32"):
+        raise message.invalid(f"{message.dtype} values encoded as {encoding!r}")
+
+
+ENCODINGS = ("none", "bf16", "int8", "int4")
+"""How a tensor payload is encoded: as its values, or compressed (`averaging.compression`:
+float32 values only)."""
+
+
+def payload_nbytes(message: Message) -> int:
+    """The bytes a described payload holds: its values, or their compressed form."""
+    encoding = getattr(message, "encoding", "none")
+    if encoding == "none":
+        return message.numel * np.dtype(message.dtype).itemsize
+    from sparkdl_avg.averaging.compression import encoded_nbytes
+
+    return encoded_nbytes(encoding, message.numel)
 
 
 def durations(message: Message, *names: str) -> None:
@@ -144,4 +162,17 @@ def into_checked(array: np.ndarray, who: object):
     def into(message: Message) -> np.ndarray:
         check_tensor(message, array, who)
         return array
+    return into
+
+
+def into_encoded(payload: np.ndarray, values: np.ndarray, encoding: str, who: object):
+    """A payload target for `receive`: `payload` (uint8), once the message says it holds
+    `values`' dtype and size in `encoding`."""
+    def into(message: Message) -> np.ndarray:
+        check_tensor(message, values, who)
+        if getattr(message, "encoding", "none") != encoding:
+            raise ProtocolError(f"{who} sent values encoded as "
+                                f"{getattr(message, 'encoding', 'none')!r}, expected "
+                                f"{encoding!r}", "shape")
+        return payload
     return into

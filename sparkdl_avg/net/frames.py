@@ -35,7 +35,9 @@ fields", mid-fit; the handshake now refuses it at once, with the reason `version
 carries `loss_weight` and `scored` (the eval loss and accuracy over weighted rows, ignored
 positions and several outputs). 6: AUTH names the role whose key made its MAC (`auth`). 7:
 EVAL carries the evaluation metrics' sums (`metrics`) and their score tables (`ranked`, with
-a payload), and the first AVERAGE may ask for an evaluation before training."""
+a payload), and the first AVERAGE may ask for an evaluation before training; PUSH and
+AVERAGE carry `encoding` (compressed deltas), AVERAGE `global_follows`, REPORT `outer_norm`
+(`TrainConfig.outer_optimizer`, `delta_compression`)."""
 HEADER = struct.Struct("!4sBBHIQ")
 MAX_META_BYTES = 1 << 20
 _CHUNK = 1 << 20

@@ -16,7 +16,13 @@ from typing import Any
 
 from sparkdl_avg._errors import REASONS, PeerRefused, ProtocolError, Unacceptable
 from sparkdl_avg.net import fields
-from sparkdl_avg.net.fields import check_tensor, finite_or_none, into_checked, tensor  # noqa: F401
+from sparkdl_avg.net.fields import (  # noqa: F401
+    check_tensor,
+    finite_or_none,
+    into_checked,
+    into_encoded,
+    tensor,
+)
 from sparkdl_avg.net.frames import Connection, Kind
 from sparkdl_avg.net.message_base import MAX_FINISHED_WAIT_S, MAX_WORKERS, M, Message  # noqa: F401
 from sparkdl_avg.net.ps_messages import (  # noqa: F401
@@ -137,6 +143,9 @@ class Push(Message):
     numel: int
     lr: float | None = None
     """The learning rate of the round's last optimizer step."""
+    encoding: str = "none"
+    """"none": the parameters; else the worker's delta from the global parameters,
+    compressed so (`averaging.compression`)."""
 
     def check(self) -> None:
         if self.round < 0 or self.samples < 1:
@@ -164,6 +173,12 @@ class Average(Message):
     wait_next: bool = False
     """With overlap_averaging: the next round evaluates or checkpoints, so after its push
     the worker waits for its average instead of computing on."""
+    encoding: str = "none"
+    """"none": the new global parameters; else the update to subtract from them,
+    compressed so (`averaging.compression`)."""
+    global_follows: bool = False
+    """The collective transport's restart: a STATE with the outer optimizer's state (and
+    the update's residual) follows the worker's own (`averaging.global_step`)."""
 
     def check(self) -> None:
         if self.round < -1:
@@ -257,13 +272,16 @@ class Report(Message):
     replica_finite: bool
     average_finite: bool
     lr: float | None = None
+    outer_norm: float | None = None
+    """The outer optimizer's step, G_old - G_new, in L2 norm (None: no outer step)."""
 
     def check(self) -> None:
         if self.round < 0 or self.samples < 1:
             raise self.invalid("round >= 0 and samples >= 1 are required")
         fields.durations(self, "compute_s", "setup_s", "reduce_s")
-        if self.distance is not None and self.distance < 0:
-            raise self.invalid(f"distance {self.distance}")
+        for name in ("distance", "outer_norm"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise self.invalid(f"{name} {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)

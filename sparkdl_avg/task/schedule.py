@@ -3,7 +3,8 @@ driver's plan, followed by every task).
 
 A step is an optimizer step. With `accumulation` > 1 it takes that many consecutive
 micro-batches of the epoch's order (an epoch's last group may be short); the data's position
-is counted in micro-batches, the rounds and the learning-rate schedule in steps."""
+is counted in micro-batches, the rounds and the learning-rate schedule in steps. With an
+averaging warm-up (post-local SGD), the first `warmup_steps` rounds are one step each."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ class Schedule:
     epochs: int
     averaging_frequency: int
     accumulation: int = 1
+    warmup_steps: int = 0
+    """Steps averaged one at a time before rounds of `averaging_frequency` steps begin."""
+
+    @property
+    def warmup_rounds(self) -> int:
+        """Rounds of one step at the start: the warm-up's, within the fit's steps."""
+        return min(self.warmup_steps, self.total_steps)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -36,20 +44,27 @@ class Schedule:
 
     @property
     def num_rounds(self) -> int:
-        return math.ceil(self.total_steps / self.averaging_frequency)
+        warm = self.warmup_rounds
+        return warm + math.ceil((self.total_steps - warm) / self.averaging_frequency)
+
+    def round_start(self, round_index: int) -> int:
+        """The optimizer steps taken before round `round_index` begins."""
+        warm = self.warmup_rounds
+        if round_index <= warm:
+            return round_index
+        return min(warm + (round_index - warm) * self.averaging_frequency, self.total_steps)
 
     def evaluates_after(self, round_index: int, every: int | None) -> bool:
         """Whether round `round_index` ends with an evaluation (besides the last): every
         `every` rounds, or (None) the rounds in which an epoch ends."""
         if every is not None:
             return (round_index + 1) % every == 0
-        start = round_index * self.averaging_frequency
+        start = self.round_start(round_index)
         end = start + self.steps_in_round(round_index)
         return end // self.steps_per_epoch > start // self.steps_per_epoch
 
     def steps_in_round(self, round_index: int) -> int:
-        start = round_index * self.averaging_frequency
-        return min(self.averaging_frequency, self.total_steps - start)
+        return self.round_start(round_index + 1) - self.round_start(round_index)
 
     def first_micro_batch(self, step: int) -> int:
         """Where the data stands when optimizer step `step` begins."""
@@ -64,9 +79,10 @@ class Schedule:
 
 
 def make_schedule(epoch_rows: int, batch_size: int, epochs: int,
-                  averaging_frequency: int, accumulation: int = 1) -> Schedule:
+                  averaging_frequency: int, accumulation: int = 1,
+                  warmup_steps: int = 0) -> Schedule:
     """Every worker runs the micro-batches of an epoch of `epoch_rows` positions (the largest
     partition's rows, `data.order.epoch_length`; a final partial batch included), so all
     replicas reach each averaging point together and every row is in every epoch."""
     return Schedule(math.ceil(epoch_rows / batch_size), epochs, averaging_frequency,
-                    accumulation)
+                    accumulation, warmup_steps)

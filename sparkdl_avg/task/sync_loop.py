@@ -18,7 +18,11 @@ from sparkdl_avg.task.spec import WorkerSpec
 def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition, device,
                transport: Transport, hello: msg.WorkerHello) -> dict:
     """Train to the end; returns `Replica.outcome()` for the task's report."""
-    from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
+    from sparkdl_avg.averaging.flat_buffer import (
+        FlatBuffer,
+        averaged_tensors,
+        trainable_parameters,
+    )
     from sparkdl_avg.averaging.optimizer_state import averaged_state_tensors
     from sparkdl_avg.averaging.overlap import OverlappedExchange
     from sparkdl_avg.task import worker_state
@@ -34,6 +38,8 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
             replica = Replica(spec, config, rank, data, device)
             model = replica.model
             flat = FlatBuffer(averaged_tensors(model), replica.wire_dtype)
+            transport.configure(config, [tuple(p.shape) for p in trainable_parameters(model)],
+                                schedule.warmup_rounds)
     except Exception as exc:
         setup_error = exc
     try:
@@ -43,7 +49,7 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
         start = transport.receive_start(flat.array)
         ready = time.perf_counter()  # from here to a round's first step: setup (the picture)
         flat.scatter()
-        replica.start(step=start.round * schedule.averaging_frequency)
+        replica.start(step=schedule.round_start(start.round))
         if start.state is not None:
             worker_state.restore(replica.optimizer, model, *start.state,
                                  scaler=replica.steps.scaler)
@@ -88,7 +94,8 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
                 break
             if reply.checkpoint:
                 transport.send_state(*worker_state.pack(replica.optimizer, model,
-                                                        replica.steps.scaler))
+                                                        replica.steps.scaler,
+                                                        extra=transport.state()))
             if reply.evaluate:
                 _send_eval(replica, transport)
             ready = time.perf_counter()

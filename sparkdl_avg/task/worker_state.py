@@ -23,20 +23,28 @@ _SCALER = -2
 
 
 def pack(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module,
-         scaler=None) -> tuple[list, np.ndarray]:
-    """`optimizer.state_dict()["state"]` (None: none) and the model's counted buffers as
-    a JSON-able layout and one uint8 array.
+         scaler=None, extra: list[tuple[int, dict]] = ()) -> tuple[list, np.ndarray]:
+    """`optimizer.state_dict()["state"]` (None: none), the model's counted buffers and the
+    transport's `extra` entries (a compression residual) as a JSON-able layout and one uint8
+    array.
 
     Layout entries: [param index, key, "tensor", dtype, shape, offset, nbytes] or
     [param index, key, "value", number]; param index -1 holds buffers by name."""
-    layout: list = []
-    chunks: list[np.ndarray] = []
-    offset = 0
     buffers = counted_buffers(model)
     state_items = sorted(optimizer.state_dict()["state"].items()) if optimizer else []
     scaler_state = scaler.state_dict() if scaler is not None else {}
-    for index, state in ([(_BUFFERS, buffers)] if buffers else []) + \
-            ([(_SCALER, scaler_state)] if scaler_state else []) + state_items:
+    return pack_entries(([(_BUFFERS, buffers)] if buffers else []) +
+                        ([(_SCALER, scaler_state)] if scaler_state else []) + state_items
+                        + list(extra))
+
+
+def pack_entries(entries: list[tuple[int, dict]]) -> tuple[list, np.ndarray]:
+    """(index, {key: tensor or number}) entries as a JSON-able layout and one uint8 array
+    (`pack`'s format; the outer optimizer's state travels so too)."""
+    layout: list = []
+    chunks: list[np.ndarray] = []
+    offset = 0
+    for index, state in entries:
         for key in sorted(state):
             value = state[key]
             if isinstance(value, torch.Tensor):
@@ -61,7 +69,33 @@ def pack(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module,
 def restore(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, layout: list,
             payload, scaler=None) -> None:
     """Load a `pack`ed state into `optimizer` (None: buffers only), `model` (built over the
-    same parameters) and `scaler` (fp16's gradient scaler, when there is one)."""
+    same parameters) and `scaler` (fp16's gradient scaler, when there is one). Entries of
+    other negative indices (the exchange's residual) are not the optimizer's: skipped."""
+    state = unpack(layout, payload)
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in state.pop(_BUFFERS, {}).items():
+            if name not in buffers or buffers[name].shape != value.shape:
+                raise ProtocolError(f"malformed optimizer state: no buffer {name!r} of shape "
+                                    f"{tuple(value.shape)}")
+            buffers[name].copy_(value)
+    scaler_state = state.pop(_SCALER, {})
+    if scaler is not None and scaler_state:
+        scaler.load_state_dict(scaler_state)
+    if optimizer is None:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {index: values for index, values in state.items() if index >= 0}
+    for index, values in state.items():
+        if index < len(params):
+            _in_layout_of(params[index], values)
+    current = optimizer.state_dict()
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def unpack(layout: list, payload) -> dict[int, dict]:
+    """A `pack_entries` layout and its bytes back into {index: {key: tensor or number}};
+    a malformed one is a ProtocolError."""
     data = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
     state: dict[int, dict] = {}
     try:
@@ -82,24 +116,7 @@ def restore(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, lay
             state.setdefault(index, {})[key] = raw.view(dtype).reshape(shape)
     except (ValueError, TypeError, IndexError, RuntimeError) as exc:
         raise ProtocolError(f"malformed optimizer state: {exc}") from None
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, value in state.pop(_BUFFERS, {}).items():
-            if name not in buffers or buffers[name].shape != value.shape:
-                raise ProtocolError(f"malformed optimizer state: no buffer {name!r} of shape "
-                                    f"{tuple(value.shape)}")
-            buffers[name].copy_(value)
-    scaler_state = state.pop(_SCALER, {})
-    if scaler is not None and scaler_state:
-        scaler.load_state_dict(scaler_state)
-    if optimizer is None:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, values in state.items():
-        if 0 <= index < len(params):
-            _in_layout_of(params[index], values)
-    current = optimizer.state_dict()
-    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+    return state
 
 
 def _in_layout_of(param: torch.Tensor, values: dict) -> None:
