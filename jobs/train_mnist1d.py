@@ -32,6 +32,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "--checkpoint-every)")
     p.add_argument("--eval-every", type=int, help="sync: rounds between evaluations (5)")
     p.add_argument("--checkpoint-every", type=int, help="sync: rounds between checkpoints")
+    p.add_argument("--outer-optimizer", choices=["average", "nesterov", "momentum"],
+                   help="sync: what a round makes of the average (average; nesterov: DiLoCo)")
+    p.add_argument("--outer-lr", type=float, help="sync: the outer step's lr (0.7)")
+    p.add_argument("--outer-momentum", type=float, help="sync: its momentum (0.9)")
+    p.add_argument("--averaging-warmup-steps", type=int,
+                   help="sync: average every step for this many steps first")
+    p.add_argument("--delta-compression", choices=["none", "bf16", "int8", "int4"],
+                   help="sync: send deltas compressed, with error feedback (none)")
     p.add_argument("--transport", choices=["driver", "collective"],
                    help="sync: average on the driver (default) or all-reduce among the tasks "
                         "(trusted networks only)")
@@ -72,7 +80,9 @@ def main(argv: list[str]) -> int:
 
     per_mode = {name: getattr(args, name) for name in (
         "averaging_frequency", "average_optimizer_state", "overlap_averaging", "eval_every",
-        "checkpoint_every", "transport", "algorithm", "push_every", "staleness_bound",
+        "checkpoint_every", "transport", "outer_optimizer", "outer_lr", "outer_momentum",
+        "averaging_warmup_steps", "delta_compression", "algorithm", "push_every",
+        "staleness_bound",
         "ps_checkpoint_every")
         if getattr(args, name) is not None}
     if args.mode == "sync":  # evaluating 4,000 rows every round would cost ~40% of training

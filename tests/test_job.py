@@ -24,7 +24,8 @@ def small_runs(tmp: Path) -> dict[str, list[str]]:
         "train_mnist1d": ["--samples", "3000", "--epochs", "3", "--hidden", "64",
                           "--lr", "3e-3", "--data-dir", str(tmp / "data"),
                           "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-every", "5",
-                          "--overlap-averaging"],
+                          "--overlap-averaging", "--outer-optimizer", "nesterov",
+                          "--delta-compression", "int8"],
         "train_images": ["--max-images", "600", "--epochs", "4", "--eval-percent", "20",
                          "--no-log-model"],
         "train_char_lm": ["--max-bytes", "120000", "--seq-len", "64", "--epochs", "2",
@@ -96,8 +97,8 @@ def test_every_job_prints_no_warning(jobs_run):
 
 @pytest.mark.cluster
 def test_main_job_learns_and_logs_its_model_as_pt2(jobs_run, mlflow_client):
-    """The main job's flags reach the fit (overlapped rounds, checkpoints: the newest two
-    kept), and its model is logged as torch.export's pt2, not pickled."""
+    """The main job's flags reach the fit (overlapped rounds with outer Nesterov on int8
+    deltas, checkpoints: the newest two kept), and its model is logged as torch.export's pt2, not pickled."""
     stdout, _, tmp = jobs_run
     match = re.search(r"test accuracy (\S+) .* MLflow run (\w+)", stdout["train_mnist1d"])
     assert match, stdout["train_mnist1d"]
@@ -106,6 +107,9 @@ def test_main_job_learns_and_logs_its_model_as_pt2(jobs_run, mlflow_client):
     assert run.info.status == "FINISHED"
     assert run.data.params["epochs"] == "3"
     assert run.data.params["overlap_averaging"] == "True"
+    assert (run.data.params["outer_optimizer"], run.data.params["outer_lr"],
+            run.data.params["delta_compression"]) == ("nesterov", "0.7", "int8")
+    assert mlflow_client.get_metric_history(run.info.run_id, "wire_mb")
     data = {a.path.rsplit("/", 1)[-1]
             for a in mlflow_client.list_artifacts(run.info.run_id, "model/data")}
     assert "model.pt2" in data and "model.pth" not in data
