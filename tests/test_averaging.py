@@ -1,3 +1,5 @@
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -102,3 +104,39 @@ def test_the_flat_buffer_keeps_a_channels_last_model_channels_last():
     flat.array[:] = 0.5
     flat.scatter()
     assert bool((weight == 0.5).all()) and weight.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [5, 2 * _CHUNK + 1])  # among the distances, or past them
+def test_a_non_finite_value_is_told_where_distances_are_taken_and_past_them(bad, where):
+    bufs = [np.ones(3 * _CHUNK, np.float32) for _ in range(2)]
+    bufs[0][where] = bad
+    finite, _ = average_and_diverge(bufs, [1, 3], np.empty(3 * _CHUNK, np.float32),
+                                    diverge_numel=_CHUNK + 7)
+    assert not finite
+
+
+def test_finite_replicas_whose_distance_overflows_are_still_finite():
+    # averaged to 0, each 3e38 away: the squared distance overflows, the average does not
+    top = np.finfo(np.float32).max * 0.9
+    bufs = [np.full(8, top, np.float32), np.full(8, -top, np.float32)]
+    finite, divergence = average_and_diverge(bufs, [1, 1], np.empty(8, np.float32),
+                                             diverge_numel=8)
+    assert finite and divergence == np.inf
+
+
+@pytest.mark.parametrize("bad", [None, np.nan])
+def test_threads_give_one_thread_s_results_bit_for_bit(bad):
+    # spans of whole chunks on a pool; the divergence adds each chunk's in chunk order
+    rng = np.random.default_rng(2)
+    size, numel = 40 * _CHUNK + 123, 33 * _CHUNK + 9
+    bufs = [rng.normal(size=size).astype(np.float32) for _ in range(3)]
+    if bad is not None:
+        bufs[2][37 * _CHUNK] = bad
+    one, many = np.empty(size, np.float32), np.empty(size, np.float32)
+    alone = average_and_diverge(bufs, [5, 2, 9], one, diverge_numel=numel)
+    with ThreadPoolExecutor(3) as pool:
+        split = average_and_diverge(bufs, [5, 2, 9], many, diverge_numel=numel, pool=pool,
+                                    threads=3)
+    assert alone == split and alone[0] is (bad is None)
+    assert one.tobytes() == many.tobytes()

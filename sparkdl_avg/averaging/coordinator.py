@@ -9,6 +9,7 @@ concurrent handshakes and refusals come from `net.server.Server`.
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import time
 from collections.abc import Callable
@@ -40,6 +41,9 @@ MAX_STATE_FACTOR = 4
 """A push may carry the parameters plus optimizer state of up to 3x their size (Adam)."""
 _JOB_FAILURE_WAIT_S = 5.0
 """After losing a worker's socket, how long to wait for Spark to say why the task died."""
+_AVERAGING_THREADS = min(os.cpu_count() or 1, 8)
+"""Threads the average is split over (on the I/O pool, idle while it runs): every worker
+waits for it, so it may take the driver's cores."""
 
 
 class Coordinator(Server):
@@ -78,7 +82,8 @@ class Coordinator(Server):
 
     def start(self) -> None:
         super().start()
-        self._io = ThreadPoolExecutor(self.num_workers, thread_name_prefix="sparkdl-avg-io")
+        self._io = ThreadPoolExecutor(max(self.num_workers, _AVERAGING_THREADS),
+                                      thread_name_prefix="sparkdl-avg-io")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -198,8 +203,9 @@ class Coordinator(Server):
         weights = [push.samples for push, _ in pushes]
         if self._compression == "none":
             out = self.average
-            finite, divergence = average_and_diverge(self._buffers, weights, self.average,
-                                                     diverge_numel=model_numel)
+            finite, divergence = average_and_diverge(
+                self._buffers, weights, self.average, diverge_numel=model_numel,
+                pool=self._io, threads=_AVERAGING_THREADS)
             outer_norm = self.step.after_average(round_index, self.average) \
                 if finite and self.step is not None else None
         else:  # `average` is the global parameters, which take the update `payload` holds
