@@ -219,6 +219,9 @@ def test_the_group_forms_only_after_the_driver_sends_the_start(monkeypatch):
     channel = collective.CollectiveChannel(
         Control(), rank=0, world=2, device=torch.device("cpu"), all_gather=None,
         connect_timeout_s=1, round_timeout_s=1)
+    from sparkdl_avg import TrainConfig
+
+    channel.configure(TrainConfig(), trainable=[(3,)], warmup_rounds=0)  # as a task does
     channel.open(hello=None)
     assert events == ["open"]
     assert channel.receive_start(np.zeros(3, dtype=np.float32)) == "start point"
