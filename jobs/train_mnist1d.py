@@ -73,10 +73,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    from sparkdl_avg import EarlyStopping, TrainConfig, fit
-    from sparkdl_avg.examples import mnist1d
+def train_config(args: argparse.Namespace):
+    """The fit's TrainConfig from the job's flags: one mode's settings only when given."""
+    from sparkdl_avg import EarlyStopping, TrainConfig
 
     per_mode = {name: getattr(args, name) for name in (
         "averaging_frequency", "average_optimizer_state", "overlap_averaging", "eval_every",
@@ -87,7 +86,7 @@ def main(argv: list[str]) -> int:
         if getattr(args, name) is not None}
     if args.mode == "sync":  # evaluating 4,000 rows every round would cost ~40% of training
         per_mode.setdefault("eval_every", 5)
-    config = TrainConfig(
+    return TrainConfig(
         mode=args.mode, num_workers=args.num_workers, epochs=args.epochs,
         batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum, seed=args.seed, experiment_name=args.experiment,
@@ -100,6 +99,14 @@ def main(argv: list[str]) -> int:
         early_stopping=EarlyStopping(patience=args.early_stopping_patience)
         if args.early_stopping_patience else None,
         **per_mode)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    config = train_config(args)
+    from sparkdl_avg import fit
+    from sparkdl_avg.examples import mnist1d
+
     with _job.session("sparkdl-avg-mnist1d", args.master, args.num_workers) as spark:
         train_df, test_df = mnist1d.load(spark, args.samples, cache_dir=args.data_dir)
         hidden = tuple(int(h) for h in args.hidden.split(",") if h)
