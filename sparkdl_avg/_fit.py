@@ -66,8 +66,11 @@ class FitResult:
     MLflow's step is the round, counted as rounds done (1 after the first). Keys:
 
     - sync, every training round: `round`, `train_loss`, `lr`, `samples_per_s`,
-      `replica_divergence`, `driver_mb`, `time_round_s`, `time_compute_s`,
+      `replica_divergence`, `driver_mb`, `wire_mb` (the parameter exchange's bytes, all
+      workers and both directions), `time_round_s`, `time_compute_s`,
       `time_communication_s`, `time_averaging_s`;
+    - sync, a round that takes an outer step (`outer_optimizer` other than "average", past
+      the warm-up): also `outer_update_norm`;
     - sync, a round that evaluates eval_df (round 0 included): also `eval_loss`,
       `time_eval_s`, for a loss that classifies `eval_accuracy`, and `eval_<name>` for each
       of `fit(metrics=)`;
