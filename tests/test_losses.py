@@ -239,11 +239,11 @@ def test_evaluation_of_a_regressor_has_no_accuracy_and_of_no_rows_nothing():
     result = evaluate_batches(torch.nn.Identity(), [batch], objective,
                               lambda m, inputs: m(*inputs))
     assert result == {"loss_sum": 5.0, "loss_weight": 2.0, "correct": None, "scored": None,
-                      "count": 2}
+                      "count": 2, "metrics": {}, "tables": {}}  # no fit(metrics=)
     empty = evaluate_batches(torch.nn.Identity(), [], make_objective("cross_entropy"),
                              lambda m, inputs: m(*inputs))
     assert empty == {"loss_sum": 0.0, "loss_weight": 0.0, "correct": 0, "scored": 0,
-                     "count": 0}
+                     "count": 0, "metrics": {}, "tables": {}}
 
 
 def test_callables_get_weights_when_the_fit_has_them_and_every_output_when_joint():
