@@ -4,7 +4,7 @@ import sparkdl_avg
 def test_public_names_are_exactly_the_documented_surface():
     assert sorted(sparkdl_avg.__all__) == sorted([
         "ClusterError", "ConfigError", "DataCacheError", "DataError", "EarlyStopping",
-        "FitResult", "ModelError", "PreprocessError",
+        "FitResult", "Metric", "ModelError", "PreprocessError",
         "ProtocolError", "SPARK_CONF",
         "SparkdlAvgError", "TrainConfig", "TrainingError", "__version__", "fit",
     ])
