@@ -75,14 +75,15 @@ def _average_span(buffers, factors, out, start, stop, diverge_numel, dots) -> bo
     scratch = np.empty(min(_CHUNK, max(stop - start, 0)), out.dtype)
     finite = True
     for part in _chunks(start, stop):
-        finite &= _average_chunk(buffers, factors, out[part], scratch, part, diverge_numel,
+        finite &= average_chunk(buffers, factors, out[part], scratch, part, diverge_numel,
                                  dots[part.start // _CHUNK])
     return finite
 
 
-def _average_chunk(buffers, factors, acc, scratch, part, diverge_numel, dots) -> bool:
-    """One chunk: the average into `acc`, each replica's squared distance from it appended
-    to `dots`; whether the chunk's average is finite."""
+def average_chunk(buffers, factors, acc, scratch, part, diverge_numel, dots) -> bool:
+    """One chunk (`part` of each of `buffers`): the average into `acc`, each replica's squared
+    distance from it appended to `dots` over the elements before `diverge_numel`; whether the
+    chunk's average is finite. `scratch` holds at least the chunk."""
     tmp = scratch[:part.stop - part.start]
     np.multiply(buffers[0][part], factors[0], out=acc)
     for buf, factor in zip(buffers[1:], factors[1:], strict=True):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sparkdl_avg.averaging.arithmetic import average_chunk
 from sparkdl_avg.averaging.compression import (
     RESIDUAL,
     ErrorFeedback,
@@ -91,21 +92,18 @@ class GlobalStep:
         delta = self._update  # the pseudo-gradient: G - average
         squares = [0.0] * len(payloads)
         finite = True
-        scratch = np.empty((len(payloads), min(_CHUNK, self.numel)), self.dtype)
+        decoded = np.empty((len(payloads), min(_CHUNK, self.numel)), self.dtype)
+        scratch = np.empty(min(_CHUNK, self.numel), self.dtype)
         with np.errstate(over="ignore", invalid="ignore"):
-            for start in range(0, self.numel, _CHUNK):
-                stop = min(start + _CHUNK, self.numel)
-                parts = scratch[:, :stop - start]
-                acc = delta[start:stop]
+            for start in range(0, self.numel, _CHUNK):  # the deltas decoded a chunk at a time
+                size = min(_CHUNK, self.numel - start)
                 for i, payload in enumerate(payloads):
-                    decode_range(payload, self.compression, self.numel, start, parts[i])
-                np.multiply(parts[0], factors[0], out=acc)
-                for part, factor in zip(parts[1:], factors[1:], strict=True):
-                    acc += part * factor
-                finite = finite and bool(np.isfinite(acc).all())
-                for i in range(len(payloads)):
-                    diff = parts[i] - acc
-                    squares[i] += float(np.dot(diff, diff))
+                    decode_range(payload, self.compression, self.numel, start, decoded[i, :size])
+                dots: list[float] = []
+                finite &= average_chunk(decoded, factors, delta[start:start + size], scratch,
+                                        slice(0, size), size, dots)
+                for i, square in enumerate(dots):
+                    squares[i] += square
         distances = [s ** 0.5 for s in squares]
         if not finite:
             return distances, None, False
