@@ -3,17 +3,19 @@
 It listens and accepts; every connection's handshake runs on a bounded pool of handler
 threads under one total deadline, so a slow stranger holds up nobody. At most `max_pending`
 handshakes run at once: when a new connection finds them full, the oldest stranger (one that
-has not sent a well-formed AUTH) is dropped, never a client whose AUTH is being checked
-(so strangers cannot lock workers out from one address, and all tests come from
-127.0.0.1); clients retry a dropped connect (`net.dial`). The listen queue is long
-(`BACKLOG`): a burst waits there instead of losing its SYNs. Authenticated connections go to the
-subclass's `serve`, at most `max_connections` of them, with their role on the connection
-(`Connection.role`). Every refusal is answered with an ERROR frame where the peer can still
-read one, counted by its reason code and logged escaped (`escaped`): what a peer sends
-never forges a log line. The accept loop survives every error it can;
-running out of file descriptors is logged and backed off; an error it cannot survive is kept
-in `failure` for the owner to act on. `close()` stops accepting and closes every connection;
-the constructor starts nothing.
+has not sent a well-formed AUTH) is dropped, never a client whose AUTH is being checked (so
+strangers cannot lock workers out from one address, and all tests come from 127.0.0.1);
+clients retry a dropped connect (`net.dial`). The listen queue is long (`BACKLOG`): a burst
+waits there instead of losing its SYNs, and a connection whose peer closed it before sending
+a byte (a flood's connect-and-close) is dropped in the accept loop itself, without a handler
+thread, so the queue drains as fast as such a flood fills it. Authenticated connections go
+to the subclass's `serve`, at most `max_connections` of them, with their role on the
+connection (`Connection.role`). Every refusal is answered with an ERROR frame where the peer
+can still read one, counted by its reason code and logged escaped (`escaped`): what a peer
+sends never forges a log line. The accept loop survives every error it can; running out of
+file descriptors is logged and backed off; an error it cannot survive is kept in `failure`
+for the owner to act on. `close()` stops accepting and closes every connection; the
+constructor starts nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import collections
 import contextlib
 import errno
 import logging
+import selectors
 import socket
 import ssl
 import threading
@@ -89,7 +92,7 @@ class Server:
         self._listener = socket.create_server(
             (self._host, self._port),
             backlog=max(BACKLOG, self._max_connections + self._max_pending))
-        self._listener.settimeout(_POLL_S)
+        self._listener.setblocking(False)
         self._port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"{self._name}-accept")
@@ -149,24 +152,34 @@ class Server:
                 msg.send(conn, msg.Refusal(message=str(why)[:2000], reason=reason))
 
     def _accept_loop(self) -> None:
+        """Accept until the queue is empty, then wait on it: one system call a connection
+        while a burst lasts, none while idle."""
         try:
-            while not self._closed.is_set():
+            with selectors.DefaultSelector() as ready:
                 listener = self._listener
                 if listener is None:
                     return
-                try:
-                    sock, peer = listener.accept()
-                except TimeoutError:
-                    continue
-                except OSError as exc:
-                    if self._closed.is_set() or self._listener is None:
-                        return
-                    if exc.errno in _BROKEN_LISTENER:
-                        raise
-                    log.warning("%s cannot accept: %s; backing off", self._name, exc)
-                    time.sleep(_BACKOFF_S if exc.errno in _OUT_OF_RESOURCES else 0.01)
-                    continue
-                self._admit(sock, peer)
+                ready.register(listener, selectors.EVENT_READ)
+                while not self._closed.is_set() and self._listener is not None:
+                    try:
+                        sock, peer = listener.accept()
+                    except BlockingIOError:
+                        ready.select(_POLL_S)
+                        continue
+                    except OSError as exc:
+                        if self._closed.is_set() or self._listener is None:
+                            return
+                        if exc.errno in _BROKEN_LISTENER:
+                            raise
+                        log.warning("%s cannot accept: %s; backing off", self._name, exc)
+                        time.sleep(_BACKOFF_S if exc.errno in _OUT_OF_RESOURCES else 0.01)
+                        continue
+                    if _gone(sock):
+                        sock.close()
+                        self.refuse("closed", "connection closed by the peer before its "
+                                    "handshake", peer)
+                        continue
+                    self._admit(sock, peer)
         except BaseException as exc:  # noqa: BLE001 - kept for the owner, who stops
             self.failure = exc
             log.error("%s stopped accepting connections: %r", self._name, exc)
@@ -316,3 +329,15 @@ def escaped(value: object) -> str:
 def _shutdown(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+def _gone(sock: socket.socket) -> bool:
+    """The peer closed (or reset) the connection before the server read a byte: a flood's
+    connect-and-close, dropped in the accept loop without a handler thread, so the listen
+    queue drains as fast as the flood fills it. A peer that sent data first is not gone."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
