@@ -203,3 +203,40 @@ def check_choices(config, *, optimizers: tuple[str, ...], devices: tuple[str, ..
     if config.transport not in transports:
         raise ConfigError(f"transport={config.transport!r} is not supported; use one of "
                           f"{transports}")
+
+
+def parse_driver_address(value) -> tuple[str | None, int]:
+    """`TrainConfig.driver_address` as (host or None, port or 0)."""
+    if value is None:
+        return None, 0
+    text = value if isinstance(value, str) else ""
+    host, colon, port = text.rpartition(":") if text.count(":") == 1 else ("", "", "")
+    host = host if colon else text
+    if not host or (colon and not (port.isdigit() and 0 < int(port) < 65536)):
+        raise ConfigError(f"driver_address={value!r} must be 'host' or 'host:port' (a port "
+                          "from 1 to 65535)")
+    return host, int(port) if colon else 0
+
+
+def check_elastic(config) -> None:
+    """`min_workers`: between 1 and num_workers, and only with what a fit whose workers come
+    and go can honour."""
+    m = config.min_workers
+    if m is None:
+        return
+    require_int("min_workers", m, minimum=1)
+    if m > config.num_workers:
+        raise ConfigError(f"min_workers={m} is above num_workers={config.num_workers}: a fit "
+                          "cannot need more workers than it has")
+    refused = (
+        (config.transport == "collective", "transport='collective': a gloo or NCCL group "
+         "cannot lose a member and go on; use transport='driver'"),
+        (config.overlap_averaging, "overlap_averaging=True: a returning worker would take up "
+         "a round whose average is still in flight"),
+        (config.average_optimizer_state, "average_optimizer_state=True: a returning worker "
+         "rebuilds its optimizer state, which it cannot average with the others' until its "
+         "first step"),
+    )
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(f"min_workers={m} (an elastic fit) with {why}")

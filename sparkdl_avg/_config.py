@@ -12,10 +12,12 @@ from sparkdl_avg._checks import (
     check_averaging,
     check_cache,
     check_choices,
+    check_elastic,
     check_flags,
     check_mode,
     check_registered_model,
     check_sync_transport,
+    parse_driver_address,
     require_int,
 )
 from sparkdl_avg._controls import EarlyStopping, check_controls
@@ -42,7 +44,7 @@ _TRANSPORTS = typing.get_args(Transport)
 SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
              "tls_cert", "tls_key", "tls_ca", "transport", "overlap_averaging",
              "outer_optimizer", "outer_lr", "outer_momentum", "averaging_warmup_steps",
-             "delta_compression")
+             "delta_compression", "min_workers")
 ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_lambda",
               "ps_address", "ps_secret_file", "ps_tls_ca", "eval_interval_s",
               "ps_checkpoint_every", "reconnect_timeout", "ps_shards")
@@ -133,6 +135,12 @@ class TrainConfig:
     average arrives adds what it learned since (CoCoD-SGD): the round trip hides behind
     compute, and each round starts from the average of the round before last plus the
     worker's own progress. Rounds that evaluate or checkpoint, and the last, still wait."""
+
+    min_workers: int | None = None
+    """Sync, "driver" transport. None: all-or-nothing (a lost task restarts every worker from
+    the last checkpoint). m in 1..num_workers: elastic; Spark retries a lost task alone, each
+    round averages the workers present while m are, and a returning task joins at a round
+    boundary (docs/guide/failures.md)."""
 
     outer_optimizer: OuterName | Callable[[Any], Any] = "average"
     """Sync: what a round makes of the replicas' average. "average": the replicas take it
@@ -323,8 +331,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_mode(self, _MODES, sync_only=SYNC_ONLY, async_only=ASYNC_ONLY)
-        for name in ("num_workers", "epochs", "batch_size", "averaging_frequency",
-                     "push_every"):
+        for name in ("num_workers", "epochs", "batch_size", "averaging_frequency", "push_every"):
             require_int(name, getattr(self, name), minimum=1)
         if self.eval_every is not None:
             require_int("eval_every", self.eval_every, minimum=1)
@@ -347,6 +354,7 @@ class TrainConfig:
         check_async(self)
         check_controls(self)
         check_sync_transport(self)
+        check_elastic(self)
         check_averaging(self)
         check_registered_model(self)
         check_flags(self, ("average_optimizer_state", "overlap_averaging", "shuffle",
@@ -360,15 +368,7 @@ class TrainConfig:
 
     def driver_host_port(self) -> tuple[str | None, int]:
         """`driver_address` as (host or None, port or 0)."""
-        if self.driver_address is None:
-            return None, 0
-        text = self.driver_address if isinstance(self.driver_address, str) else ""
-        host, colon, port = text.rpartition(":") if text.count(":") == 1 else ("", "", "")
-        host = host if colon else text
-        if not host or (colon and not (port.isdigit() and 0 < int(port) < 65536)):
-            raise ConfigError(f"driver_address={self.driver_address!r} must be 'host' or "
-                              "'host:port' (a port from 1 to 65535)")
-        return host, int(port) if colon else 0
+        return parse_driver_address(self.driver_address)
 
     def eval_rows(self, feature_bytes: int) -> int:
         """Rows of an evaluation (and scoring) chunk: eval_batch_size as given; by default 16

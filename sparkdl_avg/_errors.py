@@ -40,7 +40,8 @@ class TrainingError(SparkdlAvgError, RuntimeError):
 
 
 REASONS = ("magic", "version", "kind", "oversized", "malformed", "shape", "auth", "role",
-           "unexpected", "non_finite", "settings", "timeout", "closed", "capacity", "claimed")
+           "unexpected", "non_finite", "settings", "timeout", "closed", "capacity", "claimed",
+           "ended")
 """Why a peer's message was refused. Servers count refusals by these codes, and an ERROR
 reply carries one, so the other side can tell a lost connection from a refusal."""
 

@@ -67,7 +67,8 @@ class FitResult:
 
     - sync, every training round: `round`, `train_loss`, `lr`, `samples_per_s`,
       `replica_divergence`, `driver_mb`, `wire_mb` (the parameter exchange's bytes, all
-      workers and both directions), `time_round_s`, `time_compute_s`,
+      workers and both directions), `workers` (replicas averaged), `skipped_rows` (rows the
+      absent ones did not train: elastic fits), `time_round_s`, `time_compute_s`,
       `time_communication_s`, `time_averaging_s`;
     - sync, a round that takes an outer step (`outer_optimizer` other than "average", past
       the warm-up): also `outer_update_norm`;
@@ -103,7 +104,9 @@ class FitResult:
     `total_s`."""
     failures: list[dict] = field(default_factory=list)
     """The task failures the fit recovered from: partition, executor, host, error, and where
-    training restarted (`restart_at`)."""
+    training restarted (`restart_at`); an elastic fit's losses, not restarted (`restart_at`
+    None): also `attempt`, `round_lost`, `round_back` (None: never), `attempt_back`,
+    `seconds_away` and `skipped_rows`."""
     features_col: str | Sequence[str] = "features"
     """Where the fit read its features (a fit of one float vector); `transform` reads the same
     by default."""

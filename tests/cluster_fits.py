@@ -5,9 +5,11 @@ mid-training (a lost executor; the worker starts a new one). Then the fit with t
 CUDA faked to disagree with the discovery scripts. Writes the task reports, the
 recovered failures, the rounds the second fit logged, how many training steps partition
 `FAULT_PARTITION` ran in all (recomputed ones included), the schedule the fault fired in and
-whether both fits ended with the same parameters, what the fake-GPU fits did and the
-executors alive before and after them, as JSON."""
+whether both fits ended with the same parameters; then the same kill in an elastic fit
+(`min_workers=1`: its failures and each round's `workers`); what the fake-GPU fits did and
+the executors alive before and after them, as JSON."""
 
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +34,10 @@ CONFIG = TrainConfig(num_workers=2, batch_size=8, epochs=3, averaging_frequency=
                      checkpoint_every=2, log_model=False, experiment_name="local-cluster")
 # 32 rows per worker, 4 steps per epoch, 12 steps, 6 rounds; checkpoints after rounds 1, 3, 5
 FAULT_PARTITION, AT_CALL = 1, 7  # step 6 of 0..11: round 3, after the checkpoint "round 2"
+ELASTIC = dataclasses.replace(CONFIG, min_workers=1, epochs=8)
+"""The elastic fit: 32 steps, 16 rounds, 0.2 s a step; after the kill, partition 0's next step
+waits (up to 120 s) for the retried task to be built on the new executor, which then joins a
+later round however slowly this machine starts an executor."""
 
 
 class KillsItsExecutor(torch.nn.Linear):
@@ -40,15 +46,28 @@ class KillsItsExecutor(torch.nn.Linear):
     remembers). Each training forward on a partition adds a byte to `folder`/steps-<partition>:
     the steps that partition ran in all attempts."""
 
-    def __init__(self, folder: str = "") -> None:
+    def __init__(self, folder: str = "", delay_s: float = 0.0) -> None:
         super().__init__(4, 2)
-        self.folder, self.calls = folder, 0
+        self.folder, self.calls, self.delay_s = folder, 0, delay_s
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        self.waits = bool(delay_s)  # the elastic fit's: partition 0 waits for the retry
+        if self.waits and ctx is not None and ctx.attemptNumber() > 0:
+            Path(folder, "retried").touch()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
         if self.folder and ctx is not None and self.training:
+            time.sleep(self.delay_s)
+            if self.waits and ctx.partitionId() != FAULT_PARTITION \
+                    and os.path.exists(os.path.join(self.folder, "killed")):
+                self.waits, deadline = False, time.monotonic() + 120
+                while not os.path.exists(os.path.join(self.folder, "retried")) \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.1)
             self.calls += 1
             partition = ctx.partitionId()
             with open(os.path.join(self.folder, f"steps-{partition}"), "ab") as f:
@@ -135,6 +154,8 @@ def main(out_path: str, master: str) -> None:
         fake = fake_gpu_fits(df, fake_cuda)
         time.sleep(2)  # an executor that dies as its task is killed is reported in ms
         executors["after_fake_gpus"] = list(session.executors(spark)[1:])
+        elastic_folder = tempfile.mkdtemp()  # last: it takes an executor down
+        elastic = fit(df, partial(KillsItsExecutor, elastic_folder, 0.2), ELASTIC)
         with open(out_path, "w") as f:
             json.dump({"workers": plain.workers, "cpu_fallbacks": fallbacks,
                        "failures": recovered.failures,
@@ -143,6 +164,10 @@ def main(out_path: str, master: str) -> None:
                        "fault_partition_steps": steps.stat().st_size if steps.exists() else 0,
                        "schedule": schedule, "same_parameters": same,
                        "fake_gpus": fake,
+                       "elastic": {"failures": elastic.failures,
+                                   "killed": os.path.exists(os.path.join(elastic_folder,
+                                                                         "killed")),
+                                   "workers": [h.get("workers") for h in elastic.history]},
                        "executors": executors}, f)
     finally:
         spark.stop()

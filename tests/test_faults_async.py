@@ -56,6 +56,9 @@ def test_a_failed_worker_task_is_restarted_where_the_server_says(data, tmp_path,
     assert result.history[-1]["updates_applied"] == expected_pushes()
     stats = server_stats(mlflow_client, result.run_id)
     assert stats["progress"] == {"0": STEPS, "1": STEPS}
+    # the job was relaunched, not the parameter server: it kept every applied push
+    metrics = mlflow_client.get_run(result.run_id).data.metrics
+    assert metrics["restarts"] == 1 and "ps_restarts" not in metrics
     _assert_final_evaluation_is_of_the_model(result, data)
 
 

@@ -146,3 +146,21 @@ def test_tasks_compare_their_gpus_in_a_barrier_only_where_spark_gives_them_gpus(
         assert job._fn.args[0].gpu_tasks is compared
     finally:
         job._monitor.close()
+
+
+@pytest.mark.cluster
+def test_an_elastic_fit_trains_on_through_a_lost_executor_and_takes_its_task_back(
+        cluster_fits):
+    """The same executor kill in an elastic fit (min_workers=1): no restart; the other worker
+    trains on alone (workers = 1), Spark runs the lost task again on the executor the
+    standalone worker starts in the dead one's place, and it joins a later round (workers =
+    2 again) with the global parameters."""
+    elastic = cluster_fits["elastic"]
+    assert elastic["killed"]
+    [failure] = elastic["failures"]
+    assert failure["partition"] == 1 and failure["restart_at"] is None, failure
+    assert failure["round_back"] is not None and failure["round_back"] > failure["round_lost"]
+    assert failure["attempt_back"] > failure["attempt"]
+    workers = elastic["workers"]
+    assert workers[:failure["round_lost"] - 1] == [2] * (failure["round_lost"] - 1), workers
+    assert 1 in workers and workers[-1] == 2, workers

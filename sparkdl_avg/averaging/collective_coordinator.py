@@ -66,6 +66,7 @@ class CollectiveCoordinator(Coordinator):
             wire_bytes=self._wire_bytes(model_numel),
             outer_norm=reports[0][0].outer_norm,
             global_state=global_state,
+            workers=self.num_workers,
         )
         return self._finish_round(stats, reports, t_reduced, checkpoint=orders.checkpoint,
                                   evaluate=orders.evaluate)

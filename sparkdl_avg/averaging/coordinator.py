@@ -2,8 +2,9 @@
 
 Each round every worker pushes its flat parameters; the coordinator averages them weighted by
 the samples each saw, measures how far the replicas drifted, and sends the average back. One
-thread per worker moves bytes (socket calls release the GIL), so transfers overlap. Listening,
-concurrent handshakes and refusals come from `net.server.Server`.
+thread per worker moves bytes (socket calls release the GIL), so transfers overlap. The
+connections, and an elastic fit's comings and goings, are `worker_links.WorkerLinks`';
+listening, concurrent handshakes and refusals `net.server.Server`'s.
 """
 
 from __future__ import annotations
@@ -13,16 +14,12 @@ import os
 import ssl
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import numpy as np
 
 from sparkdl_avg._errors import (
-    TASK_ERRORS,
     ProtocolError,
     TrainingError,
-    WorkerLostError,
-    from_task,
 )
 from sparkdl_avg._eval_sums import merge, payload_target, received_part
 from sparkdl_avg.averaging.arithmetic import (
@@ -30,138 +27,89 @@ from sparkdl_avg.averaging.arithmetic import (
     non_finite_replicas,
 )
 from sparkdl_avg.averaging.global_step import GlobalStep
+from sparkdl_avg.averaging.membership import Membership
 from sparkdl_avg.averaging.round_stats import RoundStats, phases, sum_or_nan
+from sparkdl_avg.averaging.worker_links import POLL_S, WorkerLinks
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
-from sparkdl_avg.net.server import Server, escaped
 
 log = logging.getLogger("sparkdl_avg")
-_POLL_S = 0.25
 MAX_STATE_FACTOR = 4
 """A push may carry the parameters plus optimizer state of up to 3x their size (Adam)."""
-_JOB_FAILURE_WAIT_S = 5.0
-"""After losing a worker's socket, how long to wait for Spark to say why the task died."""
 _AVERAGING_THREADS = min(os.cpu_count() or 1, 8)
 """Threads the average is split over (on the I/O pool, idle while it runs): every worker
 waits for it, so it may take the driver's cores."""
 
 
-class Coordinator(Server):
+class Coordinator(WorkerLinks):
     """Owns the workers' connections and the averaging buffers; `close()` releases all."""
 
     def __init__(self, *, host: str, advertise: str, num_workers: int, secret: bytes,
                  timeout: float, dtype: np.dtype, model_numel: int,
                  check_job: Callable[[float], None], tls: ssl.SSLContext | None = None,
-                 port: int = 0, step: GlobalStep | None = None) -> None:
+                 port: int = 0, step: GlobalStep | None = None,
+                 elastic: Membership | None = None) -> None:
         """`step`: what a round makes of the replicas beyond their plain average (an outer
-        optimizer, compressed deltas); None: the plain average."""
-        # room for each rank's retry beside a connection it replaces (`serve`)
-        super().__init__(secret=secret, host=host, port=port,
-                         max_connections=2 * num_workers, tls=tls, name="coordinator")
-        self.num_workers = num_workers
-        self._timeout = timeout
-        self._check_job = check_job
-        self._workers: dict[int, Connection] = {}
-        self._sealed = False
-        """Every rank connected and accept_workers goes on: no connection is replaced."""
-        self.hellos: dict[int, msg.WorkerHello] = {}
-        self._io: ThreadPoolExecutor | None = None
+        optimizer, compressed deltas); None: the plain average. `elastic`: an elastic fit's
+        membership (`min_workers`); None: every worker in every round, a loss fails it."""
+        super().__init__(secret=secret, host=host, port=port, num_workers=num_workers,
+                         timeout=timeout, check_job=check_job, tls=tls, elastic=elastic,
+                         threads=max(num_workers, _AVERAGING_THREADS))
+        self._model_numel = model_numel
         self._advertise = advertise
         self._dtype = np.dtype(dtype)
         # a replica's buffer, allocated at its first push (never, with the collective one)
         self._buffers = [np.empty(0, self._dtype) for _ in range(num_workers)]
         self.average = np.empty(model_numel, self._dtype)
         # optimizer state at checkpoints: at most 3x the parameters (Adam), in any dtype
-        self._max_state_bytes = MAX_STATE_FACTOR * model_numel * 8 + (1 << 20)
+        self.max_payload = MAX_STATE_FACTOR * model_numel * 8 + (1 << 20)
         self._round_end = time.perf_counter()
-        self._bytes_mark = 0
         self.step = step
         self._compression = step.compression if step is not None else "none"
         if self._compression != "none":  # each push: a compressed delta
             self._buffers = [np.empty(step.payload.size, np.uint8) for _ in range(num_workers)]
 
-    def start(self) -> None:
-        super().start()
-        self._io = ThreadPoolExecutor(max(self.num_workers, _AVERAGING_THREADS),
-                                      thread_name_prefix="sparkdl-avg-io")
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """Where the executors connect: the driver's advertised host and our port."""
-        return self._advertise, self._port
-
-    def close(self) -> None:
-        super().close()
-        if self._io is not None:
-            self._io.shutdown(wait=False, cancel_futures=True)
-            self._io = None
-
     # --- setup ----------------------------------------------------------------------------
-
-    def serve(self, conn: Connection, hello: dict) -> bool:
-        """A worker connected and authenticated: keep its connection under its rank."""
-        try:
-            worker = msg.WorkerHello.from_meta(hello)
-        except ProtocolError as exc:
-            self.refuse(exc.reason, exc, hello, conn)
-            return False
-        conn.set_timeout(self._timeout)
-        conn.max_payload = self._max_state_bytes
-        with self._lock:
-            known, stale = worker.rank < self.num_workers, None
-            if known and not self._sealed:
-                # The same rank again, before the fit starts: a retried connect whose first
-                # try the worker gave up on, or Spark's next attempt of the task. Only the
-                # rank's key gets here, so the newest connection is the live one.
-                stale = self._workers.get(worker.rank)
-                self._workers[worker.rank] = conn
-                self.hellos[worker.rank] = worker
-                self._conns.discard(stale)
-                self._lock.notify_all()
-                sealed = False
-            else:
-                sealed = self._sealed
-        if known and not sealed:
-            if stale is not None:
-                log.info("worker rank %d connected again (%s): its earlier connection is "
-                         "closed", worker.rank, escaped(worker.host))
-                stale.close()
-            return True
-        # answered outside the lock, which the driver's loop polls under
-        self.refuse("unexpected", f"worker rank {worker.rank} is "
-                    f"{'taken: the fit has started' if known else 'unknown'}", worker.host,
-                    conn)
-        return False
 
     def accept_workers(self, initial: np.ndarray, deadline_s: float, *, start_round: int = 0,
                        states: list[tuple[list, np.ndarray]] | None = None,
                        vet: Callable[[list[msg.WorkerHello]], None] | None = None,
                        wait_next: bool = False, evaluate: bool = False,
-                       global_state: tuple[list, np.ndarray] | None = None) -> dict | None:
+                       global_state: tuple[list, np.ndarray] | None = None,
+                       start_with: int | None = None) -> dict | None:
         """Wait for every worker to connect and authenticate, let `vet` see their hellos (by
         rank; it raises to stop), then send the parameters to start from: before
         `start_round`, with each worker's optimizer state when restarting (and, to the
         collective transport's tasks, the outer optimizer's: `global_state`). `evaluate`: the
-        workers evaluate those parameters first (round 0); returns the merged sums."""
+        workers evaluate those parameters first (round 0); returns the merged sums. An
+        elastic fit starts with `start_with` workers (the slots it has; default all), or at
+        the deadline with at least min_workers; the others join at a round boundary."""
         deadline = time.monotonic() + deadline_s
+        enough = self.num_workers if self.elastic is None else start_with or self.num_workers
         while True:
             self._check_job(0)
             if self.failure is not None:
                 raise TrainingError(f"the driver's coordinator cannot accept connections: "
                                     f"{self.failure!r}")
             with self._lock:
-                if len(self._workers) == self.num_workers:
+                late = time.monotonic() > deadline
+                if len(self._workers) >= enough or (late and self.elastic is not None and len(
+                        self._workers) >= self.elastic.min_workers):
                     self._sealed = True  # these connections get the start: none replaced
                     break
-                if time.monotonic() > deadline:
+                if late:
                     missing = sorted(set(range(self.num_workers)) - set(self._workers))
                     raise TrainingError(
                         f"workers for partitions {missing} did not connect within "
                         f"{deadline_s:.0f}s (connect_timeout); is the driver reachable from "
                         "the executors (spark.driver.host)?")
-                self._lock.wait(_POLL_S)
-        self.stop_accepting()  # everyone is here: nobody else may connect
-        if vet is not None:
+                self._lock.wait(POLL_S)
+        if self.elastic is None:
+            self.stop_accepting()  # everyone is here: nobody else may connect
+        else:  # a late task joins at a round boundary
+            for rank in sorted(set(range(self.num_workers)) - set(self._workers)):
+                self.elastic.absent_from_start(rank, start_round)
+        if vet is not None and len(self._workers) == self.num_workers:
             vet([self.hellos[rank] for rank in range(self.num_workers)])
         self.average[:initial.size] = initial  # the result if no round is left to run
         start = msg.Average(round=start_round - 1, state_follows=states is not None,
@@ -191,31 +139,38 @@ class Coordinator(Server):
         send DONE), and what the driver asked for after it. `need_average`: whether the
         driver uses this round's average (here it always has it); `wait_next`: see
         `msg.Average`."""
-        pushes = self._all(lambda rank, conn: self._recv_push(rank, conn, round_index,
-                                                              model_numel, allow_state))
+        received = {}
+        while not received:  # elastic: each present worker's push, or else its leaving
+            if self.elastic is not None:
+                self._let_join(round_index, self._send_joining_start(round_index))
+            self._at = (round_index, False)
+            received = self._each(lambda rank, conn: self._recv_push(
+                rank, conn, round_index, model_numel, allow_state))
+        ranks, pushes = list(received), list(received.values())
+        buffers = [self._buffers[rank] for rank in ranks]
         sizes = {push.numel for push, _ in pushes}
         if len(sizes) != 1:
             raise TrainingError(f"workers pushed buffers of different sizes {sorted(sizes)} "
                                 f"in round {round_index}")
         if self.average.size != sizes.pop():
-            self.average = np.empty(self._buffers[0].size, self._dtype)
+            self.average = np.empty(buffers[0].size, self._dtype)
         t_avg = time.perf_counter()
         weights = [push.samples for push, _ in pushes]
         if self._compression == "none":
             out = self.average
             finite, divergence = average_and_diverge(
-                self._buffers, weights, self.average, diverge_numel=model_numel,
+                buffers, weights, self.average, diverge_numel=model_numel,
                 pool=self._io, threads=_AVERAGING_THREADS)
             outer_norm = self.step.after_average(round_index, self.average) \
                 if finite and self.step is not None else None
         else:  # `average` is the global parameters, which take the update `payload` holds
             out = self.step.payload
             distances, outer_norm, finite = self.step.from_deltas(
-                round_index, self._buffers, weights, self.average)
+                round_index, buffers, weights, self.average)
             divergence = float(np.mean(distances))
         if not finite:  # find the culprits only when needed
             raise TrainingError(
-                f"worker(s) {self._non_finite()} pushed NaN/Inf parameters in "
+                f"worker(s) {self._non_finite(ranks)} pushed NaN/Inf parameters in "
                 f"round {round_index}: training diverged; lower the learning rate or check "
                 "the loss"
             )
@@ -225,7 +180,8 @@ class Coordinator(Server):
                             wait_next=wait_next, encoding=self._compression,
                             **msg.tensor(self.average))
         evaluate, checkpoint = reply.evaluate, reply.checkpoint
-        self._all(lambda rank, conn: msg.send(conn, reply, out))
+        self._at = (round_index, True)
+        self._each(lambda rank, conn: msg.send(conn, reply, out))
         stats = RoundStats(
             samples=sum(weights),
             train_loss=sum_or_nan(push.loss_sum for push, _ in pushes) / max(1, sum(weights)),
@@ -235,38 +191,49 @@ class Coordinator(Server):
             divergence=divergence,
             lr=pushes[0][0].lr,
             # every push up, the reply down to each worker
-            wire_bytes=sum(b.nbytes for b in self._buffers) + self.num_workers * out.nbytes,
+            wire_bytes=sum(b.nbytes for b in buffers) + len(ranks) * out.nbytes,
             outer_norm=outer_norm,
+            workers=len(ranks),
         )
         return self._finish_round(stats, pushes, t_averaged, checkpoint=checkpoint,
-                                  evaluate=evaluate)
+                                  evaluate=evaluate, ranks=ranks)
 
-    def _non_finite(self) -> list[int]:
-        """The ranks whose push held a NaN or an infinity (decoded, when compressed)."""
+    def _send_joining_start(self, round_index: int) -> Callable[[Connection], None]:
+        """What a worker joining an elastic fit before round `round_index` gets: the global
+        parameters, as a start before that round (its optimizer state it rebuilds)."""
+        params = self.average[:self._model_numel]
+        start = msg.Average(round=round_index - 1, **msg.tensor(params))
+        return lambda conn: msg.send(conn, start, params)
+
+    def _non_finite(self, ranks: list[int]) -> list[int]:
+        """Which of `ranks` pushed a NaN or an infinity (decoded, when compressed)."""
         if self._compression == "none":
-            return non_finite_replicas(self._buffers)
+            return [ranks[i] for i in non_finite_replicas([self._buffers[r] for r in ranks])]
         from sparkdl_avg.averaging.compression import decode
 
         values = np.empty(self.average.size, self._dtype)
         found = []
-        for rank, payload in enumerate(self._buffers):
-            decode(payload, self._compression, values)
+        for rank in ranks:
+            decode(self._buffers[rank], self._compression, values)
             if not np.isfinite(values).all():
                 found.append(rank)
         return found
 
     def _finish_round(self, stats: RoundStats, reports: list, t_averaged: float, *,
-                      checkpoint: bool, evaluate: bool) -> RoundStats:
+                      checkpoint: bool, evaluate: bool,
+                      ranks: list[int] | None = None) -> RoundStats:
         """After the reply: the workers' optimizer state (checkpoint) and evaluations, then
-        the round's timings. `reports`: (push or report, arrival time) by rank."""
-        if checkpoint:
-            stats.states = self._all(self._recv_state)
+        the round's timings. `reports`: (push or report, arrival time) of `ranks` (default
+        all); the phases of a rank not among them are empty."""
+        if checkpoint:  # by rank: an elastic fit's lacks the workers not present
+            stats.states = self._each(self._recv_state)
         if evaluate:
             stats.eval = self.evaluations()
         now = time.perf_counter()
-        stats.phases = phases(self._round_end, [r.setup_s for r, _ in reports],
-                               [r.compute_s for r, _ in reports],
-                               [arrival for _, arrival in reports], t_averaged, now)
+        seen = dict(zip(ranks or range(self.num_workers), phases(
+            self._round_end, [r.setup_s for r, _ in reports], [r.compute_s for r, _ in reports],
+            [arrival for _, arrival in reports], t_averaged, now), strict=True))
+        stats.phases = [seen.get(rank, {}) for rank in range(self.num_workers)]
         stats.round_s, self._round_end = now - self._round_end, now
         stats.driver_bytes = self._bytes_in_round()
         return stats
@@ -281,18 +248,16 @@ class Coordinator(Server):
                 return received_part(message, payload)
             except ProtocolError as exc:
                 raise TrainingError(f"worker {rank} sent an evaluation that is {exc}") from None
-        return merge(self._all(receive))
-
-    def _bytes_in_round(self) -> int:
-        """Bytes moved with the workers since the last call."""
-        total = sum(conn.bytes_moved for conn in self._workers.values())
-        moved, self._bytes_mark = total - self._bytes_mark, total
-        return moved
+        return merge(list(self._each(receive).values()))
 
     def finish(self) -> tuple[list, np.ndarray]:
         """Every worker's DONE; returns worker 0's integer buffers (layout, bytes): every
         replica took the same steps, so any one's count is the fit's."""
-        done = self._all(lambda rank, conn: self._expect(rank, conn, msg.Done))
+        done = list(self._each(lambda rank, conn: self._expect(rank, conn, msg.Done)).values())
+        if self.elastic is not None:
+            self._end_elastic()
+        if not done:  # every worker left after the last average: no counts to take
+            return [], np.zeros(0, np.uint8)
         message, payload = done[0]
         return message.layout, np.frombuffer(payload, np.uint8) if payload is not None \
             else np.zeros(0, np.uint8)
@@ -340,51 +305,7 @@ class Coordinator(Server):
             else np.zeros(0, np.uint8)
         return state.layout, data
 
-    def _expect(self, rank: int, conn: Connection, cls: type[msg.M],
-                into=None) -> tuple[msg.M, memoryview | None]:
-        host = self.hellos[rank].host
-        try:
-            message, payload = msg.receive(conn, into)
-        except TimeoutError:
-            raise WorkerLostError(
-                f"partition {rank} (host {host}) sent nothing for {self._timeout:g}s "
-                "(round_timeout): the task hangs or its executor is stuck",
-                partition=rank, host=host) from None
-        except (ProtocolError, OSError) as exc:
-            raise WorkerLostError(f"lost the worker of partition {rank} (host {host}): {exc}",
-                                  partition=rank, host=host) from exc
-        if isinstance(message, msg.WorkerFailed):
-            if message.final:
-                raise from_task(f"partition {rank}", message.message)
-            raise WorkerLostError(f"partition {rank} failed: {message.message}",
-                                  partition=rank, reported=message.message, host=host)
-        if not isinstance(message, cls):
-            raise TrainingError(f"worker {rank} sent {message.KIND.name}, expected "
-                                f"{cls.KIND.name}")
-        return message, payload
-
-    def _all(self, fn: Callable[[int, Connection], object]) -> list:
-        """Run fn for every worker in parallel; fail fast (checking the Spark job) on errors."""
-        futures = [self._io.submit(fn, rank, self._workers[rank])
-                   for rank in range(self.num_workers)]
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=_POLL_S, return_when=FIRST_EXCEPTION)
-            for f in done:
-                if f.exception() is not None:
-                    self._fail(f.exception())
-            if pending:
-                self._check_job(0)
-        return [f.result() for f in futures]
-
-    def _fail(self, exc: BaseException) -> None:
-        if isinstance(exc, (TrainingError, *TASK_ERRORS)) \
-                and not isinstance(exc, WorkerLostError):
-            raise exc  # our own diagnosis (a final worker error, a NaN): final
-        # A lost worker usually means its task failed: give Spark a moment to say why,
-        # unless the worker told us itself.
-        reported = isinstance(exc, WorkerLostError) and exc.reported is not None
-        self._check_job(0 if reported else _JOB_FAILURE_WAIT_S)
-        if isinstance(exc, TrainingError):
-            raise exc
-        raise TrainingError(str(exc)) from exc
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where the executors connect: the driver's advertised host and our port."""
+        return self._advertise, self._port

@@ -21,8 +21,8 @@ class RoundStats:
     lr: float | None = None
     """The learning rate of the round's last optimizer step (worker 0's: all follow one
     schedule)."""
-    states: list[tuple[list, np.ndarray]] | None = None
-    """At checkpoint rounds: each worker's optimizer state (layout, bytes)."""
+    states: dict[int, tuple[list, np.ndarray]] | None = None
+    """At checkpoint rounds: each present worker's optimizer state (layout, bytes), by rank."""
     phases: list[dict[str, tuple[float, float]]] | None = None
     """Per worker: (start, end) perf_counter times of setup, compute, transfer, waiting,
     averaging and return+eval, as the driver sees them."""
@@ -36,6 +36,9 @@ class RoundStats:
     and both directions summed (`wire_mb`)."""
     outer_norm: float | None = None
     """The outer optimizer's step in L2 norm (None: no outer step this round)."""
+    workers: int = 0
+    """How many replicas the round averaged (`workers`: fewer in an elastic fit that lost
+    some)."""
     global_state: tuple[list, np.ndarray] | None = None
     """At checkpoint rounds of the collective transport with an outer optimizer or
     compression: worker 0's `GlobalStep` state (layout, bytes)."""

@@ -49,12 +49,15 @@ class BarrierJob:
 
     @classmethod
     def training(cls, frame: DataFrame, spec, description: str, config,
-                 run=None, *, secret: bytes) -> BarrierJob:
+                 run=None, *, secret: bytes,
+                 is_live: Callable[[int], bool] | None = None) -> BarrierJob:
         """The job of a fit's training tasks (`task.entry.run_task` on every partition),
         with a `LoadMonitor` the tasks report their loading to and claim their worker keys
         from (derived from `secret`, the coordinator's or the parameter server's, which
         never enters `spec`); a task's CPU fallback is reported (`report_cpu_fallback`, to
-        the fit's MLflow `run`) as it loads."""
+        the fit's MLflow `run`) as it loads. An elastic fit (`min_workers`) runs them as a
+        normal stage, whose failed task Spark retries alone; `is_live(rank)` then says
+        whether a rank's worker is in the fit, for its retried attempt's claim."""
         from sparkdl_avg.driver.cluster import driver_address, training_resources
         from sparkdl_avg.task import report
         from sparkdl_avg.task.entry import run_task
@@ -64,14 +67,16 @@ class BarrierJob:
         profile, gpus = training_resources(spark, config.device)
         monitor = LoadMonitor(host=address.bind, advertise=address.advertise,
                               num_workers=len(spec.train_rows), worker_secret=secret,
-                              on_cpu_fallback=partial(report_cpu_fallback, run))
+                              on_cpu_fallback=partial(report_cpu_fallback, run),
+                              is_live=is_live)
         monitor.start()  # here: the tasks need its port; the job closes it
         try:
             spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,
                                        load_secret=monitor.secret,
                                        gpu_tasks=gpus > 0)
             job = cls(frame, partial(run_task, spec), report.struct_type(), description,
-                      rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor)
+                      rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor,
+                      barrier=getattr(config, "min_workers", None) is None)
             job.profile = profile
             return job
         except BaseException:
@@ -79,9 +84,12 @@ class BarrierJob:
             raise
 
     def __init__(self, frame: DataFrame, fn: Callable, schema: StructType, description: str,
-                 rows: int = 0, monitor: LoadMonitor | None = None) -> None:
+                 rows: int = 0, monitor: LoadMonitor | None = None,
+                 barrier: bool = True) -> None:
         """`rows`: the rows the tasks load; while they load, progress (from `monitor`, which
-        the job closes) is logged every LOAD_LOG_S."""
+        the job closes) is logged every LOAD_LOG_S. `barrier`: a barrier stage (all tasks
+        start together, and one failure fails them all)."""
+        self._barrier = barrier
         self._frame, self._fn, self._schema, self._rows = frame, fn, schema, rows
         self._monitor = monitor
         self.profile = None
@@ -114,7 +122,7 @@ class BarrierJob:
         spark = self._frame.sparkSession
         try:
             session.tag_jobs(spark, self._group, self._description)  # this thread runs it
-            self.rows = self._frame.mapInArrow(self._fn, self._schema, barrier=True,
+            self.rows = self._frame.mapInArrow(self._fn, self._schema, barrier=self._barrier,
                                                profile=self.profile).collect()
         except BaseException as exc:  # reported to the driver loop through check()
             self.error = exc
@@ -134,10 +142,10 @@ class BarrierJob:
             match = _FAILED_TASK.search(text)
             final = _FINAL_TASK.search(text)
             if final:  # the task's own check failed: a restart would fail the same way
-                where = f"partition {match.group(1)}" if match else "a training task"
+                where = f"partition {_partition(match)}" if match else "a training task"
                 raise from_task(where, final.group(1)[:2000]) from self.error
             raise WorkerLostError(f"the training tasks failed: {_spark_reason(text)}",
-                                  partition=int(match.group(1)) if match else None) \
+                                  partition=_partition(match)) \
                 from self.error
 
     def _log_load(self) -> None:
@@ -243,7 +251,8 @@ class BarrierJob:
 
 _NOT_RETRYABLE = re.compile(r"cancelled job group|Job \d+ cancelled|SparkContext was shut down|"
                             r"killed via the Web UI|OPERATION_CANCELED")
-_FAILED_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)")
+_FAILED_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)|"
+                          r"Task (\d+) in stage [\d.]+ failed \d+ times")
 _PYTHON_ERROR = re.compile(  # a Python error, module-qualified or not; no JVM class
     r"^(?!(?:org|java|javax|scala|py4j)\.)(?:[a-z_]\w*\.)*[A-Z]\w*"
     r"(Error|Exception|Exit|Interrupt)(: .*)?$")
@@ -273,6 +282,13 @@ def _tasks_from_error(text: str) -> list[dict]:
     if failed is None:
         return []
     lost = _LOST_TASK.search(text)
-    return [{"partition": int(failed.group(1)), "status": "FAILED",
+    return [{"partition": _partition(failed), "status": "FAILED",
              "host": lost.group(1) if lost else None,
              "executor": lost.group(2) if lost else None, "error": _spark_reason(text)}]
+
+
+def _partition(match: re.Match | None) -> int | None:
+    """The failed task's partition in a `_FAILED_TASK` match (a barrier or a normal stage)."""
+    if match is None:
+        return None
+    return int(match.group(1) if match.group(1) is not None else match.group(2))

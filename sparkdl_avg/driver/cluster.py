@@ -72,10 +72,14 @@ def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S, *,
     (the fit's servers hold theirs); nor does it run again where an earlier one found the
     same executors fit (`_probe_key`)."""
     num_workers, device = config.num_workers, config.device
+    # an elastic fit starts with the slots it has, if at least min_workers (`elastic_start`)
+    needed = config.min_workers if config.mode == "sync" and config.min_workers is not None \
+        else num_workers
     master = session.conf(spark, "spark.master", "")
     profile, gpus = training_resources(spark, device)
     check_gpu_scheduling(master, gpus, device)
-    if session.conf(spark, "spark.dynamicAllocation.enabled", "false").lower() == "true":
+    if session.conf(spark, "spark.dynamicAllocation.enabled", "false").lower() == "true" \
+            and needed == num_workers:
         raise ClusterError("spark.dynamicAllocation.enabled=true: the training tasks run as one "
                            "barrier stage, which Spark refuses under dynamic allocation; "
                            "disable it for training")
@@ -85,8 +89,8 @@ def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S, *,
         if slots >= num_workers or time.monotonic() > deadline:
             break
         time.sleep(0.5)  # executors of a just-started cluster are still registering
-    if slots is not None and slots < num_workers:
-        raise _too_few_slots(spark, num_workers, gpus, f"runs only {slots} tasks at once")
+    if slots is not None and slots < needed:
+        raise _too_few_slots(spark, needed, gpus, f"runs only {slots} tasks at once")
     if restart and slots is not None:
         return
     from sparkdl_avg.driver.probe import probe_cluster
@@ -108,7 +112,8 @@ def check_cluster(spark, config, wait_s: float = SLOT_WAIT_S, *,
         return
     deadline_s = wait_s + PROBE_S if slots is None else \
         max(wait_s + PROBE_S, config.waits().connect)
-    probe_cluster(spark, config, profile, address, deadline_s, too_few_slots=too_late)
+    probe_cluster(spark, config, profile, address, deadline_s, too_few_slots=too_late,
+                  tasks=needed if slots is None else max(needed, min(slots, num_workers)))
     if probed is not None:
         _PROBED.add(probed)
 

@@ -8,7 +8,12 @@ under `worker_secret` (the coordinator's or the parameter server's; None: no key
 the probe job). Each rank is claimed once per monitor (per launch), by one claim id, whatever
 attempt number the claimant gives (its word: kept for the log only). The same claim id again
 (the task's retry after a lost reply) gets the key anew, under a fresh nonce; any other claim
-for that rank is refused ("claimed"), counted and logged: the task refused fails the fit."""
+for that rank is refused ("claimed"), counted and logged: the task refused fails the fit.
+
+An elastic fit's stage is a normal one, whose failed task Spark runs again (`is_live`
+given): there a new claim for a rank is also answered when it comes from a later attempt than
+the holder's and the rank's worker is not in the fit (`is_live(rank)` False, the
+coordinator's word), so a retried task gets its key while a second live claimant does not."""
 
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ from sparkdl_avg.task.load_report import LoadReport
 class LoadMonitor(Server):
     def __init__(self, *, host: str, advertise: str, num_workers: int,
                  worker_secret: bytes | None = None, port: int = 0, name: str = "load monitor",
-                 on_cpu_fallback: Callable[[int, str], None] | None = None) -> None:
+                 on_cpu_fallback: Callable[[int, str], None] | None = None,
+                 is_live: Callable[[int], bool] | None = None) -> None:
         super().__init__(secret=new_secret(), host=host, port=port,
                          max_connections=2 * num_workers, name=name)
         self.advertise, self.num_workers = advertise, num_workers
@@ -36,8 +42,9 @@ class LoadMonitor(Server):
         self._on_cpu_fallback = on_cpu_fallback
         self._fallbacks: set[int] = set()
         self._worker_secret = worker_secret
-        self._claimed: dict[int, str] = {}
-        """Per rank, the claim id that claimed its key."""
+        self._claimed: dict[int, tuple[str, int]] = {}
+        """Per rank, the claim id that claimed its key and its attempt."""
+        self._is_live = is_live
 
     @property
     def secret(self) -> bytes:
@@ -82,7 +89,12 @@ class LoadMonitor(Server):
             if claim.rank >= self.num_workers:
                 raise ProtocolError(f"rank {claim.rank} of {self.num_workers}", "unexpected")
             with self._lock:
-                holder = self._claimed.setdefault(claim.rank, claim.claim_id)
+                holder, attempt = self._claimed.setdefault(claim.rank,
+                                                           (claim.claim_id, claim.attempt))
+                if holder != claim.claim_id and self._is_live is not None \
+                        and claim.attempt > attempt and not self._is_live(claim.rank):
+                    holder = claim.claim_id  # Spark's retry of a task the fit lost
+                    self._claimed[claim.rank] = (holder, claim.attempt)
             if holder != claim.claim_id:
                 raise ProtocolError(
                     f"worker {claim.rank}'s key was claimed already (this claim: attempt "

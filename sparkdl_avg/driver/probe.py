@@ -30,15 +30,15 @@ log = logging.getLogger(__name__)
 
 
 def probe_cluster(spark, config, profile, address, deadline_s: float, *,
-                  too_few_slots) -> None:
-    """Run the probe job (`task.probe`) on `config.num_workers` barrier tasks; raise a
-    ClusterError naming the problem, `too_few_slots(deadline_s)` if the tasks did not all run
-    within `deadline_s`."""
+                  too_few_slots, tasks: int | None = None) -> None:
+    """Run the probe job (`task.probe`) on `tasks` (default `config.num_workers`) barrier
+    tasks; raise a ClusterError naming the problem, `too_few_slots(deadline_s)` if the tasks
+    did not all run within `deadline_s`."""
     from sparkdl_avg.driver.cluster import check_local_dirs
     from sparkdl_avg.task.probe import FIELDS, probe_task
     from sparkdl_avg.task.report import struct_type
 
-    n = config.num_workers
+    n = tasks or config.num_workers
     server = LoadMonitor(host=address.bind, advertise=address.advertise, num_workers=n,
                          port=address.port, name="probe server")
     try:

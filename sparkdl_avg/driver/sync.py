@@ -15,6 +15,7 @@ from sparkdl_avg.averaging.collective_coordinator import CollectiveCoordinator
 from sparkdl_avg.averaging.coordinator import Coordinator
 from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
 from sparkdl_avg.averaging.global_step import GlobalStep
+from sparkdl_avg.averaging.membership import Membership
 from sparkdl_avg.averaging.round_stats import RoundStats
 from sparkdl_avg.driver.barrier import BarrierJob
 from sparkdl_avg.driver.checkpoints import (
@@ -83,7 +84,8 @@ def train_sync(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
     run.log_dict_quietly({"rounds": attempt.timeline}, "worker_timeline.json")
     run.log_figure(lambda: worker_timeline(attempt.timeline, config.num_workers),
                    "plots/worker_timeline.png")
-    return TrainOutcome(history=attempt.history, workers=workers, failures=restarts.failures,
+    return TrainOutcome(history=attempt.history, workers=workers,
+                        failures=restarts.failures + attempt.elastic_records,
                         first_step_at=attempt.t_train, train_s=train_s)
 
 
@@ -113,6 +115,8 @@ class _Attempt:
         """The round (its index; -1: round 0, before training) at which early stopping or
         on_round stopped the fit: the workers take the next round's steps, and its average
         is their last (it is not logged)."""
+        self.elastic_records: list[dict] = []
+        """An elastic fit's losses and returns (`averaging.membership`), over all attempts."""
         self.timeline: list[dict] = []
         """Per round: each worker's phases, seconds since training began (for the picture)."""
         self.step: GlobalStep | None = None
@@ -129,12 +133,15 @@ class _Attempt:
         waits = config.waits()
         secret = new_secret()
         address = driver_address(self.spark, config)
+        elastic = Membership(config.min_workers, self.elastic_records,
+                             plan.schedule.rows_in_rounds) \
+            if config.min_workers is not None else None
         if config.transport == "collective":
             coordinator, extra = CollectiveCoordinator, {
                 "compression": config.delta_compression,
                 "global_state": plan.outer is not None or config.delta_compression != "none"}
         else:
-            coordinator, extra = Coordinator, {"step": self.step}
+            coordinator, extra = Coordinator, {"step": self.step, "elastic": elastic}
             if self.step is not None:  # the outer state and residual of the restart point
                 self.step.restore(unpack(*point.global_state) if point.global_state
                                   else {}, point.params)
@@ -147,6 +154,7 @@ class _Attempt:
             plan.data.frame, plan.worker_spec(coord.address, self.tls_ca_pem),
             f"sparkdl-avg: train {config.num_workers} replicas from round {point.round}",
             config, self.run_logger, secret=secret,
+            is_live=coord.is_live if elastic is not None else None,
         ) as job:
             try:
                 if config.overlap_averaging:  # its checkpoint_every is a number of rounds
@@ -156,7 +164,7 @@ class _Attempt:
                     vet=self._check_devices, wait_next=any(self.orders),
                     evaluate=self._evaluates_first(),
                     global_state=point.global_state if config.transport == "collective"
-                    else None)
+                    else None, start_with=elastic_start(self.spark, config))
                 if first is not None:
                     self._log_first(first)
                 self.t_train = self.t_train or time.perf_counter()
@@ -167,6 +175,8 @@ class _Attempt:
                     if stop:
                         break
                 buffers = coord.finish()
+                if elastic is not None:
+                    elastic.close_open(plan.schedule.num_rounds)
                 final = self.stopper.result()
                 flat.array[:] = coord.average[:flat.array.size] if final is None else final
                 flat.scatter()
@@ -256,6 +266,9 @@ class _Attempt:
         logged = self.history[-1]["round"] if self.history else -1
         if done > logged and not stop:  # a round redone after a restart: logged once
             metrics = round_metrics(stats, self.plan.objective.metrics)
+            # the rows the workers not averaged this round did not train on
+            metrics["skipped_rows"] = (config.num_workers - stats.workers) * \
+                schedule.rows_in_rounds(r, r + 1)
             # strangers the coordinator refused, by reason, so far in this attempt
             metrics.update({f"refused_{k}": v for k, v in coord.refusals().items()})
             self.history.append({"round": done, **metrics})
@@ -269,17 +282,45 @@ class _Attempt:
             self.timeline.append({"round": done, "workers": [
                 {name: (a - self.t_train, b - self.t_train) for name, (a, b) in w.items()}
                 for w in stats.phases]})
-        if stats.states is not None:
+        states = self._states(stats.states)
+        if states is not None:
             global_state = stats.global_state
             if self.step is not None and self.step.has_state:
                 global_state = pack_entries(self.step.state())
             self.point = Checkpoint(
                 round=r + 1, steps=schedule.round_start(r + 1),
-                params=coord.average[:numel].copy(), states=stats.states,
+                params=coord.average[:numel].copy(), states=states,
                 fingerprint=self.expected,
                 history=[row for row in self.history if row["round"] <= r + 1],
                 best=self.stopper.best, stop=self.stopper.state(), global_state=global_state)
             self.writer.submit(self.point)
+
+
+    def _states(self, states: dict | None) -> list | None:
+        """A checkpoint's optimizer states, by rank. In an elastic fit, a worker not present
+        keeps its state of the checkpoint before; with none before, no checkpoint is taken
+        (the restart point stays where it was)."""
+        n = self.plan.config.num_workers
+        if states is None or len(states) == n:
+            return None if states is None else [states[rank] for rank in range(n)]
+        if self.point.states is None:
+            log.warning("round %d's checkpoint is skipped: partitions %s are away and have no "
+                        "earlier state", self.point.round, sorted(set(range(n)) - set(states)))
+            return None
+        return [states.get(rank, self.point.states[rank]) for rank in range(n)]
+
+
+def elastic_start(spark, config) -> int | None:
+    """How many workers an elastic fit starts with: all, or the task slots the cluster has
+    where they are fewer (and at least min_workers); None: not elastic."""
+    if config.min_workers is None:
+        return None
+    from sparkdl_avg.driver import session
+    from sparkdl_avg.driver.cluster import training_resources
+
+    slots = session.concurrent_slots(spark, training_resources(spark, config.device)[0])
+    return config.num_workers if slots is None else \
+        max(config.min_workers, min(config.num_workers, slots))
 
 
 def round_metrics(stats: RoundStats, metrics=()) -> dict[str, float]:
@@ -296,6 +337,7 @@ def round_metrics(stats: RoundStats, metrics=()) -> dict[str, float]:
         "replica_divergence": stats.divergence,
         "driver_mb": stats.driver_bytes / 1e6,
         "wire_mb": stats.wire_bytes / 1e6,
+        "workers": stats.workers,
     }
     if stats.outer_norm is not None:
         logged["outer_update_norm"] = stats.outer_norm

@@ -121,10 +121,12 @@ class WorkerHello(Message):
     rank: int
     host: str
     device: str = "cpu"
+    attempt: int = 0
+    """Spark's attempt number of the task (an elastic fit's records say which came back)."""
 
     def check(self) -> None:
-        if self.rank < 0:
-            raise self.invalid(f"rank {self.rank}")
+        if self.rank < 0 or self.attempt < 0:
+            raise self.invalid(f"rank {self.rank}, attempt {self.attempt}")
 
 
 @dataclass(frozen=True, slots=True)

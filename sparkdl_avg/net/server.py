@@ -24,6 +24,7 @@ import collections
 import contextlib
 import errno
 import logging
+import os
 import selectors
 import socket
 import ssl
@@ -341,3 +342,15 @@ def _gone(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """`_gone` for a socket TLS may have wrapped (an SSLSocket refuses recv flags): peeks on
+    a duplicate of its descriptor, whose bytes are the raw stream's. A worker whose process
+    died closed its connection, though the server may not have read from it since."""
+    try:
+        raw = socket.socket(fileno=os.dup(sock.fileno()))
+    except OSError:  # closed already
+        return True
+    with raw:
+        return _gone(raw)

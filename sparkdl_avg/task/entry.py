@@ -39,7 +39,7 @@ def run_task(spec: WorkerSpec, batches: Iterator) -> Iterator:
 def _run(spec: WorkerSpec, batches: Iterator):
     import cloudpickle
     import torch
-    from pyspark import BarrierTaskContext
+    from pyspark import BarrierTaskContext, TaskContext
 
     from sparkdl_avg import _version
     from sparkdl_avg.data.partition import cache_kind, load_partition
@@ -58,11 +58,13 @@ def _run(spec: WorkerSpec, batches: Iterator):
     from sparkdl_avg.task.report import record_batch
 
     config = cloudpickle.loads(spec.config)
-    ctx = BarrierTaskContext.get()
+    # an elastic fit's tasks run as a normal stage, whose failed task Spark retries alone
+    elastic = config.mode == "sync" and config.min_workers is not None
+    ctx = TaskContext.get() if elastic else BarrierTaskContext.get()
     rank = ctx.partitionId()
     set_deterministic(config.deterministic)  # before CUDA starts: cuBLAS reads its setting
     # every task or none: the same spec reaches them all
-    choice = _agree_on_devices(ctx, rank, config.device) if spec.gpu_tasks \
+    choice = _agree_on_devices(ctx, rank, config.device) if spec.gpu_tasks and not elastic \
         else task_device(config.device)
     device = torch.device(choice.device)
     if device.type == "cuda":
@@ -72,7 +74,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
     # after the device gather, where a task that leaves early would take its executor down;
     # before the load, so a refused claim fails the fit before minutes of loading
     credential = enrol(spec.load_monitor, spec.load_secret, rank, ctx.attemptNumber(),
-                       config.waits().connect)
+                       config.waits().connect, elastic=elastic)
     # without a reset the peak could be an earlier task's in this reused worker: none then
     own_peak = memory.reset_peak()
     start_rss = memory.resident_bytes()
@@ -93,7 +95,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
                                   progress=progress)
         cleanup.callback(data.close)
         hello = msg.WorkerHello(rank=rank, host=socket.gethostname(),
-                                device=device_identity(device))
+                                device=device_identity(device), attempt=ctx.attemptNumber())
         if config.mode == "sync":
             from sparkdl_avg.averaging.driver_channel import DriverChannel
             from sparkdl_avg.task.sync_loop import train_sync

@@ -22,6 +22,9 @@ class Schedule:
     accumulation: int = 1
     warmup_steps: int = 0
     """Steps averaged one at a time before rounds of `averaging_frequency` steps begin."""
+    epoch_rows: int = 0
+    batch_size: int = 0
+    """A worker's rows an epoch (positions: the largest partition's) and a micro-batch's."""
 
     @property
     def warmup_rounds(self) -> int:
@@ -66,6 +69,15 @@ class Schedule:
     def steps_in_round(self, round_index: int) -> int:
         return self.round_start(round_index + 1) - self.round_start(round_index)
 
+    def rows_in_rounds(self, first: int, end: int) -> int:
+        """The row positions one worker trains on in rounds `first`..`end`-1 (an epoch's
+        last batch may be short): what an elastic fit's absent worker skips."""
+        def rows_before(round_index: int) -> int:
+            position = self.first_micro_batch(self.round_start(round_index))
+            epoch, batch = divmod(position, self.micro_batches_per_epoch)
+            return epoch * self.epoch_rows + min(batch * self.batch_size, self.epoch_rows)
+        return rows_before(end) - rows_before(first)
+
     def first_micro_batch(self, step: int) -> int:
         """Where the data stands when optimizer step `step` begins."""
         epoch, group = divmod(step, self.steps_per_epoch)
@@ -85,4 +97,4 @@ def make_schedule(epoch_rows: int, batch_size: int, epochs: int,
     partition's rows, `data.order.epoch_length`; a final partial batch included), so all
     replicas reach each averaging point together and every row is in every epoch."""
     return Schedule(math.ceil(epoch_rows / batch_size), epochs, averaging_frequency,
-                    accumulation, warmup_steps)
+                    accumulation, warmup_steps, epoch_rows, batch_size)

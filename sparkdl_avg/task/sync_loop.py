@@ -8,7 +8,7 @@ import time
 import traceback
 
 from sparkdl_avg._config import TrainConfig
-from sparkdl_avg._errors import is_final
+from sparkdl_avg._errors import PeerRefused, is_final
 from sparkdl_avg.averaging.transport import RoundReport, Transport
 from sparkdl_avg.data.partition import Partition
 from sparkdl_avg.net import messages as msg
@@ -46,7 +46,15 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
         transport.open(hello)
         if setup_error is not None:
             raise setup_error
-        start = transport.receive_start(flat.array)
+        try:
+            start = transport.receive_start(flat.array)
+        except PeerRefused as exc:
+            if exc.reason != "ended":
+                raise
+            # an elastic fit's late task (no slot until a worker finished): nothing to train
+            replica.warnings.append("the fit ended before this task could join it")
+            transport.close()
+            return replica.outcome()
         ready = time.perf_counter()  # from here to a round's first step: setup (the picture)
         flat.scatter()
         replica.start(step=schedule.round_start(start.round))

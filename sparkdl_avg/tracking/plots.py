@@ -54,7 +54,7 @@ def worker_timeline(timeline: Sequence[dict], num_workers: int):
     """One row per worker; each round's phases as coloured spans on the time axis.
 
     `timeline`: per round {"round", "workers": [{phase: (start, end)}, ...]} with times
-    in seconds since training began."""
+    in seconds since training began (a worker an elastic fit did not average: {})."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -63,7 +63,7 @@ def worker_timeline(timeline: Sequence[dict], num_workers: int):
     for name, color in PHASES:
         for w in range(num_workers):
             spans = [(start, end - start) for entry in timeline
-                     for start, end in [entry["workers"][w][name]] if end > start]
+                     for start, end in [entry["workers"][w].get(name, (0, 0))] if end > start]
             if spans:
                 ax.broken_barh(spans, (w - 0.35, 0.7), facecolors=color, linewidth=0)
     ax.set_yticks(range(num_workers), [f"worker {w}" for w in range(num_workers)])
