@@ -32,3 +32,24 @@ def test_by_default_a_fit_evaluates_after_each_round_in_which_an_epoch_ends():
     exact = make_schedule(40, 4, 2, 5)
     assert [r for r in range(exact.num_rounds) if exact.evaluates_after(r, None)] == [1, 3]
     assert [r for r in range(8) if schedule.evaluates_after(r, 3)] == [2, 5]
+
+
+@pytest.mark.parametrize(("rows", "batch", "epochs", "k", "accumulation", "warmup"), [
+    (205, 4, 3, 8, 1, 0), (100, 10, 2, 3, 2, 2), (7, 10, 2, 1, 1, 0), (300, 10, 2, 3, 1, 0)])
+def test_the_rows_an_absent_worker_skips_add_up_to_its_epochs(rows, batch, epochs, k,
+                                                            accumulation, warmup):
+    """An elastic fit's `skipped_rows`: each round's row positions, counted a batch at a time
+    from the data's position (an epoch's last batch short), add up to epochs x rows, and
+    any span of rounds is the sum of its rounds."""
+    s = make_schedule(rows, batch, epochs, k, accumulation, warmup)
+    per_round = [s.rows_in_rounds(r, r + 1) for r in range(s.num_rounds)]
+    assert sum(per_round) == epochs * rows == s.rows_in_rounds(0, s.num_rounds)
+    assert s.rows_in_rounds(1, s.num_rounds - 1) == sum(per_round[1:-1])
+    # counted independently: every micro-batch of every round, its rows in its epoch
+    expected = []
+    for r in range(s.num_rounds):
+        first = s.first_micro_batch(s.round_start(r))
+        end = s.first_micro_batch(s.round_start(r + 1))
+        expected.append(sum(min(batch, rows - (m % s.micro_batches_per_epoch) * batch)
+                            for m in range(first, end)))
+    assert per_round == expected

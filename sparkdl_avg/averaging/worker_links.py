@@ -15,6 +15,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from sparkdl_avg._errors import (
     TASK_ERRORS,
+    PeerClosed,
     ProtocolError,
     TrainingError,
     WorkerLostError,
@@ -92,8 +93,9 @@ class WorkerLinks(Server):
                 self._lock.notify_all()
                 sealed = False
             elif known and self.elastic is not None:
-                why = self.elastic.offer(worker.rank, conn, worker,
-                                         live=worker.rank in self._workers)
+                present = self._workers.get(worker.rank)
+                why = self.elastic.offer(worker.rank, conn, worker, live=present is not None
+                                         and not peer_closed(present.sock))
                 if why is None:  # trains from the next round boundary (`_let_join`)
                     self._lock.notify_all()
                     return True
@@ -193,6 +195,8 @@ class WorkerLinks(Server):
             with self._lock:
                 joining, self.elastic.joining = self.elastic.joining, {}
             for rank, (conn, hello) in sorted(joining.items()):
+                if rank in self._workers:  # its dead predecessor, not read from since
+                    self._drop(rank, PeerClosed("replaced by its retried task"))
                 try:
                     send_start(conn)
                 except OSError as exc:  # gone again: its task is retried once more
