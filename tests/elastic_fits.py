@@ -143,6 +143,8 @@ def run(name: str, spark, train, test, folder: str) -> dict:
                      optimizer=partial(ExitsAtCheckpoint, lr=0.05, momentum=0.9))
     elif name == "elastic_last_round_fault":  # step 59 of 60: the last round
         model = partial(slow, at_call=59)
+    elif name == "fewer_slots":  # 5 workers on 4 slots: the fifth task waits for a slot
+        model, cfg = partial(ExitsOnce, folder), config(num_workers=5, min_workers=4)
     elif name == "below_min_workers":  # its retry never connects: 3 of min_workers=4
         model = partial(slow, at_call=19, stays_away=True)
         cfg = config(min_workers=4, round_timeout=8.0)
@@ -156,6 +158,8 @@ def run(name: str, spark, train, test, folder: str) -> dict:
         out.update(error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - started)
         return out
     params = torch.cat([p.detach().flatten() for p in result.model.parameters()])
+    out["workers"] = [{k: w[k] for k in ("partition", "train_rows", "warning")}
+                      for w in result.workers]
     steps = {p: Path(folder, f"steps-{p}").stat().st_size
              for p in range(4) if Path(folder, f"steps-{p}").exists()}
     out.update(params=params.tolist(), history=result.history, failures=result.failures,

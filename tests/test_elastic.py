@@ -122,7 +122,8 @@ def test_a_second_live_claimant_is_refused_and_a_late_task_is_told_the_fit_ended
 # --- fits on local[4,4] --------------------------------------------------------------------
 
 FITS = ("barrier", "elastic", "elastic_train_fault", "elastic_eval_fault",
-        "elastic_checkpoint_fault", "elastic_last_round_fault", "below_min_workers")
+        "elastic_checkpoint_fault", "elastic_last_round_fault", "below_min_workers",
+        "fewer_slots")
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +230,20 @@ def test_below_min_workers_the_fit_fails_within_round_timeout_saying_why(fits, m
         [mlflow_client.get_experiment_by_name("elastic").experiment_id],
         "params.min_workers = '4'")
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+@pytest.mark.cluster
+def test_with_fewer_slots_than_workers_the_fit_starts_with_the_slots_it_has(fits):
+    """5 workers on 4 slots (min_workers=4): the fit starts with the first four instead of
+    waiting out connect_timeout; the fifth task gets a slot only when one of them ends, after
+    the last round, is told the fit has ended, and reports that it trained nothing. Its
+    partition is recorded as absent from the start, every row of its 2 epochs skipped."""
+    fit = fits["fewer_slots"]
+    assert "error" not in fit, fit.get("error")
+    assert fit["seconds"] < 60  # not connect_timeout (120 s)
+    [absent] = fit["failures"]
+    assert absent["error"] == "not connected when training started"
+    assert absent["round_back"] is None and absent["skipped_rows"] == 2 * 240
+    assert {h["workers"] for h in fit["history"][1:]} == {4}
+    late = [w for w in fit["workers"] if w["partition"] == absent["partition"]]
+    assert late and "the fit ended before this task could join it" in late[0]["warning"]
