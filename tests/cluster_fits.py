@@ -53,8 +53,9 @@ class KillsItsExecutor(torch.nn.Linear):
 
         ctx = TaskContext.get()
         self.waits = bool(delay_s)  # the elastic fit's: partition 0 waits for the retry
-        if self.waits and ctx is not None and ctx.attemptNumber() > 0:
-            Path(folder, "retried").touch()
+        if self.waits and ctx is not None and ctx.partitionId() == FAULT_PARTITION \
+                and os.path.exists(os.path.join(folder, "killed")):
+            Path(folder, "retried").touch()  # a stage Spark reruns numbers attempts from 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pyspark import TaskContext

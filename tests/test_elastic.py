@@ -56,24 +56,56 @@ def test_settings_an_elastic_fit_cannot_honour_are_refused_naming_them(changes, 
 # --- enrolment: a retried attempt, and no second live claimant -----------------------------
 
 
-def test_a_retried_attempt_claims_its_rank_once_the_fit_has_lost_it():
-    live = {0}
+def test_a_later_attempt_claims_its_rank_and_ends_the_older_ones_place():
+    """Spark's next attempt of a task (a retry, or the second live attempt it starts when an
+    executor's loss takes shuffle output with it) claims the rank's key, ordered by Spark's
+    task attempt id, and the older attempt's place in the fit ends (`evict`), so one attempt
+    of a partition trains at a time; a claim from an attempt no later than the holder's is
+    refused."""
+    evicted = []
     with LoadMonitor(host="127.0.0.1", advertise="127.0.0.1", num_workers=2,
-                     worker_secret=WORKERS, is_live=lambda rank: rank in live) as monitor:
+                     worker_secret=WORKERS, evict=evicted.append) as monitor:
         def claim(rank: int, attempt: int) -> bytes:
             return enrol(monitor.reachable_at, monitor.secret, rank, attempt, limit_s=5).key
 
-        assert claim(0, 0) == role_key(WORKERS, "worker:0")
-        with pytest.raises(PeerRefused) as info:
-            claim(0, 1)  # a later attempt, but rank 0's worker is in the fit
-        assert info.value.reason == "claimed"
-        live.clear()  # the coordinator lost it
+        assert claim(0, 7) == role_key(WORKERS, "worker:0")
+        for attempt in (7, 3):  # the same attempt again, or an older one
+            with pytest.raises(PeerRefused) as info:
+                claim(0, attempt)
+            assert info.value.reason == "claimed"
+        assert evicted == []
+        assert claim(0, 12) == role_key(WORKERS, "worker:0")  # Spark's next attempt
+        assert evicted == [0]
         with pytest.raises(PeerRefused):
-            claim(0, 0)  # lost, but not a later attempt than the holder's
-        assert claim(0, 1) == role_key(WORKERS, "worker:0")  # Spark's retry
-        with pytest.raises(PeerRefused):
-            claim(0, 1)  # that attempt's key is held: a second claim of it is not answered
+            claim(0, 12)  # that attempt's key is held: a second claim of it is not answered
+        assert claim(1, 2) == role_key(WORKERS, "worker:1") and evicted == [0]
         assert eventually(lambda: monitor.refusals() == {"claimed": 3})
+
+
+def test_an_evicted_worker_leaves_and_its_newer_attempt_joins_at_the_next_round():
+    """The coordinator's side of a newer attempt: the older connection is shut, its worker
+    leaves at its next exchange, and the newer one joins at the round boundary."""
+    secret, records = new_secret(), []
+    with _elastic_coordinator(secret, records) as coord:
+        old = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=5,
+                            reply_timeout=5)
+        _start(coord, [old], [0])
+        coord.evict(0)
+        new = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=5,
+                            reply_timeout=5)
+        new.open(msg.WorkerHello(rank=0, host="newer", attempt=9))
+        got = []
+        joined = threading.Thread(target=lambda: got.append(
+            new.receive_start(np.zeros(4, np.float32))))
+        joined.start()
+        coord._let_join(1, coord._send_joining_start(1))
+        joined.join(10)
+        assert got and got[0].round == 1  # it trains from round index 1
+        assert coord.hellos[0].host == "newer"
+        assert [r["partition"] for r in records] == [1, 0]  # 1 absent from the start
+        assert records[1]["round_back"] == 2 and records[1]["attempt_back"] == 9
+        for c in (old, new):
+            c.close()
 
 
 def _elastic_coordinator(secret: bytes, records: list):

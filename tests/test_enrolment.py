@@ -152,7 +152,10 @@ def test_a_rank_claimed_before_its_task_fails_the_fit_naming_it(spark, monkeypat
             num_workers=2, epochs=1, batch_size=10, log_model=False, max_failures=3,
             experiment_name="enrolment"))
     assert len(monitors) == 1  # final: no restart made a launch the impostor missed
-    assert monitors[0].refusals() == {"claimed": 1}
+    # the claim refused once; the other task, cancelled as the fit fails, may have its load
+    # report cut mid-handshake ("closed")
+    refused = monitors[0].refusals()
+    assert refused.get("claimed") == 1 and set(refused) <= {"claimed", "closed"}, refused
     experiment = mlflow_client.get_experiment_by_name("enrolment").experiment_id
     run = mlflow_client.search_runs([experiment], order_by=["attributes.start_time DESC"],
                                     max_results=1)[0]

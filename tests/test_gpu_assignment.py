@@ -154,11 +154,13 @@ def test_an_elastic_fit_trains_on_through_a_lost_executor_and_takes_its_task_bac
     """The same executor kill in an elastic fit (min_workers=1): no restart; the other worker
     trains on alone (workers = 1), Spark runs the lost task again on the executor the
     standalone worker starts in the dead one's place, and it joins a later round (workers =
-    2 again) with the global parameters."""
+    2 again) with the global parameters. The executor took shuffle output with it, so Spark
+    reruns the stage's unfinished tasks, partition 0's too: that newer attempt takes the
+    running one's place (a record of its own), never two at once."""
     elastic = cluster_fits["elastic"]
     assert elastic["killed"]
-    [failure] = elastic["failures"]
-    assert failure["partition"] == 1 and failure["restart_at"] is None, failure
+    assert all(f["restart_at"] is None for f in elastic["failures"]), elastic["failures"]
+    [failure] = [f for f in elastic["failures"] if f["partition"] == 1]
     assert failure["round_back"] is not None and failure["round_back"] > failure["round_lost"]
     assert failure["attempt_back"] > failure["attempt"]
     workers = elastic["workers"]

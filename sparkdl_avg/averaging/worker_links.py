@@ -7,7 +7,9 @@ worker that connects after the start joins at the next round boundary (`_let_joi
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -160,15 +162,22 @@ class WorkerLinks(Server):
             raise exc
         raise TrainingError(str(exc)) from exc
 
-    def is_live(self, rank: int) -> bool:
-        """Whether rank `rank`'s worker is in the fit or waiting to join it, over a connection
-        its peer has not closed (a task whose process died closed it, though the driver may
-        not have read from it since)."""
+    def evict(self, rank: int) -> None:
+        """A newer attempt of rank `rank`'s task claimed its key: the older one's connection
+        is shut, so it leaves the fit at its next exchange (or at the next round boundary,
+        if it was waiting to join) and the newer one takes its place."""
         with self._lock:
-            conn = self._workers.get(rank)
-            if conn is None and self.elastic is not None and rank in self.elastic.joining:
-                conn = self.elastic.joining[rank][0]
-        return conn is not None and not peer_closed(conn.sock)
+            present = self._workers.get(rank)
+            joining = self.elastic.joining.pop(rank, (None,))[0] \
+                if self.elastic is not None else None
+            self._conns.discard(joining)
+        if present is not None or joining is not None:
+            log.info("partition %d: a newer attempt of its task takes its place", rank)
+        if present is not None:  # its I/O thread, or the next, sees it end and drops it
+            with contextlib.suppress(OSError):
+                present.sock.shutdown(socket.SHUT_RDWR)
+        if joining is not None:
+            joining.close()
 
     def _drop(self, rank: int, exc: BaseException) -> None:
         """An elastic fit's worker `rank` left (`exc`): its connection is closed, and its

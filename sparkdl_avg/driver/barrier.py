@@ -50,14 +50,14 @@ class BarrierJob:
     @classmethod
     def training(cls, frame: DataFrame, spec, description: str, config,
                  run=None, *, secret: bytes,
-                 is_live: Callable[[int], bool] | None = None) -> BarrierJob:
+                 evict: Callable[[int], None] | None = None) -> BarrierJob:
         """The job of a fit's training tasks (`task.entry.run_task` on every partition),
         with a `LoadMonitor` the tasks report their loading to and claim their worker keys
         from (derived from `secret`, the coordinator's or the parameter server's, which
         never enters `spec`); a task's CPU fallback is reported (`report_cpu_fallback`, to
         the fit's MLflow `run`) as it loads. An elastic fit (`min_workers`) runs them as a
-        normal stage, whose failed task Spark retries alone; `is_live(rank)` then says
-        whether a rank's worker is in the fit, for its retried attempt's claim."""
+        normal stage, whose failed task Spark retries alone; `evict(rank)` then ends an older
+        attempt's place in the fit when a newer one claims its rank."""
         from sparkdl_avg.driver.cluster import driver_address, training_resources
         from sparkdl_avg.task import report
         from sparkdl_avg.task.entry import run_task
@@ -68,7 +68,7 @@ class BarrierJob:
         monitor = LoadMonitor(host=address.bind, advertise=address.advertise,
                               num_workers=len(spec.train_rows), worker_secret=secret,
                               on_cpu_fallback=partial(report_cpu_fallback, run),
-                              is_live=is_live)
+                              evict=evict)
         monitor.start()  # here: the tasks need its port; the job closes it
         try:
             spec = dataclasses.replace(spec, load_monitor=monitor.reachable_at,

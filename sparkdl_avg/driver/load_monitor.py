@@ -10,10 +10,12 @@ attempt number the claimant gives (its word: kept for the log only). The same cl
 (the task's retry after a lost reply) gets the key anew, under a fresh nonce; any other claim
 for that rank is refused ("claimed"), counted and logged: the task refused fails the fit.
 
-An elastic fit's stage is a normal one, whose failed task Spark runs again (`is_live`
-given): there a new claim for a rank is also answered when it comes from a later attempt than
-the holder's and the rank's worker is not in the fit (`is_live(rank)` False, the
-coordinator's word), so a retried task gets its key while a second live claimant does not."""
+An elastic fit's stage is a normal one, whose failed task Spark runs again (`evict` given):
+there a claim for a rank is also answered when it comes from a later task attempt (Spark's
+task attempt id, unique in the application) than the holder's, and `evict(rank)` then ends
+the older attempt's place in the fit, so that one attempt of a partition trains at a time: a
+retry after a loss, or the second live attempt Spark starts when an executor's loss takes
+shuffle output with it and it reruns the stage's unfinished tasks."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ class LoadMonitor(Server):
     def __init__(self, *, host: str, advertise: str, num_workers: int,
                  worker_secret: bytes | None = None, port: int = 0, name: str = "load monitor",
                  on_cpu_fallback: Callable[[int, str], None] | None = None,
-                 is_live: Callable[[int], bool] | None = None) -> None:
+                 evict: Callable[[int], None] | None = None) -> None:
         super().__init__(secret=new_secret(), host=host, port=port,
                          max_connections=2 * num_workers, name=name)
         self.advertise, self.num_workers = advertise, num_workers
@@ -44,7 +46,7 @@ class LoadMonitor(Server):
         self._worker_secret = worker_secret
         self._claimed: dict[int, tuple[str, int]] = {}
         """Per rank, the claim id that claimed its key and its attempt."""
-        self._is_live = is_live
+        self._evict = evict
 
     @property
     def secret(self) -> bytes:
@@ -91,10 +93,13 @@ class LoadMonitor(Server):
             with self._lock:
                 holder, attempt = self._claimed.setdefault(claim.rank,
                                                            (claim.claim_id, claim.attempt))
-                if holder != claim.claim_id and self._is_live is not None \
-                        and claim.attempt > attempt and not self._is_live(claim.rank):
-                    holder = claim.claim_id  # Spark's retry of a task the fit lost
+                newer = holder != claim.claim_id and self._evict is not None \
+                    and claim.attempt > attempt
+                if newer:  # Spark's next attempt of this partition's task
+                    holder = claim.claim_id
                     self._claimed[claim.rank] = (holder, claim.attempt)
+            if newer:
+                self._evict(claim.rank)
             if holder != claim.claim_id:
                 raise ProtocolError(
                     f"worker {claim.rank}'s key was claimed already (this claim: attempt "

@@ -154,7 +154,7 @@ class _Attempt:
             plan.data.frame, plan.worker_spec(coord.address, self.tls_ca_pem),
             f"sparkdl-avg: train {config.num_workers} replicas from round {point.round}",
             config, self.run_logger, secret=secret,
-            is_live=coord.is_live if elastic is not None else None,
+            evict=coord.evict if elastic is not None else None,
         ) as job:
             try:
                 if config.overlap_averaging:  # its checkpoint_every is a number of rounds

@@ -72,6 +72,8 @@ class Server:
         """Pending sockets that sent a well-formed AUTH: dropped only after every stranger."""
         self._pool = _HandlerPool(max_connections + max_pending, name)
         self._accept_thread: threading.Thread | None = None
+        self._wake: tuple[socket.socket, socket.socket] | None = None
+        """A socket pair the accept loop also waits on: `stop_accepting` wakes it at once."""
         self.refused: collections.Counter[str] = collections.Counter()
         self._last_log: dict[str, tuple[float, int]] = {}
         self.failure: BaseException | None = None
@@ -94,6 +96,7 @@ class Server:
             (self._host, self._port),
             backlog=max(BACKLOG, self._max_connections + self._max_pending))
         self._listener.setblocking(False)
+        self._wake = socket.socketpair()
         self._port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"{self._name}-accept")
@@ -108,6 +111,9 @@ class Server:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)
             listener.close()
+        if self._wake is not None:
+            with contextlib.suppress(OSError):  # the loop may have ended and closed it
+                self._wake[1].send(b"x")
         with self._lock:
             for handle in list(self._pending.values()):
                 _shutdown(handle)
@@ -161,6 +167,7 @@ class Server:
                 if listener is None:
                     return
                 ready.register(listener, selectors.EVENT_READ)
+                ready.register(self._wake[0], selectors.EVENT_READ)
                 while not self._closed.is_set() and self._listener is not None:
                     try:
                         sock, peer = listener.accept()
@@ -184,6 +191,9 @@ class Server:
         except BaseException as exc:  # noqa: BLE001 - kept for the owner, who stops
             self.failure = exc
             log.error("%s stopped accepting connections: %r", self._name, exc)
+        finally:
+            for end in self._wake:
+                end.close()
 
     def _admit(self, sock: socket.socket, peer) -> None:
         try:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import time
 from dataclasses import dataclass
 
 from sparkdl_avg.net import fields
@@ -34,9 +33,6 @@ from sparkdl_avg.net.message_base import Message
 
 CLAIM_ID_BYTES = 16
 """A claim id's random bytes: no two claims for a rank draw the same one."""
-CLAIMED_PAUSE_S = 1.0
-"""An elastic fit's retried task, refused while its rank's earlier worker still counts as
-live, claims again after this pause."""
 
 @dataclass(frozen=True, slots=True)
 class Enrolment(Message):
@@ -69,16 +65,14 @@ def seal(load_secret: bytes, rank: int, nonce: bytes, key: bytes) -> bytes:
 
 
 def enrol(address: tuple[str, int], load_secret: bytes, rank: int, attempt: int,
-          limit_s: float, *, elastic: bool = False) -> Credential:
+          limit_s: float) -> Credential:
     """The credential of worker `rank`, claimed from the load monitor at `address`. A lost or
     busy connection (or reply) is retried, by the same claim, within `limit_s` (the fit's
     connect_timeout), then raised as a `WorkerLostError` (a restart
     makes a new launch, which enrols afresh); a refused claim raises `PeerRefused` with the
-    monitor's reason ("claimed": someone claimed this rank first), which fails the fit. In an
-    `elastic` fit a later attempt's "claimed" is retried too, within `limit_s`: its rank's
-    earlier worker may be one whose machine vanished, which the driver drops only once it
-    misses a round (round_timeout)."""
-    from sparkdl_avg._errors import PeerRefused, WorkerLostError
+    monitor's reason ("claimed": someone claimed this rank first), which fails the fit (in an
+    elastic one, the task ends without training: `entry`)."""
+    from sparkdl_avg._errors import WorkerLostError
     from sparkdl_avg.net import messages as msg
     from sparkdl_avg.net.auth import HANDSHAKE_S, authenticate_to_server
     from sparkdl_avg.net.dial import dial, retryable
@@ -95,17 +89,8 @@ def enrol(address: tuple[str, int], load_secret: bytes, rank: int, attempt: int,
             conn.close()
         return seal(load_secret, rank, bytes.fromhex(reply.nonce), bytes.fromhex(reply.sealed))
 
-    deadline = time.monotonic() + limit_s
     try:
-        while True:
-            try:
-                key = dial(once, max(0.0, deadline - time.monotonic()), HANDSHAKE_S)
-                break
-            except PeerRefused as exc:
-                if not (elastic and attempt > 0 and exc.reason == "claimed") \
-                        or time.monotonic() + CLAIMED_PAUSE_S >= deadline:
-                    raise
-                time.sleep(CLAIMED_PAUSE_S)
+        key = dial(once, limit_s, HANDSHAKE_S)  # the monitor's own handshake limit
     except Exception as exc:
         if not retryable(exc):
             raise

@@ -73,8 +73,11 @@ def _run(spec: WorkerSpec, batches: Iterator):
     torch.set_num_threads(max(1, ctx.cpus()))
     # after the device gather, where a task that leaves early would take its executor down;
     # before the load, so a refused claim fails the fit before minutes of loading
-    credential = enrol(spec.load_monitor, spec.load_secret, rank, ctx.attemptNumber(),
-                       config.waits().connect, elastic=elastic)
+    # an elastic fit orders a partition's attempts by Spark's task attempt id, unique in the
+    # application (a stage Spark reruns numbers its attempts from 0 again)
+    attempt = ctx.taskAttemptId() if elastic else ctx.attemptNumber()
+    credential = enrol(spec.load_monitor, spec.load_secret, rank, attempt,
+                       config.waits().connect)
     # without a reset the peak could be an earlier task's in this reused worker: none then
     own_peak = memory.reset_peak()
     start_rss = memory.resident_bytes()
@@ -95,7 +98,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
                                   progress=progress)
         cleanup.callback(data.close)
         hello = msg.WorkerHello(rank=rank, host=socket.gethostname(),
-                                device=device_identity(device), attempt=ctx.attemptNumber())
+                                device=device_identity(device), attempt=attempt)
         if config.mode == "sync":
             from sparkdl_avg.averaging.driver_channel import DriverChannel
             from sparkdl_avg.task.sync_loop import train_sync
