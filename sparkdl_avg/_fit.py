@@ -105,8 +105,8 @@ class FitResult:
     failures: list[dict] = field(default_factory=list)
     """The task failures the fit recovered from: partition, executor, host, error, and where
     training restarted (`restart_at`); an elastic fit's losses, not restarted (`restart_at`
-    None): also `attempt`, `round_lost`, `round_back` (None: never), `attempt_back`,
-    `seconds_away` and `skipped_rows`."""
+    None): also `round_lost`, `round_back` (None: never), `attempt` and `attempt_back`
+    (Spark's task attempt ids), `seconds_away` and `skipped_rows`."""
     features_col: str | Sequence[str] = "features"
     """Where the fit read its features (a fit of one float vector); `transform` reads the same
     by default."""

@@ -191,7 +191,8 @@ def _one_loss_and_return(fit) -> dict:
     assert fit["fired"]
     [failure] = fit["failures"]
     assert failure["partition"] == 2 and failure["restart_at"] is None  # nobody restarted
-    assert failure["attempt"] == 0
+    assert isinstance(failure["attempt"], int)  # Spark's task attempt id
+    assert failure["round_back"] is None or failure["attempt_back"] > failure["attempt"]
     return failure
 
 
@@ -207,7 +208,7 @@ def test_a_task_killed_in_training_is_retried_alone_and_rejoins(fits):
     failure = _one_loss_and_return(fit)
     assert failure["round_lost"] == 7
     back = failure["round_back"]
-    assert back is not None and back > 7 and failure["attempt_back"] >= 1
+    assert back is not None and back > 7
     assert failure["seconds_away"] > 0
     workers = [h["workers"] for h in fit["history"][1:]]
     assert workers == [4] * 6 + [3] * (back - 7) + [4] * (21 - back), workers
@@ -260,7 +261,7 @@ def test_below_min_workers_the_fit_fails_within_round_timeout_saying_why(fits, m
     assert fit["seconds"] < 45, fit["seconds"]
     runs = mlflow_client.search_runs(
         [mlflow_client.get_experiment_by_name("elastic").experiment_id],
-        "params.min_workers = '4'")
+        "params.min_workers = '4' and params.num_workers = '4'")
     assert [r.info.status for r in runs] == ["FAILED"]
 
 

@@ -96,7 +96,11 @@ class Server:
             (self._host, self._port),
             backlog=max(BACKLOG, self._max_connections + self._max_pending))
         self._listener.setblocking(False)
+        # made here, not in the accept thread: it may start when descriptors have run out
         self._wake = socket.socketpair()
+        self._ready = selectors.DefaultSelector()
+        self._ready.register(self._listener, selectors.EVENT_READ)
+        self._ready.register(self._wake[0], selectors.EVENT_READ)
         self._port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"{self._name}-accept")
@@ -162,12 +166,10 @@ class Server:
         """Accept until the queue is empty, then wait on it: one system call a connection
         while a burst lasts, none while idle."""
         try:
-            with selectors.DefaultSelector() as ready:
+            with self._ready as ready:
                 listener = self._listener
                 if listener is None:
                     return
-                ready.register(listener, selectors.EVENT_READ)
-                ready.register(self._wake[0], selectors.EVENT_READ)
                 while not self._closed.is_set() and self._listener is not None:
                     try:
                         sock, peer = listener.accept()
