@@ -133,7 +133,7 @@ NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize(("shuffle", "dtype", "device"), [
     (True, None, "cpu"), (False, None, "cpu"), (True, torch.bfloat16, "cpu"),
-    pytest.param(True, torch.bfloat16, "cuda", marks=NEEDS_CUDA)])
+    pytest.param(True, torch.bfloat16, "cuda:0", marks=NEEDS_CUDA)])
 def test_both_caches_give_the_rows_batches_computed_by_hand(spill, shuffle, dtype, device):
     """76 rows (the short partition), 6 a step, an epoch padded to the longest partition's 77
     positions, windows of 8 rows: the
