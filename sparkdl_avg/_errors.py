@@ -108,10 +108,11 @@ class FinalTaskError(TrainingError):
 
 def is_final(exc: BaseException) -> bool:
     """Whether a task's error would repeat on a restart: any of our own errors, except a
-    lost connection or a timeout."""
+    lost connection, a timeout, or a place in the fit that a later attempt of the same task
+    took ("ended": Spark ran the task again and that attempt trains)."""
     if not isinstance(exc, SparkdlAvgError) or isinstance(exc, WorkerLostError):
         return False
-    return not (isinstance(exc, ProtocolError) and exc.reason in ("closed", "timeout"))
+    return not (isinstance(exc, ProtocolError) and exc.reason in ("closed", "timeout", "ended"))
 
 
 TASK_ERRORS = (ConfigError, DataError, ModelError, ClusterError)

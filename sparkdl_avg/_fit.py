@@ -106,7 +106,8 @@ class FitResult:
     """The task failures the fit recovered from: partition, executor, host, error, and where
     training restarted (`restart_at`); an elastic fit's losses, not restarted (`restart_at`
     None): also `round_lost`, `round_back` (None: never), `attempt` and `attempt_back`
-    (Spark's task attempt ids), `seconds_away` and `skipped_rows`."""
+    (Spark's task attempt ids), `seconds_away` and `skipped_rows`; an async task Spark ran
+    again alone: `retried_alone` True and `back_at_s`."""
     features_col: str | Sequence[str] = "features"
     """Where the fit read its features (a fit of one float vector); `transform` reads the same
     by default."""

@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import mlflow
 import numpy as np
 import pandas as pd
 import torch
@@ -145,6 +146,11 @@ def run(name: str, spark, train, test, folder: str) -> dict:
         model = partial(slow, at_call=59)
     elif name == "fewer_slots":  # 5 workers on 4 slots: the fifth task waits for a slot
         model, cfg = partial(ExitsOnce, folder), config(num_workers=5, min_workers=4)
+    elif name in ("async", "async_train_fault"):  # a push every 3 steps; step 19: push 7
+        model = partial(slow, at_call=19) if name == "async_train_fault" else slow
+        cfg = TrainConfig(mode="async", num_workers=4, batch_size=10, epochs=2, push_every=3,
+                          lr=0.05, momentum=0.9, log_model=False, experiment_name="elastic",
+                          round_timeout=60.0, connect_timeout=120.0, seed=3)
     elif name == "below_min_workers":  # its retry never connects: 3 of min_workers=4
         model = partial(slow, at_call=19, stays_away=True)
         cfg = config(min_workers=4, round_timeout=8.0)
@@ -164,7 +170,8 @@ def run(name: str, spark, train, test, folder: str) -> dict:
              for p in range(4) if Path(folder, f"steps-{p}").exists()}
     out.update(params=params.tolist(), history=result.history, failures=result.failures,
                steps=steps, seconds=time.monotonic() - started, run_id=result.run_id,
-               fired=Path(folder, "fired").exists())
+               fired=Path(folder, "fired").exists(),
+               metrics=sorted(mlflow.get_run(result.run_id).data.metrics))
     return out
 
 

@@ -285,6 +285,33 @@ def test_a_stale_connection_ending_does_not_unregister_its_replacement():
         new.close()
 
 
+def test_only_a_workers_latest_task_attempt_is_served():
+    """Spark runs a worker's task again while its earlier attempt may still run (a stage
+    rerun after an executor loss): the later attempt takes the worker id over, the earlier
+    one's connection is cut (its push not applied), and its reconnect is refused "ended";
+    reconnecting as the same attempt is still served. Without the attempt check the earlier
+    attempt's reconnect would take the id back and both would push as one worker."""
+    def attempt(ps, number: int) -> PSClient:
+        return PSClient(ps.address, secret=SECRET, worker=0, numel=4, dtype=np.float32,
+                        timeout=10, attempt=number)
+
+    with server() as ps, attempt(ps, 5) as earlier:
+        earlier.pull()
+        with attempt(ps, 9) as later:
+            later.pull()
+            with pytest.raises(OSError):  # its connection was cut as the later one came
+                earlier.push(np.ones(4, np.float32))
+            with pytest.raises(ProtocolError, match="attempt 5 of worker 0 ended: attempt 9"
+                               ) as again:
+                attempt(ps, 5).pull()
+            assert again.value.reason == "ended"
+            later.push(np.ones(4, np.float32))
+        with attempt(ps, 9) as reconnected:  # the same attempt, after a lost connection
+            reconnected.pull()
+            assert reconnected.params.tolist() == [-1.0] * 4  # only the later push applied
+        assert ps.stats()["refused"].get("ended") == 1
+
+
 def test_the_drivers_stop_is_said_to_every_later_push_and_only_the_driver_may_stop():
     with server() as ps, client(ps, 0) as worker, client(ps, -1) as driver:
         worker.pull()

@@ -1,14 +1,17 @@
 """Async mode on the driver: a parameter server beside it (or the user's), the workers'
-barrier job, and every `eval_interval_s` the server's counters logged and, with eval_df, an
+training job, and every `eval_interval_s` the server's counters logged and, with eval_df, an
 evaluation of the server's parameters requested. The workers evaluate it on their own
-evaluation partitions (the barrier job holds every slot, and the evaluation data never comes
+evaluation partitions (the training job holds a slot a worker, and the evaluation data never comes
 to the driver); the server adds their sums up, and the driver logs the result. The final
 parameters are evaluated by the workers before their tasks end.
 
-A failed task makes Spark abort the barrier job; the restart loop relaunches it and each
-worker takes up its data where the server's count of its applied steps says. A sidecar that
-dies is restarted from its checkpoint on the same port; the workers reconnect and redo the
-steps it lost."""
+The training tasks run as a normal Spark stage: Spark runs a failed task again alone
+(`spark.task.maxFailures`) while the others train on, and the new attempt takes up its data
+where the server's count of its applied steps says (`task_retries` records it); the server
+serves a worker id's latest attempt only. A task out of tries fails the job; the restart loop
+then relaunches it, each worker again taking up where the server says. A sidecar that dies is
+restarted from its checkpoint on the same port; the workers reconnect and redo the steps it
+lost."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from sparkdl_avg.driver.cluster import driver_address
 from sparkdl_avg.driver.early_stop import Stopping
 from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
+from sparkdl_avg.driver.task_retries import TaskRetries
 from sparkdl_avg.net.auth import new_secret
 from sparkdl_avg.net.tls import read_certificates
 from sparkdl_avg.ps.client import PSClient
@@ -77,6 +81,7 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
     tls_ca_pem = None
     history: list[dict] = []
     restarts = Restarts(spark, config, run)
+    retries = TaskRetries()
     with contextlib.ExitStack() as stack:
         if config.ps_address is not None:
             addresses = parse_addresses(config.ps_address)
@@ -113,7 +118,9 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
                 server.revive(len(history))
                 with BarrierJob.training(plan.data.frame, spec, "sparkdl-avg: async "
                                          f"training, {config.num_workers} workers",
-                                         config, run, secret=secret) as job:
+                                         config, run, secret=secret,
+                                         evict=retries.back) as job:
+                    retries.job = job
                     while not job.done(config.eval_interval_s):
                         server.call(intervals.log, len(history))
                     rows = job.wait(waits.finish)
@@ -133,7 +140,8 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
             intervals.stopper.record(run, history)
         finally:
             server.close()
-    return TrainOutcome(history=history, workers=workers, failures=restarts.failures,
+    return TrainOutcome(history=history, workers=workers,
+                        failures=restarts.failures + retries.records,
                         first_step_at=t_train, train_s=train_s)
 
 

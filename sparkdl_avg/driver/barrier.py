@@ -55,9 +55,10 @@ class BarrierJob:
         with a `LoadMonitor` the tasks report their loading to and claim their worker keys
         from (derived from `secret`, the coordinator's or the parameter server's, which
         never enters `spec`); a task's CPU fallback is reported (`report_cpu_fallback`, to
-        the fit's MLflow `run`) as it loads. An elastic fit (`min_workers`) runs them as a
-        normal stage, whose failed task Spark retries alone; `evict(rank)` then ends an older
-        attempt's place in the fit when a newer one claims its rank."""
+        the fit's MLflow `run`) as it loads. An elastic fit (`min_workers`) and an async fit
+        run them as a normal stage, whose failed task Spark retries alone; `evict(rank)` is
+        called when a newer attempt claims its rank (an elastic fit ends the older one's
+        place; the parameter server serves a worker id's latest attempt only)."""
         from sparkdl_avg.driver.cluster import driver_address, training_resources
         from sparkdl_avg.task import report
         from sparkdl_avg.task.entry import run_task
@@ -76,7 +77,7 @@ class BarrierJob:
                                        gpu_tasks=gpus > 0)
             job = cls(frame, partial(run_task, spec), report.struct_type(), description,
                       rows=sum(spec.train_rows) + sum(spec.eval_rows), monitor=monitor,
-                      barrier=getattr(config, "min_workers", None) is None)
+                      barrier=config.mode == "sync" and config.min_workers is None)
             job.profile = profile
             return job
         except BaseException:
@@ -142,11 +143,21 @@ class BarrierJob:
             match = _FAILED_TASK.search(text)
             final = _FINAL_TASK.search(text)
             if final:  # the task's own check failed: a restart would fail the same way
-                where = f"partition {_partition(match)}" if match else "a training task"
+                partition = _partition(match) if match else self._failed_partition()
+                where = "a training task" if partition is None else f"partition {partition}"
                 raise from_task(where, final.group(1)[:2000]) from self.error
             raise WorkerLostError(f"the training tasks failed: {_spark_reason(text)}",
                                   partition=_partition(match)) \
                 from self.error
+
+    def _failed_partition(self) -> int | None:
+        """The failed task's partition as the status store knows it: a normal stage's job
+        error reaches pyspark as the task's Python error alone, which names none."""
+        try:
+            failed = [t for t in self.tasks() or [] if t["status"] == "FAILED"]
+        except Exception:  # noqa: BLE001 - the status store is best effort
+            return None
+        return failed[0]["partition"] if failed else None
 
     def _log_load(self) -> None:
         """Until every task has loaded its partition: Spark preparing the data (reading it,

@@ -21,10 +21,13 @@ class ServerHello(Message):
     """A parameter-server client introduces itself in its AUTH; -1 is the driver."""
 
     worker: int
+    attempt: int = 0
+    """A worker task's Spark task attempt id (unique in the application, later attempts
+    higher): the server serves a worker id's latest attempt only."""
 
     def check(self) -> None:
-        if not -1 <= self.worker < MAX_WORKERS:
-            raise self.invalid(f"worker id {self.worker}")
+        if not -1 <= self.worker < MAX_WORKERS or self.attempt < 0:
+            raise self.invalid(f"worker id {self.worker}, attempt {self.attempt}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,15 +15,17 @@ from sparkdl_avg.net.tls import client_context
 class PSClient:
     def __init__(self, address: tuple[str, int], *, secret: bytes | Credential, worker: int,
                  numel: int, dtype: np.dtype, timeout: float, tls_ca_pem: str | None = None,
-                 out: np.ndarray | None = None) -> None:
+                 out: np.ndarray | None = None, attempt: int = 0) -> None:
         """`worker`: the worker id (-1: the driver). `secret`: the worker's own `Credential`,
         or the shared secret (its holder may take any id). `tls_ca_pem`: PEM text of a CA
         (or the server's self-signed certificate): speak TLS and verify the server with it. `out`:
-        where pulls land (a shard's view of a larger buffer); None: an array of its own."""
+        where pulls land (a shard's view of a larger buffer); None: an array of its own.
+        `attempt`: the worker task's Spark task attempt id (`msg.ServerHello.attempt`)."""
         tls = client_context(tls_ca_pem) if tls_ca_pem else None
         self._conn = connect(address, timeout=timeout, max_payload=0, tls=tls)
         try:
-            authenticate_to_server(self._conn, secret, msg.ServerHello(worker=worker))
+            authenticate_to_server(self._conn, secret, msg.ServerHello(worker=worker,
+                                                                    attempt=attempt))
         except BaseException:
             self._conn.close()
             raise

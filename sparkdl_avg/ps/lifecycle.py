@@ -44,6 +44,7 @@ class FitLifecycle:
             self.stopped = False
             self.lrs.clear()
             self.progress.clear()
+            self._attempts.clear()  # a new fit: perhaps another application's attempt ids
             self._pulled_version.clear()
             self.staleness.clear()
             self.evaluations.reset(init.workers)

@@ -76,6 +76,8 @@ class ParameterServer(FitLifecycle, Server):
         self.loss_sum = 0.0
         self.staleness: dict[int, list[int]] = collections.defaultdict(list)
         self._owners: dict[int, Connection] = {}
+        self._attempts: dict[int, int] = {}
+        """Per worker id: the latest task attempt that connected (`ServerHello.attempt`)."""
         self._announced = 0
         """Workers the driver's INIT announced (they count before they connect)."""
         self.progress: dict[int, int] = {}
@@ -145,17 +147,23 @@ class ParameterServer(FitLifecycle, Server):
 
     def serve(self, conn: Connection, hello: dict) -> bool:
         try:
-            worker = msg.ServerHello.from_meta(hello).worker
+            introduced = msg.ServerHello.from_meta(hello)
         except ProtocolError as exc:
             self.refuse(exc.reason, exc, hello, conn)
             return False
+        worker, attempt = introduced.worker, introduced.attempt
         conn.max_payload = self.settings.max_message_mb << 20 if worker == DRIVER else 0
         conn.set_timeout(self.settings.timeout)
         with self._lock:
+            latest = self._attempts.get(worker, attempt)
             if self._announced and worker >= self._announced:
                 unknown = f"worker id {worker} is not one of the {self._announced} announced"
+            elif attempt < latest:  # Spark runs this task again: that attempt trains
+                unknown = f"attempt {attempt} of worker {worker} ended: attempt {latest} " \
+                    "holds its place"
             else:
                 unknown = None
+                self._attempts[worker] = attempt
                 # One live connection per id: a reconnecting worker replaces its stale one.
                 stale = self._owners.get(worker)
                 if stale is not None:
@@ -165,10 +173,10 @@ class ParameterServer(FitLifecycle, Server):
                 if worker != DRIVER:  # the driver pulls and inits but holds no one back
                     self.clocks.join(worker)
         if unknown:
-            self.refuse("unexpected", unknown, worker, conn)
+            self.refuse("ended" if attempt < latest else "unexpected", unknown, worker, conn)
             return False
         try:
-            self._serve_worker(conn, worker)
+            self._serve_worker(conn, worker, attempt)
         finally:
             with self._lock:  # a gone worker no longer holds the others back
                 if self._owners.get(worker) is conn:
@@ -177,7 +185,7 @@ class ParameterServer(FitLifecycle, Server):
                 self._lock.notify_all()
         return False
 
-    def _serve_worker(self, conn: Connection, worker: int) -> None:
+    def _serve_worker(self, conn: Connection, worker: int, attempt: int) -> None:
         update = np.empty(0)  # this connection's receive buffer, sized to the model
 
         def into(message: msg.Message) -> np.ndarray | None:
@@ -208,8 +216,10 @@ class ParameterServer(FitLifecycle, Server):
             except OSError:  # timed out or reset
                 return
             if self._owners.get(worker) is not conn:  # replaced by a newer connection
-                self.refuse("unexpected", "a newer connection took over this worker id",
-                            worker, conn)
+                later = self._attempts.get(worker, attempt) > attempt
+                self.refuse("ended" if later else "unexpected",
+                            "a later attempt of this worker's task took its place" if later
+                            else "a newer connection took over this worker id", worker, conn)
                 return
             try:
                 if not self._dispatch(conn, worker, message, payload, update):

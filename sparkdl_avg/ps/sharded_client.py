@@ -32,7 +32,7 @@ class ShardedClient:
     def __init__(self, addresses: list[tuple[str, int]], *, secret: bytes | Credential,
                  worker: int,
                  numel: int, dtype: np.dtype, timeout: float,
-                 tls_ca_pem: str | None = None) -> None:
+                 tls_ca_pem: str | None = None, attempt: int = 0) -> None:
         self.bounds = bounds(numel, len(addresses))
         self.params = np.empty(numel, dtype)
         self.progress = 0
@@ -46,7 +46,8 @@ class ShardedClient:
             lo, hi = self.bounds[k]
             self.shards[k] = PSClient(addresses[k], secret=secret, worker=worker,
                                       numel=hi - lo, dtype=dtype, timeout=timeout,
-                                      tls_ca_pem=tls_ca_pem, out=self.params[lo:hi])
+                                      tls_ca_pem=tls_ca_pem, out=self.params[lo:hi],
+                                      attempt=attempt)
         try:
             self._each(open_one, range(len(addresses)))
         except BaseException:

@@ -40,8 +40,10 @@ class ServerLost(ConnectionError):
 
 
 def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition,
-                device, credential: Credential) -> dict:
-    """Train to the end; returns `Replica.outcome()` for the task's report."""
+                device, credential: Credential, attempt: int = 0) -> dict:
+    """Train to the end; returns `Replica.outcome()` for the task's report. `attempt`: this
+    task's Spark task attempt id; the server serves the latest attempt of a worker id only, so
+    an earlier attempt still running (Spark ran the task again) is refused ("ended")."""
     from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors
     from sparkdl_avg.task.device import final_on_device_errors
     from sparkdl_avg.task.replica import Replica
@@ -50,7 +52,7 @@ def train_async(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partitio
     with final_on_device_errors("build its replica on", str(device)):  # as the sync loop
         replica = Replica(spec, config, rank, data, device)
         flat = FlatBuffer(averaged_tensors(replica.model), replica.wire_dtype)
-    link = ServerLink(spec, config, rank, flat, credential)
+    link = ServerLink(spec, config, rank, flat, credential, attempt)
     evaluates = sum(spec.eval_rows) > 0  # every worker answers, with rows or without
     try:
         link.pull()
@@ -89,9 +91,10 @@ class ServerLink:
     same address, where a restarted server takes up its checkpoint."""
 
     def __init__(self, spec: WorkerSpec, config: TrainConfig, rank: int, flat,
-                 credential: Credential) -> None:
+                 credential: Credential, attempt: int = 0) -> None:
         """`credential`: this task's own, claimed by enrolment (`task.enrolment`)."""
         self.spec, self.rank, self.flat, self.credential = spec, rank, flat, credential
+        self.attempt = attempt
         self.waits = config.waits()
         self.anchor = flat.array.copy()  # the parameters the next update is measured from
         self._own: np.ndarray | None = None  # the model's parameters while it evaluates others
@@ -104,7 +107,8 @@ class ServerLink:
     def _connect(self) -> PSClient | ShardedClient:
         return connect(self.spec.ps_addresses(), secret=self.credential,
                        worker=self.rank, numel=self.flat.array.size, dtype=self.flat.array.dtype,
-                       timeout=self.waits.reply, tls_ca_pem=self.spec.tls_ca_pem)
+                       timeout=self.waits.reply, tls_ca_pem=self.spec.tls_ca_pem,
+                       attempt=self.attempt)
 
     def _call(self, fn, *args, **kwargs):
         """A call to the server; a lost connection raises `ServerLost`, a refusal or a

@@ -8,6 +8,9 @@ again within a launch: a failed task fails the stage, and Spark never retries a 
 result stage ("Could not recover from a failed barrier ResultStage"), so the driver's restart
 loop makes a new launch, with a new monitor, where every task claims afresh. The task's attempt
 number (`TaskContext.attemptNumber()`) goes along for the log only: it is the claimant's word.
+Elastic and async fits run a normal stage, whose failed task Spark runs again within the
+launch: there the attempt is Spark's task attempt id, and a later attempt's claim is answered
+(`driver.load_monitor`).
 
 A claim is idempotent: `enrol` draws a random claim id once and sends it on every retry, and
 the monitor answers the claim id that claimed a rank again (a reply lost on the way is sent

@@ -58,8 +58,9 @@ def _run(spec: WorkerSpec, batches: Iterator):
     from sparkdl_avg.task.report import record_batch
 
     config = cloudpickle.loads(spec.config)
-    # an elastic fit's tasks run as a normal stage, whose failed task Spark retries alone
-    elastic = config.mode == "sync" and config.min_workers is not None
+    # an elastic fit's tasks and async tasks run as a normal stage, whose failed task Spark
+    # retries alone
+    elastic = config.mode == "async" or config.min_workers is not None
     ctx = TaskContext.get() if elastic else BarrierTaskContext.get()
     rank = ctx.partitionId()
     set_deterministic(config.deterministic)  # before CUDA starts: cuBLAS reads its setting
@@ -73,7 +74,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
     torch.set_num_threads(max(1, ctx.cpus()))
     # after the device gather, where a task that leaves early would take its executor down;
     # before the load, so a refused claim fails the fit before minutes of loading
-    # an elastic fit orders a partition's attempts by Spark's task attempt id, unique in the
+    # a normal stage orders a partition's attempts by Spark's task attempt id, unique in the
     # application (a stage Spark reruns numbers its attempts from 0 again)
     attempt = ctx.taskAttemptId() if elastic else ctx.attemptNumber()
     credential = enrol(spec.load_monitor, spec.load_secret, rank, attempt,
@@ -120,7 +121,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
         else:
             from sparkdl_avg.task.async_loop import train_async
 
-            outcome = train_async(spec, config, rank, data, device, credential)
+            outcome = train_async(spec, config, rank, data, device, credential, attempt)
         peak = memory.peak_resident_bytes() if own_peak else None
         train = data.train
         return record_batch({
