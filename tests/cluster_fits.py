@@ -175,4 +175,10 @@ def main(out_path: str, master: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[2] == "own":  # a cluster of its own, beside the test session's (`early`)
+        from standalone_cluster import StandaloneCluster
+
+        with StandaloneCluster(Path(sys.argv[1]).parent / "cluster", workers=2) as own:
+            main(sys.argv[1], own.url)
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -1,7 +1,8 @@
 """Test layers: pure tests need nothing; `spark` tests share one local[2] session (a Spark
 Connect one in the process test_connect starts); tests marked `cluster` use the session's
 standalone cluster or start their own processes. MLflow logs to a
-throwaway sqlite store per session."""
+throwaway sqlite store per session. The slowest subprocesses a module waits on start as soon
+as collection selects its tests (`early`), beside the rest of the suite."""
 
 from __future__ import annotations
 
@@ -16,6 +17,19 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 # Executors must run this interpreter (the venv), not whatever python3 is on PATH.
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+
+
+def pytest_collection_finish(session):
+    import early
+
+    if os.environ.get("SPARKDL_AVG_TEST_CONNECT") is None:  # not the Connect inner run
+        early.start_selected(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import early
+
+    early.stop_all()
 
 
 @pytest.fixture(scope="session", autouse=True)

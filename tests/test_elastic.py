@@ -12,12 +12,9 @@ below min_workers."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
+import early
 import numpy as np
 import pytest
 from loopback import coordinator
@@ -159,15 +156,20 @@ FITS = ("barrier", "elastic", "elastic_train_fault", "elastic_eval_fault",
 
 
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory, mlflow_store):
-    out = tmp_path_factory.mktemp("elastic") / "fits.jsonl"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
-           "MLFLOW_TRACKING_URI": mlflow_store}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("elastic_fits.py")),
-                           str(out), *FITS], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def fits():
+    """The fits of `elastic_fits.py`, whose process conftest started as collection ended
+    (`early`), so its waits overlap the rest of the suite."""
+    done = early.start("test_elastic.py").wait(timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = early.start("test_elastic.py").folder / "fits.jsonl"
     return {row["name"]: row for row in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def fits_mlflow():
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(early.start("test_elastic.py").store)
 
 
 def _accuracy(fit) -> float:
@@ -272,7 +274,7 @@ def test_a_task_lost_in_the_last_round_ends_the_fit_with_the_others(fits):
 
 
 @pytest.mark.cluster
-def test_below_min_workers_the_fit_fails_within_round_timeout_saying_why(fits, mlflow_client):
+def test_below_min_workers_the_fit_fails_within_round_timeout_saying_why(fits, fits_mlflow):
     """min_workers=4 and partition 2's retry never connects: the fit waits round_timeout
     (8 s) at the next round boundary, then fails with the numbers; the run is FAILED."""
     fit = fits["below_min_workers"]
@@ -281,8 +283,8 @@ def test_below_min_workers_the_fit_fails_within_round_timeout_saying_why(fits, m
     assert "within 8s (round_timeout)" in fit["error"]
     # the fault fires about 1 s in; then 8 s of waiting, and the job's cancel
     assert fit["seconds"] < 45, fit["seconds"]
-    runs = mlflow_client.search_runs(
-        [mlflow_client.get_experiment_by_name("elastic").experiment_id],
+    runs = fits_mlflow.search_runs(
+        [fits_mlflow.get_experiment_by_name("elastic").experiment_id],
         "params.min_workers = '4' and params.num_workers = '4'")
     assert [r.info.status for r in runs] == ["FAILED"]
 

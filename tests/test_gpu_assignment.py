@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
+import early
 import pytest
 import torch
 
@@ -19,16 +16,13 @@ from sparkdl_avg import ClusterError, TrainConfig, fit
 
 
 @pytest.fixture(scope="module")
-def cluster_fits(tmp_path_factory, standalone):
-    """Runs cluster_fits.py once, on the session's standalone cluster, for both tests."""
-    out = tmp_path_factory.mktemp("cluster") / "fits.json"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("cluster_fits.py")), str(out),
-         standalone.url], env=env, capture_output=True, text=True, timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+def cluster_fits():
+    """cluster_fits.py's fits, on a standalone cluster of its own (two workers, one fake GPU
+    each), started by conftest as collection ended (`early`), beside the rest of the suite."""
+    run = early.start("test_gpu_assignment.py")
+    done = run.wait(timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((run.folder / "fits.json").read_text())
 
 
 @pytest.mark.cluster
