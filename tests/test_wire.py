@@ -113,7 +113,7 @@ def _handshake(server_secret: bytes, client_secret: bytes):
 
 def test_mutual_authentication_with_the_shared_secret():
     secret = auth.new_secret()
-    assert _handshake(secret, secret) == {"hello": {"worker": 1}}
+    assert _handshake(secret, secret) == {"hello": {"worker": 1, "attempt": 0}}
 
 
 def test_wrong_secret_is_refused_on_both_sides():

@@ -263,7 +263,8 @@ class BarrierJob:
 _NOT_RETRYABLE = re.compile(r"cancelled job group|Job \d+ cancelled|SparkContext was shut down|"
                             r"killed via the Web UI|OPERATION_CANCELED")
 _FAILED_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)|"
-                          r"Task (\d+) in stage [\d.]+ failed \d+ times")
+                          r"Task (\d+) in stage [\d.]+ failed \d+ times|"
+                          r"sparkdl-avg: the training task of partition (\d+)")
 _PYTHON_ERROR = re.compile(  # a Python error, module-qualified or not; no JVM class
     r"^(?!(?:org|java|javax|scala|py4j)\.)(?:[a-z_]\w*\.)*[A-Z]\w*"
     r"(Error|Exception|Exit|Interrupt)(: .*)?$")
@@ -299,7 +300,8 @@ def _tasks_from_error(text: str) -> list[dict]:
 
 
 def _partition(match: re.Match | None) -> int | None:
-    """The failed task's partition in a `_FAILED_TASK` match (a barrier or a normal stage)."""
+    """The failed task's partition in a `_FAILED_TASK` match (a barrier or a normal stage, or
+    the note `task.entry` adds to a training task's error)."""
     if match is None:
         return None
-    return int(match.group(1) if match.group(1) is not None else match.group(2))
+    return int(next(g for g in match.groups() if g is not None))
