@@ -37,18 +37,18 @@ class Early:
                                            (self.folder / "stderr").read_text())
 
 
-def _elastic_fits(folder: Path, store: str) -> list[str]:
+def _elastic_fits(folder: Path) -> list[str]:
     from test_elastic import FITS
 
     return [sys.executable, str(TESTS / "elastic_fits.py"), str(folder / "fits.jsonl"), *FITS]
 
 
-def _cluster_fits(folder: Path, store: str) -> list[str]:
+def _cluster_fits(folder: Path) -> list[str]:
     return [sys.executable, str(TESTS / "cluster_fits.py"), str(folder / "fits.json"), "own"]
 
 
 COMMANDS = {"test_elastic.py": _elastic_fits, "test_gpu_assignment.py": _cluster_fits}
-"""Per test module: the command its fixture waits on, given its folder and MLflow store."""
+"""Per test module: the command its fixture waits on, given the folder it writes to."""
 _running: dict[str, Early] = {}
 
 
@@ -59,7 +59,7 @@ def start(module: str) -> Early:
         store = f"sqlite:///{folder}/mlflow.db"
         env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
                "MLFLOW_TRACKING_URI": store}
-        argv = COMMANDS[module](folder, store)
+        argv = COMMANDS[module](folder)
         with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
             proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, cwd=TESTS.parent)
         _running[module] = Early(proc, folder, store)

@@ -28,9 +28,9 @@ def server(n: int = 4, algorithm: str = "downpour", **kw) -> ParameterServer:
     return ParameterServer(settings, secret=SECRET, rule=rule)
 
 
-def client(ps: ParameterServer, worker: int, n: int = 4) -> PSClient:
+def client(ps: ParameterServer, worker: int, n: int = 4, attempt: int = 0) -> PSClient:
     return PSClient(ps.address, secret=SECRET, worker=worker, numel=n, dtype=np.float32,
-                    timeout=10)
+                    timeout=10, attempt=attempt)
 
 
 def test_pull_push_pull_applies_the_update():
@@ -291,22 +291,18 @@ def test_only_a_workers_latest_task_attempt_is_served():
     one's connection is cut (its push not applied), and its reconnect is refused "ended";
     reconnecting as the same attempt is still served. Without the attempt check the earlier
     attempt's reconnect would take the id back and both would push as one worker."""
-    def attempt(ps, number: int) -> PSClient:
-        return PSClient(ps.address, secret=SECRET, worker=0, numel=4, dtype=np.float32,
-                        timeout=10, attempt=number)
-
-    with server() as ps, attempt(ps, 5) as earlier:
+    with server() as ps, client(ps, 0, attempt=5) as earlier:
         earlier.pull()
-        with attempt(ps, 9) as later:
+        with client(ps, 0, attempt=9) as later:
             later.pull()
             with pytest.raises(OSError):  # its connection was cut as the later one came
                 earlier.push(np.ones(4, np.float32))
             with pytest.raises(ProtocolError, match="attempt 5 of worker 0 ended: attempt 9"
                                ) as again:
-                attempt(ps, 5).pull()
+                client(ps, 0, attempt=5).pull()
             assert again.value.reason == "ended"
             later.push(np.ones(4, np.float32))
-        with attempt(ps, 9) as reconnected:  # the same attempt, after a lost connection
+        with client(ps, 0, attempt=9) as reconnected:  # the same attempt, after a lost connection
             reconnected.pull()
             assert reconnected.params.tolist() == [-1.0] * 4  # only the later push applied
         assert ps.stats()["refused"].get("ended") == 1

@@ -143,21 +143,24 @@ class BarrierJob:
             match = _FAILED_TASK.search(text)
             final = _FINAL_TASK.search(text)
             if final:  # the task's own check failed: a restart would fail the same way
-                partition = _partition(match) if match else self._failed_partition()
+                failed = self.failed_tasks() if match is None else []
+                partition = _partition(match) if match else \
+                    (failed[0]["partition"] if failed else None)
                 where = "a training task" if partition is None else f"partition {partition}"
                 raise from_task(where, final.group(1)[:2000]) from self.error
             raise WorkerLostError(f"the training tasks failed: {_spark_reason(text)}",
                                   partition=_partition(match)) \
                 from self.error
 
-    def _failed_partition(self) -> int | None:
-        """The failed task's partition as the status store knows it: a normal stage's job
-        error reaches pyspark as the task's Python error alone, which names none."""
+    def failed_tasks(self, partition: int | None = None) -> list[dict]:
+        """The failed training tasks (of `partition`, if given) as the status store knows
+        them, oldest first; none where it cannot say (Connect, or a store that fails)."""
         try:
-            failed = [t for t in self.tasks() or [] if t["status"] == "FAILED"]
+            tasks = self.tasks() or []
         except Exception:  # noqa: BLE001 - the status store is best effort
-            return None
-        return failed[0]["partition"] if failed else None
+            return []
+        return [t for t in tasks if t["status"] == "FAILED"
+                and partition in (None, t["partition"])]
 
     def _log_load(self) -> None:
         """Until every task has loaded its partition: Spark preparing the data (reading it,

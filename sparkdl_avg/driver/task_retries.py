@@ -23,7 +23,7 @@ class TaskRetries:
         """A later attempt of partition `rank`'s task claimed its worker key (`LoadMonitor`'s
         `evict`): Spark ran the task again. It takes up its data where the server's count of
         its applied steps says; the server serves it, and refuses the earlier attempt."""
-        failed = self._failed_attempt(rank)
+        failed = (self.job.failed_tasks(rank) or [{}])[-1] if self.job is not None else {}
         record = {"partition": rank, "host": failed.get("host"),
                   "executor": failed.get("executor"), "error": failed.get("error"),
                   "retried_alone": True,
@@ -33,11 +33,3 @@ class TaskRetries:
         log.warning("partition %d: Spark runs its task again (%s); the other workers train "
                     "on, and the new attempt takes up where the server's count of its applied "
                     "steps says", rank, record["error"] or "its earlier attempt ended")
-
-    def _failed_attempt(self, rank: int) -> dict:
-        try:
-            tasks = self.job.tasks() if self.job is not None else None
-        except Exception:  # noqa: BLE001 - the status store is best effort
-            tasks = None
-        failed = [t for t in tasks or [] if t["partition"] == rank and t["status"] == "FAILED"]
-        return failed[-1] if failed else {}

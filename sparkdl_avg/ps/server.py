@@ -157,12 +157,13 @@ class ParameterServer(FitLifecycle, Server):
         with self._lock:
             latest = self._attempts.get(worker, attempt)
             if self._announced and worker >= self._announced:
-                unknown = f"worker id {worker} is not one of the {self._announced} announced"
+                refusal = ("unexpected", f"worker id {worker} is not one of the "
+                           f"{self._announced} announced")
             elif attempt < latest:  # Spark runs this task again: that attempt trains
-                unknown = f"attempt {attempt} of worker {worker} ended: attempt {latest} " \
-                    "holds its place"
+                refusal = ("ended", f"attempt {attempt} of worker {worker} ended: attempt "
+                           f"{latest} holds its place")
             else:
-                unknown = None
+                refusal = None
                 self._attempts[worker] = attempt
                 # One live connection per id: a reconnecting worker replaces its stale one.
                 stale = self._owners.get(worker)
@@ -172,8 +173,8 @@ class ParameterServer(FitLifecycle, Server):
                 self._owners[worker] = conn
                 if worker != DRIVER:  # the driver pulls and inits but holds no one back
                     self.clocks.join(worker)
-        if unknown:
-            self.refuse("ended" if attempt < latest else "unexpected", unknown, worker, conn)
+        if refusal:
+            self.refuse(*refusal, worker, conn)
             return False
         try:
             self._serve_worker(conn, worker, attempt)

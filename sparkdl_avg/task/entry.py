@@ -64,12 +64,12 @@ def _run(spec: WorkerSpec, batches: Iterator):
     config = cloudpickle.loads(spec.config)
     # an elastic fit's tasks and async tasks run as a normal stage, whose failed task Spark
     # retries alone
-    elastic = config.mode == "async" or config.min_workers is not None
-    ctx = TaskContext.get() if elastic else BarrierTaskContext.get()
+    normal_stage = config.mode == "async" or config.min_workers is not None
+    ctx = TaskContext.get() if normal_stage else BarrierTaskContext.get()
     rank = ctx.partitionId()
     set_deterministic(config.deterministic)  # before CUDA starts: cuBLAS reads its setting
     # every task or none: the same spec reaches them all
-    choice = _agree_on_devices(ctx, rank, config.device) if spec.gpu_tasks and not elastic \
+    choice = _agree_on_devices(ctx, rank, config.device) if spec.gpu_tasks and not normal_stage \
         else task_device(config.device)
     device = torch.device(choice.device)
     if device.type == "cuda":
@@ -80,7 +80,7 @@ def _run(spec: WorkerSpec, batches: Iterator):
     # before the load, so a refused claim fails the fit before minutes of loading
     # a normal stage orders a partition's attempts by Spark's task attempt id, unique in the
     # application (a stage Spark reruns numbers its attempts from 0 again)
-    attempt = ctx.taskAttemptId() if elastic else ctx.attemptNumber()
+    attempt = ctx.taskAttemptId() if normal_stage else ctx.attemptNumber()
     credential = enrol(spec.load_monitor, spec.load_secret, rank, attempt,
                        config.waits().connect)
     # without a reset the peak could be an earlier task's in this reused worker: none then
