@@ -13,12 +13,11 @@ from sparkdl_avg._config import TrainConfig
 from sparkdl_avg._errors import ConfigError, DataError
 from sparkdl_avg._losses import LossFn
 from sparkdl_avg._metrics import Metric
-from sparkdl_avg._version import __version__
 from sparkdl_avg.data.describe import ident_columns, input_columns
 from sparkdl_avg.data.schema import DataSchema
 from sparkdl_avg.driver.asynchronous import train_async
 from sparkdl_avg.driver.checkpoints import open_source
-from sparkdl_avg.driver.plan import FitPlan, Resume, TrainOutcome, make_plan
+from sparkdl_avg.driver.plan import FitPlan, Resume, make_plan
 from sparkdl_avg.driver.session import default_executor_python
 from sparkdl_avg.driver.sync import train_sync
 from sparkdl_avg.scoring.columns import vector_schema, with_column
@@ -26,8 +25,10 @@ from sparkdl_avg.scoring.outputs import output_names
 from sparkdl_avg.scoring.udf import make_predict_udf
 from sparkdl_avg.tracking.adapters import trained_names
 from sparkdl_avg.tracking.datasets import log_datasets
+from sparkdl_avg.tracking.model_ahead import applies as saves_ahead
 from sparkdl_avg.tracking.plots import learning_curves
 from sparkdl_avg.tracking.run import RunLogger
+from sparkdl_avg.tracking.workers import log_workers
 
 log = logging.getLogger("sparkdl_avg")
 
@@ -272,12 +273,14 @@ def fit(
                          preprocess=preprocess, metrics=metrics)
         run.log_params(plan.params)
         run.opened()  # MLflow's schema modules imported, by one thread only
+        if saves_ahead(config):  # the export's trace while the fit trains
+            run.save_model_ahead(plan.model, **_model_saving(plan, preprocess))
         log_datasets(run, train_df, sum(plan.data.train_sizes), eval_df,
                      sum(plan.data.eval_sizes))
         run.ready()  # a tracking store that fails stops the fit before training
         validate_s = time.perf_counter() - t_start
         outcome = _TRAIN[config.mode](spark, plan, run)
-        _report_workers(outcome, run)
+        log_workers(outcome.workers, run)
         run.log_figure(lambda: learning_curves(outcome.history, "round"),
                        "plots/learning_curves.png")
         # what trained, named before the result goes to eval mode (which hides the buffers of
@@ -335,34 +338,6 @@ def _open_run(config) -> RunLogger:
                      tags={"sparkdl_avg.mode": config.mode}, logs_model=config.log_model)
 
 
-def _report_workers(outcome: TrainOutcome, run: RunLogger) -> None:
-    for w in outcome.workers:
-        if w["warning"]:
-            log.warning("partition %d: %s", w["partition"], w["warning"])
-        if w["version"] != __version__:
-            log.warning("partition %d ran sparkdl-avg %s from %s; the driver runs %s",
-                        w["partition"], w["version"], w["library"], __version__)
-    run.set_tags({f"worker.{w['partition']}.device": f"{w['host']}/{w['device']}"
-                  for w in outcome.workers})
-    run.set_tags({f"worker.{w['partition']}.warning": w["warning"] for w in outcome.workers
-                  if w["warning"]})
-    run.set_tags({f"worker.{w['partition']}.data_cache": w["cache"] for w in outcome.workers})
-    # what each task's data cost: memory, spill and throughput (MLflow compares runs by these)
-    run.log_metrics({f"worker_{w['partition']}_{key}": w[key] for w in outcome.workers
-                     for key in _WORKER_METRICS if w[key] is not None}, step=0)
-    peaks = [w["peak_rss_mb"] for w in outcome.workers if w["peak_rss_mb"] is not None]
-    if peaks:
-        run.log_metrics({"peak_rss_mb_max": max(peaks)}, step=0)
-    positions = sum(w["ragged_positions"] or 0 for w in outcome.workers)
-    if positions:  # ragged inputs: the share of all their positions that were padding
-        padded = sum(w["pad_positions"] or 0 for w in outcome.workers)
-        run.log_metrics({"pad_fraction": padded / positions}, step=0)
-
-
-_WORKER_METRICS = ("peak_rss_mb", "spilled_mb", "load_s", "load_mb_s", "read_mb_s",
-                   "batch_wait_s", "pad_fraction")
-
-
 def _result_model(plan: FitPlan, run: RunLogger, trained: tuple[str, ...]):
     """FitResult.model: the trained model in eval mode (dropout and batch statistics off).
     With driver_model="meta" it is assembled once, now if log_model=True needs it, else
@@ -391,9 +366,13 @@ def _log_model(run: RunLogger, plan: FitPlan, model, trained: tuple[str, ...],
         return
     if not isinstance(model, torch.nn.Module):  # "meta", not assembled: adapters went instead
         return
+    run.log_model(model, registered_model_name=plan.config.registered_model_name,
+                  **_model_saving(plan, preprocess))
+
+
+def _model_saving(plan: FitPlan, preprocess=None) -> dict:
+    """How the fit's model is saved, whether trained or ahead (`RunLogger.log_model`)."""
     schema, heads = plan.data.schema, plan.heads
-    names = output_names(schema, len(heads)) if schema.label_list else None
-    run.log_model(model, schema=schema, heads=heads, names=names,
-                  registered_model_name=plan.config.registered_model_name,
-                  preprocess=plan.pickled.get("preprocess"), model_schema=plan.model_schema,
-                  preprocess_fn=preprocess)
+    return {"schema": schema, "heads": heads, "preprocess_fn": preprocess,
+            "names": output_names(schema, len(heads)) if schema.label_list else None,
+            "preprocess": plan.pickled.get("preprocess"), "model_schema": plan.model_schema}

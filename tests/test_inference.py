@@ -4,6 +4,8 @@ model run locally."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -26,12 +28,28 @@ def data(rows: int = 300):
     return x, y
 
 
+EXPORTS: list[str] = []
+"""The thread of each torch.export call while `classifier` fitted."""
+
+
 @pytest.fixture(scope="module")
 def classifier(spark):
     x, y = data()
     df = spark.createDataFrame(pd.DataFrame({"features": list(x), "label": y}))
-    return fit(df, lambda: torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(),
-                                               torch.nn.Linear(16, 3)), CONFIG)
+    export = torch.export.export
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.export, "export", lambda *a, **k: EXPORTS.append(
+            threading.current_thread().name) or export(*a, **k))
+        return fit(df, lambda: torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(),
+                                                   torch.nn.Linear(16, 3)), CONFIG)
+
+
+def test_the_model_is_traced_while_the_fit_trains_not_after(classifier):
+    """The logged model's export is the one made before training (`tracking/model_ahead`),
+    with the trained values put in (the next test scores it): nothing is traced on the
+    fit's own thread once it has trained."""
+    assert "sparkdl-avg-model-ahead" in EXPORTS
+    assert set(EXPORTS) <= {"sparkdl-avg-model-ahead", "sparkdl-avg-warm-up"}
 
 
 def classes_as_local(model, x: np.ndarray, predicted) -> bool:

@@ -47,38 +47,35 @@ RNN_WEIGHTS_WARNING = (r"The tensor attributes? (self\.[\w.]*_flat_weights\[\d+\
 
 def log_model(model, *, schema, heads, names=None, pip_requirements=None,
               registered_model_name: str | None = None, preprocess: bytes | None = None,
-              model_schema=None) -> None:
+              model_schema=None, ahead=None) -> None:
     """Log `model` (`merged`) as "model" to the active run (a new registered version when
     named). `preprocess` (cloudpickled, with `model_schema`, the inputs it returns): the
-    model scores the raw columns of `schema` through it, with training=False."""
+    model scores the raw columns of `schema` through it, with training=False. `ahead`: the
+    same model saved with its initial values while it trained (`tracking.model_ahead`)."""
     from mlflow.models import Model
 
     Model.log(None, sys.modules[__name__], name="model", torch_model=merged(model),
               schema=schema,
               heads=tuple(heads), names=names, pip_requirements=pip_requirements,
               registered_model_name=registered_model_name, preprocess=preprocess,
-              model_schema=model_schema)
+              model_schema=model_schema, ahead=ahead)
 
 
 def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
                pip_requirements=None, preprocess: bytes | None = None,
-               model_schema=None) -> None:
+               model_schema=None, ahead=None) -> None:
     """What `mlflow.models.Model.log` calls: the pytorch flavor's files (pt2, else pickle),
     then our pyfunc loader, signature and schema file over them. With `preprocess` the torch
-    module takes `model_schema`'s inputs and the signature is `schema`'s raw columns."""
+    module takes `model_schema`'s inputs and the signature is `schema`'s raw columns. With
+    `ahead`, its saving with `torch_model`'s values put in, where that works."""
     import mlflow.pytorch
     from mlflow import pyfunc
 
-    from sparkdl_avg.data.probe_batch import probe_batch
-
+    if ahead is not None and ahead.save_trained(path, mlflow_model, torch_model):
+        return
     raw = schema.without_targets()
     inputs = (model_schema or schema).without_targets()
-    module, dtype = _owning_copy(torch_model), next(torch_model.parameters()).dtype
-    if dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
-        module, dtype = module.float(), torch.float32
-    example = probe_batch(inputs, dtype).inputs
-    if inputs.binding == "keyword" or _returns_model_output(module, example):
-        module = _Positional(module, inputs)
+    module, dtype, example = export_form(torch_model, inputs)
     example = tuple(t.numpy() for t in example)
     # the package travels with the model: the pyfunc's loader and scoring are ours
     common = {"mlflow_model": mlflow_model, "pip_requirements": pip_requirements,
@@ -121,6 +118,21 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
                    "model_schema": model_schema.to_dict() if preprocess is not None
                    else None}, f)
     mlflow_model.save(os.path.join(path, "MLmodel"))
+
+
+def export_form(torch_model, inputs) -> tuple[torch.nn.Module, torch.dtype, tuple]:
+    """What is exported of `torch_model` for the inputs `inputs` (a DataSchema): a copy
+    owning its tensors, in float32 or float64, called positionally and returning tensors;
+    its dtype; and the probe batch it is exported on."""
+    from sparkdl_avg.data.probe_batch import probe_batch
+
+    module, dtype = _owning_copy(torch_model), next(torch_model.parameters()).dtype
+    if dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
+        module, dtype = module.float(), torch.float32
+    example = probe_batch(inputs, dtype).inputs
+    if inputs.binding == "keyword" or _returns_model_output(module, example):
+        module = _Positional(module, inputs)
+    return module, dtype, example
 
 
 def _quiet_rnn_export() -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from sparkdl_avg._gc_pause import collector_paused
 from sparkdl_avg.tracking.parent import named_parent, parent_run  # noqa: F401 - parent_run was documented here
+from sparkdl_avg.tracking.system_metrics import start_system_metrics
 
 log = logging.getLogger("sparkdl_avg")
 _FLUSH_EVERY_S = 1.0
@@ -53,6 +54,8 @@ class RunLogger:
                  tags: dict[str, str], logs_model: bool | str = False) -> None:
         self._logs_model = logs_model
         self._warm: threading.Thread | None = None
+        self._ahead = None
+        """The model being saved before it trains (`save_model_ahead`)."""
         self._experiment_name = experiment_name
         self._run_name = run_name
         self._tags = tags
@@ -119,7 +122,7 @@ class RunLogger:
         run = self._client.create_run(experiment_id, run_name=self._run_name, tags=tags)
         self._run_id = run.info.run_id
         try:
-            self._system_metrics = _start_system_metrics(self._run_id, self._tracking_uri)
+            self._system_metrics = start_system_metrics(self._run_id, self._tracking_uri)
         except Exception:  # noqa: BLE001 - a monitor must not cost the run its ending
             log.warning("could not start MLflow system metrics", exc_info=True)
         self._thread = threading.Thread(target=self._flush_loop, name="sparkdl-avg-mlflow",
@@ -181,6 +184,8 @@ class RunLogger:
             write.result()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
         try:
             self._wait_open()
         except Exception:
@@ -264,6 +269,28 @@ class RunLogger:
         except Exception:  # noqa: BLE001
             log.warning("could not log %s", artifact_file, exc_info=True)
 
+    def save_model_ahead(self, model, *, schema, heads, names=None,
+                         preprocess: bytes | None = None, model_schema=None,
+                         preprocess_fn=None) -> None:
+        """Start saving `model`, before it trains, as `log_model` will save it trained, on a
+        thread that follows the warm-up (`tracking/model_ahead`: only the trained values are
+        then written)."""
+        from sparkdl_avg.tracking.model_ahead import SavedAhead
+        from sparkdl_avg.tracking.requirements import model_requirements
+
+        ahead = self._ahead = SavedAhead(
+            model, schema=schema, heads=tuple(heads), names=names,
+            pip_requirements=model_requirements(preprocess_fn), preprocess=preprocess,
+            model_schema=model_schema)
+
+        def after_warm_up() -> None:
+            self._warmed_up()  # one export at a time
+            with collector_paused():
+                ahead.save()
+
+        threading.Thread(target=after_warm_up, name="sparkdl-avg-model-ahead",
+                         daemon=True).start()
+
     def log_model(self, model, *, schema, heads, names=None,
                   registered_model_name: str | None = None, preprocess: bytes | None = None,
                   model_schema=None, preprocess_fn=None) -> None:
@@ -275,13 +302,15 @@ class RunLogger:
         from sparkdl_avg.tracking.model import log_model
         from sparkdl_avg.tracking.requirements import model_requirements
 
-        self._warmed_up()  # never an export beside the warm-up's
+        self._warmed_up()  # never an export beside the warm-up's, or the saving ahead's:
+        if self._ahead is not None:  # both set process-wide flags while they trace
+            self._ahead.wait(None)
         # Explicit requirements: MLflow's inference imports the model in a subprocess (~9 s).
         with mlflow.start_run(run_id=self.run_id, nested=True):
             log_model(model, schema=schema, heads=heads, names=names,
                       pip_requirements=model_requirements(preprocess_fn),
                       registered_model_name=registered_model_name,
-                      preprocess=preprocess, model_schema=model_schema)
+                      preprocess=preprocess, model_schema=model_schema, ahead=self._ahead)
 
     def log_adapters(self, model, trained: tuple[str, ...]) -> None:
         """What trained (`trained`: its names, `tracking/adapters`), under the run's
@@ -361,24 +390,3 @@ def _import_pyspark_ml() -> None:
     here, on the thread that writes the params, before it writes any."""
     with contextlib.suppress(ImportError):
         import pyspark.ml.param  # noqa: F401
-
-
-def _start_system_metrics(run_id: str, tracking_uri: str):
-    """MLflow's system metrics (CPU, memory, disk, network; GPU with pynvml) for the run, as
-    `mlflow.start_run` would do, when `mlflow.enable_system_metrics_logging()` (or
-    MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING) asks and psutil (the `metrics` extra) is there."""
-    import importlib.util
-
-    from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING
-
-    if not MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING.get():
-        return None
-    if importlib.util.find_spec("psutil") is None:
-        log.warning("system metrics logging is enabled but psutil is missing: "
-                    "pip install 'sparkdl-avg[metrics]'")
-        return None
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    monitor = SystemMetricsMonitor(run_id, tracking_uri=tracking_uri)
-    monitor.start()
-    return monitor
