@@ -59,3 +59,32 @@ def test_params_and_tags_too_long_for_mlflow_are_cut_with_a_warning(caplog, mlfl
                       "first 6000",
                       "the MLflow tag 'note' is 5000 characters long: logged cut to its first "
                       "4900"]
+
+
+def test_a_failed_fits_warm_up_and_saving_ahead_end_with_it(monkeypatch):
+    """A fit that fails at once (a bad argument) returns only once its warm-up and its saving
+    ahead have ended: both import modules and set torch.export's process-wide flags, which
+    the caller's next lines would otherwise meet (a test after such a fit failed inside
+    pytest's own bookkeeping, "dictionary changed size during iteration")."""
+    import threading
+    import time
+
+    import pytest
+    import torch
+
+    from sparkdl_avg.tracking import model_ahead
+
+    ended = []
+    monkeypatch.setattr(run, "_warm_up", lambda logs_model: time.sleep(1.5) or ended.append(
+        "warm-up"))
+    monkeypatch.setattr(model_ahead.SavedAhead, "_save", lambda self: time.sleep(1.0) or
+                        ended.append("ahead"))
+    logger = run.RunLogger(experiment_name="ends", run_name="r", tags={}, logs_model=True)
+    with pytest.raises(ValueError, match="bad argument"), logger:
+        logger.warm_up()
+        logger.save_model_ahead(torch.nn.Linear(2, 1), schema=None, heads=())
+        time.sleep(1.8)  # the warm-up is over, the saving ahead is under way
+        raise ValueError("bad argument")
+    assert ended == ["warm-up", "ahead"]
+    assert not {"sparkdl-avg-warm-up", "sparkdl-avg-model-ahead"} & {
+        t.name for t in threading.enumerate() if t.is_alive()}

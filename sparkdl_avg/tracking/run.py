@@ -184,8 +184,14 @@ class RunLogger:
             write.result()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        # Nothing the fit started outlives it: the warm-up and the saving ahead import
+        # modules and set torch.export's process-wide flags while they run, which a failed
+        # fit's caller would otherwise meet in its next lines (a saving ahead not begun yet
+        # begins nothing once closed)
+        self._warmed_up()
         if self._ahead is not None:
             self._ahead.close()
+            self._ahead.wait(None)
         try:
             self._wait_open()
         except Exception:
