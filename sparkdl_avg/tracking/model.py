@@ -63,16 +63,17 @@ def log_model(model, *, schema, heads, names=None, pip_requirements=None,
 
 def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
                pip_requirements=None, preprocess: bytes | None = None,
-               model_schema=None, ahead=None) -> None:
+               model_schema=None, ahead=None) -> torch.nn.Module | None:
     """What `mlflow.models.Model.log` calls: the pytorch flavor's files (pt2, else pickle),
     then our pyfunc loader, signature and schema file over them. With `preprocess` the torch
     module takes `model_schema`'s inputs and the signature is `schema`'s raw columns. With
-    `ahead`, its saving with `torch_model`'s values put in, where that works."""
+    `ahead`, its saving with `torch_model`'s values put in, where that works. Returns the
+    module it exported or pickled (`export_form`), None where it took the saving ahead."""
     import mlflow.pytorch
     from mlflow import pyfunc
 
     if ahead is not None and ahead.save_trained(path, mlflow_model, torch_model):
-        return
+        return None
     raw = schema.without_targets()
     inputs = (model_schema or schema).without_targets()
     module, dtype, example = export_form(torch_model, inputs)
@@ -118,6 +119,7 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
                    "model_schema": model_schema.to_dict() if preprocess is not None
                    else None}, f)
     mlflow_model.save(os.path.join(path, "MLmodel"))
+    return module
 
 
 def export_form(torch_model, inputs) -> tuple[torch.nn.Module, torch.dtype, tuple]:

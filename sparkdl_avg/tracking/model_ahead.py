@@ -74,15 +74,13 @@ class SavedAhead:
     def _save(self):
         from mlflow.models import Model
 
-        from sparkdl_avg.tracking.model import export_form, merged, save_model
+        from sparkdl_avg.tracking.model import merged, save_model
 
         saved = Model()
-        torch_model = merged(self._model)
-        save_model(self.path, saved, torch_model=torch_model, **self._kwargs)
+        module = save_model(self.path, saved, torch_model=merged(self._model), **self._kwargs)
         program_file = _program_file(self.path, saved)
         if not os.path.exists(program_file):  # pickled: nothing traced to reuse
             return None
-        module = export_form(torch_model, self._inputs())[0]
         return saved, _difference(torch.export.load(program_file).module(), module,
                                   self._check_batch(module))
 

@@ -160,6 +160,12 @@ class RunLogger:
         if self._warm is not None:
             self._warm.join(timeout=120)
 
+    def _background_ended(self) -> None:
+        """Wait for the warm-up and the saving ahead (which waits for the warm-up first)."""
+        self._warmed_up()
+        if self._ahead is not None:
+            self._ahead.wait(None)
+
     def opened(self) -> RunLogger:
         """Wait until the run exists (raising why it could not be created). From then on
         the MLflow modules the fit imports on its own thread are imported: the warm-up,
@@ -184,14 +190,12 @@ class RunLogger:
             write.result()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # Nothing the fit started outlives it: the warm-up and the saving ahead import
-        # modules and set torch.export's process-wide flags while they run, which a failed
-        # fit's caller would otherwise meet in its next lines (a saving ahead not begun yet
-        # begins nothing once closed)
-        self._warmed_up()
+        # Nothing the fit started outlives it: the warm-up and the saving ahead (which begins
+        # nothing once closed) import modules and set torch.export's process-wide flags, which
+        # a failed fit's caller would otherwise meet in its next lines
         if self._ahead is not None:
             self._ahead.close()
-            self._ahead.wait(None)
+        self._background_ended()
         try:
             self._wait_open()
         except Exception:
@@ -308,9 +312,7 @@ class RunLogger:
         from sparkdl_avg.tracking.model import log_model
         from sparkdl_avg.tracking.requirements import model_requirements
 
-        self._warmed_up()  # never an export beside the warm-up's, or the saving ahead's:
-        if self._ahead is not None:  # both set process-wide flags while they trace
-            self._ahead.wait(None)
+        self._background_ended()  # never an export beside theirs: each sets process-wide flags
         # Explicit requirements: MLflow's inference imports the model in a subprocess (~9 s).
         with mlflow.start_run(run_id=self.run_id, nested=True):
             log_model(model, schema=schema, heads=heads, names=names,
