@@ -44,7 +44,7 @@ _TRANSPORTS = typing.get_args(Transport)
 SYNC_ONLY = ("averaging_frequency", "average_optimizer_state", "eval_every", "checkpoint_every",
              "tls_cert", "tls_key", "tls_ca", "transport", "overlap_averaging",
              "outer_optimizer", "outer_lr", "outer_momentum", "averaging_warmup_steps",
-             "delta_compression", "min_workers")
+             "delta_compression", "min_workers", "shared_memory")
 ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_lambda",
               "ps_address", "ps_secret_file", "ps_tls_ca", "eval_interval_s",
               "ps_checkpoint_every", "reconnect_timeout", "ps_shards")
@@ -84,8 +84,7 @@ class TrainConfig:
 
     transport: Transport = "driver"
     """Sync: "driver" sends every replica to the driver, which averages; "collective"
-    all-reduces among the tasks (gloo on CPUs, NCCL on GPUs; unauthenticated: trusted
-    networks only), the driver receiving only each round's numbers."""
+    all-reduces among the tasks (gloo or NCCL, unauthenticated: trusted networks only)."""
 
     optimizer: OptimizerName | Callable[[Any], Any] = "sgd"
     """"sgd", "adam", "adamw" (Adam with decoupled weight decay, as fine-tuning recipes use),
@@ -135,6 +134,10 @@ class TrainConfig:
     average arrives adds what it learned since (CoCoD-SGD): the round trip hides behind
     compute, and each round starts from the average of the round before last plus the
     worker's own progress. Rounds that evaluate or checkpoint, and the last, still wait."""
+
+    shared_memory: bool = True
+    """Sync, "driver" transport: a worker on the driver's host moves its parameters through
+    shared memory (/dev/shm), where both can map it, not loopback TCP. False: always TCP."""
 
     min_workers: int | None = None
     """Sync, "driver" transport. None: all-or-nothing (a lost task restarts every worker from
@@ -333,17 +336,14 @@ class TrainConfig:
         check_mode(self, _MODES, sync_only=SYNC_ONLY, async_only=ASYNC_ONLY)
         for name in ("num_workers", "epochs", "batch_size", "averaging_frequency", "push_every"):
             require_int(name, getattr(self, name), minimum=1)
-        if self.eval_every is not None:
-            require_int("eval_every", self.eval_every, minimum=1)
         if self.num_workers > MAX_WORKERS:
             raise ConfigError(f"num_workers={self.num_workers}: at most {MAX_WORKERS}")
         for name in ("max_failures", "ps_checkpoint_every", "seed"):
             require_int(name, getattr(self, name), minimum=0)
-        if self.checkpoint_every is not None:
-            require_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        for name, least in (("eval_every", 1), ("checkpoint_every", 0), ("eval_batch_size", 1)):
+            if getattr(self, name) is not None:
+                require_int(name, getattr(self, name), minimum=least)
         check_cache(self, _CACHES)
-        if self.eval_batch_size is not None:
-            require_int("eval_batch_size", self.eval_batch_size, minimum=1)
         if self.driver_address is not None:
             self.driver_host_port()
         if self.checkpoint_dir is not None and (
@@ -358,7 +358,7 @@ class TrainConfig:
         check_averaging(self)
         check_registered_model(self)
         check_flags(self, ("average_optimizer_state", "overlap_averaging", "shuffle",
-                           "deterministic"))
+                           "deterministic", "shared_memory"))
 
     def default_run_name(self) -> str:
         """What the fit is, for the MLflow runs table."""

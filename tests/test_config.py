@@ -77,7 +77,7 @@ def _non_default(name: str):
             "tls_key": "k.pem", "tls_ca": "ca.pem", "transport": "collective",
             "overlap_averaging": True, "outer_optimizer": "nesterov", "outer_lr": 0.5,
             "outer_momentum": 0.5, "averaging_warmup_steps": 10, "delta_compression": "int8",
-            "min_workers": 1,
+            "min_workers": 1, "shared_memory": False,
             }[name]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -84,18 +86,25 @@ def sync_and_lockstep(spark, rows: int, epochs: int, **async_fields):
     return sync.model, lockstep.model
 
 
-@pytest.mark.parametrize(("momentum", "rows"), [(0.0, 411), (0.9, 400)])
+@pytest.mark.parametrize(("momentum", "rows", "shared_memory"),
+                         [(0.0, 411, True), (0.9, 400, False)])
 @pytest.mark.core
 @pytest.mark.exact
-def test_averaging_every_step_equals_large_batch_sgd(spark, momentum, rows):
+def test_averaging_every_step_equals_large_batch_sgd(spark, caplog, momentum, rows,
+                                                     shared_memory):
     # Plain SGD on 411 rows: shards of 206 and 205 rows (the short one pads its epoch with its
     # first row) and a partial last batch. Momentum on equal shards (400 rows), where the
     # equivalence holds without averaging the momentum buffers. >= 200 steps either way.
+    # The workers share the driver's host: the parameters move through shared memory, or
+    # (shared_memory=False) over loopback TCP, as between hosts.
     x, y = make_data(rows)
     cfg = TrainConfig(num_workers=2, epochs=4, batch_size=4, averaging_frequency=1,
                       optimizer="sgd", lr=0.05, momentum=momentum, shuffle=False, seed=7,
-                      log_model=False)
-    result = fit(frame(spark, x, y), make_model_f64, cfg)
+                      log_model=False, shared_memory=shared_memory)
+    with caplog.at_level(logging.INFO, logger="sparkdl_avg"):
+        result = fit(frame(spark, x, y), make_model_f64, cfg)
+    shared = [r.getMessage() for r in caplog.records if "shared memory" in r.getMessage()]
+    assert len(shared) == (4 if shared_memory else 0), shared  # pushes, averages: 2 workers
     reference = reference_large_batch_sgd(x, y, global_batch=8, epochs=4, lr=0.05,
                                           momentum=momentum, workers=2)
     assert len(result.history) == 4 * -(-rows // 8)

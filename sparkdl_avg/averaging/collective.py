@@ -44,7 +44,8 @@ class CollectiveChannel(Transport):
     def open(self, hello: msg.WorkerHello) -> None:
         self._control.open(hello)
 
-    def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int) -> None:
+    def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int,
+                  wire_nbytes: int = 0) -> None:
         self._settings = (config, trainable, warmup_rounds)
 
     def receive_start(self, params: np.ndarray) -> StartPoint:

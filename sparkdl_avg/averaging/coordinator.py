@@ -5,10 +5,16 @@ the samples each saw, measures how far the replicas drifted, and sends the avera
 thread per worker moves bytes (socket calls release the GIL), so transfers overlap. The
 connections, and an elastic fit's comings and goings, are `worker_links.WorkerLinks`';
 listening, concurrent handshakes and refusals `net.server.Server`'s.
+
+A worker on the driver's host (`shared_memory`) names a region of its own in its hello: the
+coordinator averages straight out of it, into a region of its own that such workers read
+the average from (`net.shared_memory`); the frames on the socket then only name them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import ssl
@@ -32,6 +38,7 @@ from sparkdl_avg.averaging.round_stats import RoundStats, phases, sum_or_nan
 from sparkdl_avg.averaging.worker_links import POLL_S, WorkerLinks
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
+from sparkdl_avg.net.shared_memory import SharedRegion
 
 log = logging.getLogger("sparkdl_avg")
 MAX_STATE_FACTOR = 4
@@ -48,10 +55,11 @@ class Coordinator(WorkerLinks):
                  timeout: float, dtype: np.dtype, model_numel: int,
                  check_job: Callable[[float], None], tls: ssl.SSLContext | None = None,
                  port: int = 0, step: GlobalStep | None = None,
-                 elastic: Membership | None = None) -> None:
+                 elastic: Membership | None = None, shared_memory: bool = False) -> None:
         """`step`: what a round makes of the replicas beyond their plain average (an outer
         optimizer, compressed deltas); None: the plain average. `elastic`: an elastic fit's
-        membership (`min_workers`); None: every worker in every round, a loss fails it."""
+        membership (`min_workers`); None: every worker in every round, a loss fails it.
+        `shared_memory`: map the regions workers on this host name (`TrainConfig`)."""
         super().__init__(secret=secret, host=host, port=port, num_workers=num_workers,
                          timeout=timeout, check_job=check_job, tls=tls, elastic=elastic,
                          threads=max(num_workers, _AVERAGING_THREADS))
@@ -68,6 +76,48 @@ class Coordinator(WorkerLinks):
         self._compression = step.compression if step is not None else "none"
         if self._compression != "none":  # each push: a compressed delta
             self._buffers = [np.empty(step.payload.size, np.uint8) for _ in range(num_workers)]
+        self._sharing = shared_memory
+        self._shared: SharedRegion | None = None
+        """Where the average is, once a worker on this host has mapped its own region."""
+
+    # --- shared memory with workers on this host --------------------------------------------
+
+    def serve(self, conn: Connection, hello: dict) -> bool:
+        """Map the region a worker's hello names, if it is on this host, before the worker
+        is kept (`WorkerLinks.serve`)."""
+        if self._sharing:
+            with contextlib.suppress(ProtocolError):  # the hello's refusal is serve's
+                shared = msg.WorkerHello.from_meta(hello).shared
+                if shared:
+                    conn.shared_in = SharedRegion.attach(shared, self.average.nbytes)
+        if conn.shared_in is not None:
+            with self._lock:
+                if self._shared is None and not self._sealed:  # before any average is out
+                    self._shared = SharedRegion.create(self.average.nbytes)
+                    if self._shared is not None:
+                        self.average = self._shared.array(self._dtype, self._model_numel)
+        kept = super().serve(conn, hello)
+        if conn.shared_in is not None and kept:
+            log.info("worker rank %s is on the driver's host: its pushes come through shared "
+                     "memory", hello.get("rank"))
+        return kept
+
+    def _start_for(self, conn: Connection, start: msg.Average) -> msg.Average:
+        """`start` as a worker is told it: whether its region is mapped here, and ours."""
+        if conn.shared_in is None:
+            return start
+        return dataclasses.replace(start, shared_up=True, shared=self._shared.name
+                                   if self._shared is not None else "")
+
+    def _average_buffer(self, numel: int) -> np.ndarray:
+        """Where `numel` averaged values go: the shared region when they fit."""
+        shared = self._shared.array(self._dtype, numel) if self._shared is not None else None
+        return shared if shared is not None else np.empty(numel, self._dtype)
+
+    def close(self) -> None:
+        super().close()
+        if self._shared is not None:  # mapped until the last view of the average is gone
+            self._shared.close()
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -117,7 +167,7 @@ class Coordinator(WorkerLinks):
                             global_follows=global_state is not None, **msg.tensor(initial))
 
         def send_start(rank: int, conn: Connection) -> None:
-            msg.send(conn, start, initial)
+            msg.send(conn, self._start_for(conn, start), initial)
             if states is not None:
                 layout, payload = states[rank]
                 msg.send(conn, msg.State(layout=layout), payload)
@@ -153,7 +203,7 @@ class Coordinator(WorkerLinks):
             raise TrainingError(f"workers pushed buffers of different sizes {sorted(sizes)} "
                                 f"in round {round_index}")
         if self.average.size != sizes.pop():
-            self.average = np.empty(buffers[0].size, self._dtype)
+            self.average = self._average_buffer(buffers[0].size)
         t_avg = time.perf_counter()
         weights = [push.samples for push, _ in pushes]
         if self._compression == "none":
@@ -203,7 +253,7 @@ class Coordinator(WorkerLinks):
         parameters, as a start before that round (its optimizer state it rebuilds)."""
         params = self.average[:self._model_numel]
         start = msg.Average(round=round_index - 1, **msg.tensor(params))
-        return lambda conn: msg.send(conn, start, params)
+        return lambda conn: msg.send(conn, self._start_for(conn, start), params)
 
     def _non_finite(self, ranks: list[int]) -> list[int]:
         """Which of `ranks` pushed a NaN or an infinity (decoded, when compressed)."""
@@ -277,11 +327,17 @@ class Coordinator(WorkerLinks):
                 if numel != model_numel:
                     raise ProtocolError(f"worker {rank} sent a delta of {numel} values; the "
                                         f"model has {model_numel}", "shape")
-            elif self._buffers[rank].size != numel:  # grows once when optimizer state joins
-                self._buffers[rank] = np.empty(numel, self._dtype)
+            elif conn.shared_in is not None and \
+                    (shared := conn.shared_in.array(self._dtype, numel)) is not None:
+                self._buffers[rank] = shared  # averaged where the worker put it
+            elif self._buffers[rank].size != numel or self._buffers[rank].base is not None:
+                self._buffers[rank] = np.empty(numel, self._dtype)  # optimizer state joined
             return self._buffers[rank]
 
         push, _ = self._expect(rank, conn, msg.Push, into=target)
+        if push.shared_down and conn.shared_out is None and conn.shared_in is not None:
+            conn.shared_out = self._shared  # it mapped ours: averages go through it
+            log.info("worker rank %d reads the averages from shared memory", rank)
         if push.round != round_index:
             raise ProtocolError(f"worker {rank} sent round {push.round} during round "
                                 f"{round_index}", "unexpected")

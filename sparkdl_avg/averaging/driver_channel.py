@@ -1,10 +1,14 @@
 """A task's side of the "driver" transport: one authenticated TCP connection to the driver's
-`coordinator`, every wait bounded."""
+`coordinator`, every wait bounded. On the driver's host (`TrainConfig.shared_memory`), the
+parameters go through shared memory instead (`net.shared_memory`): the task names a region
+of its own in its hello; if the driver maps it, each push is copied there, and if the
+driver names its own, each average is read from there."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import numpy as np
 
@@ -16,7 +20,10 @@ from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import HANDSHAKE_S, Credential, authenticate_to_server
 from sparkdl_avg.net.dial import dial
 from sparkdl_avg.net.frames import Connection, connect
+from sparkdl_avg.net.shared_memory import SharedRegion
 from sparkdl_avg.net.tls import client_context
+
+log = logging.getLogger("sparkdl_avg")
 
 
 class DriverChannel(Transport):
@@ -32,11 +39,20 @@ class DriverChannel(Transport):
         self._conn: Connection | None = None
         self._compression = "none"
         self._deltas: WorkerDeltas | None = None
+        self._region: SharedRegion | None = None
+        """Ours, for our pushes, until the driver says whether it mapped it."""
+        self._shared_nbytes = 0
 
-    def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int) -> None:
+    def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int,
+                  wire_nbytes: int = 0) -> None:
         self._compression = config.delta_compression
+        self._shared_nbytes = wire_nbytes if config.shared_memory else 0
 
     def open(self, hello: msg.WorkerHello) -> None:
+        if self._shared_nbytes and self._region is None:
+            self._region = SharedRegion.create(self._shared_nbytes)
+        if self._region is not None:
+            hello = dataclasses.replace(hello, shared=self._region.name)
         def attempt(connect_s: float, until: float, tries: int) -> Connection:
             conn = connect(self._address, timeout=connect_s, max_payload=1 << 20,
                            tls=self._tls, tries=tries, until=until)
@@ -55,6 +71,7 @@ class DriverChannel(Transport):
 
     def receive_start(self, params: np.ndarray) -> StartPoint:
         start, _ = msg.expect(self._conn, msg.Average, into=msg.into_checked(params, "the driver"))
+        self._share(start, params.nbytes)
         # The driver times out a hung worker after round_timeout and names it; the others,
         # waiting on that worker's average, must not time out first and take the blame.
         self._conn.set_timeout(self._reply_timeout)
@@ -72,16 +89,44 @@ class DriverChannel(Transport):
         return StartPoint(round=start.round + 1, state=state, wait_next=start.wait_next,
                           evaluate=start.evaluate, global_state=global_state)
 
+    def _share(self, start: msg.Average, nbytes: int) -> None:
+        """After the start: keep our region if the driver mapped it (its name can go now),
+        and map the driver's if it named one."""
+        region, self._region = self._region, None
+        if region is not None:
+            region.unlink()
+            if start.shared_up:
+                self._conn.shared_out = region
+            else:
+                region.close()
+        if start.shared:
+            self._conn.shared_in = SharedRegion.attach(start.shared, nbytes)
+        if self._conn.shared_out is not None or self._conn.shared_in is not None:
+            log.info("on the driver's host: pushes %s shared memory, averages %s",
+                     *("through" if r is not None else "not through"
+                       for r in (self._conn.shared_out, self._conn.shared_in)))
+
+    def _payload(self, values: np.ndarray) -> np.ndarray:
+        """`values`, or their copy at the start of our region (then the frame only names
+        it), if the driver mapped it and they fit."""
+        region = self._conn.shared_out
+        shared = region.array(values.dtype, values.size) if region is not None else None
+        if shared is None:
+            return values
+        np.copyto(shared, values)
+        return shared
+
     def exchange(self, report: RoundReport, flat: WireBuffer) -> RoundReply:
         params = flat.gather()
         push = msg.Push(**dataclasses.asdict(report), **msg.tensor(params),
-                        encoding=self._compression)
+                        encoding=self._compression,
+                        shared_down=self._conn.shared_in is not None)
         if self._deltas is None:
-            msg.send(self._conn, push, params)
+            msg.send(self._conn, push, self._payload(params))
             reply, _ = msg.expect(self._conn, msg.Average,
                                   into=msg.into_checked(params, "the driver"))
         else:
-            msg.send(self._conn, push, self._deltas.encode(params))
+            msg.send(self._conn, push, self._payload(self._deltas.encode(params)))
             reply, _ = msg.expect(self._conn, msg.Average, into=self._deltas.receiving(params))
             self._deltas.apply(params)
         flat.scatter()
@@ -119,6 +164,10 @@ class DriverChannel(Transport):
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
+            if self._conn.shared_out is not None:
+                self._conn.shared_out.close()
+        if self._region is not None:  # never offered, or no start came
+            self._region.close()
 
 
 class WorkerDeltas:

@@ -69,10 +69,12 @@ class Transport(ABC):
         """Join the fit (authenticated)."""
 
     @abstractmethod
-    def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int) -> None:
-        """Before `receive_start`: the fit's averaging settings (`outer_optimizer`,
-        `delta_compression`), the shapes of the replica's trainable parameters (the first
-        tensors of its flat buffer) and the warm-up's rounds."""
+    def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int,
+                  wire_nbytes: int = 0) -> None:
+        """Before `open`: the fit's averaging settings (`outer_optimizer`,
+        `delta_compression`, `shared_memory`), the shapes of the replica's trainable
+        parameters (the first tensors of its flat buffer), the warm-up's rounds and the
+        flat buffer's bytes on the wire."""
 
     def state(self) -> list[tuple[int, dict]]:
         """What this transport keeps for a checkpoint besides the optimizer (the residual

@@ -141,7 +141,8 @@ class _Attempt:
                 "compression": config.delta_compression,
                 "global_state": plan.outer is not None or config.delta_compression != "none"}
         else:
-            coordinator, extra = Coordinator, {"step": self.step, "elastic": elastic}
+            coordinator, extra = Coordinator, {"step": self.step, "elastic": elastic,
+                                               "shared_memory": config.shared_memory}
             if self.step is not None:  # the outer state and residual of the restart point
                 self.step.restore(unpack(*point.global_state) if point.global_state
                                   else {}, point.params)

@@ -105,6 +105,15 @@ def hex_string(name: str, value: str, message: Message) -> None:
         raise message.invalid(f"{name} is not hex") from None
 
 
+_REGION = re.compile(r"sparkdl-avg-\d{1,10}-[0-9a-f]{16}:[0-9a-f]{32}")
+
+
+def region_name(message: Message) -> None:
+    """`shared`: "" or a shared-memory region's name and token (`net.shared_memory`)."""
+    if message.shared and not _REGION.fullmatch(message.shared):
+        raise message.invalid("shared is not a shared-memory region's name")
+
+
 def request_id(message: Message, request: int | None) -> None:
     """An evaluation request's id (async), if any: not negative."""
     if request is not None and request < 0:

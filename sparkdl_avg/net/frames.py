@@ -2,11 +2,14 @@
 
 A frame is a fixed header, a small JSON object (`meta`) and an optional raw payload:
 
-    magic "SDLA" | version u8 | kind u8 | reserved u16 | meta_len u32 | payload_len u64
+    magic "SDLA" | version u8 | kind u8 | flags u16 | meta_len u32 | payload_len u64
 
 Tensors travel as raw bytes in the payload; their dtype and size are checked against what
-the receiver expects before a byte is read into its buffer. Nothing on the wire is ever
-unpickled. What `meta` may hold is defined per kind in `messages`; authentication in `auth`.
+the receiver expects before a byte is read into its buffer. Between two processes on one
+host that have mapped each other's region (`shared_memory`), the flag SHARED says that the
+payload is the first payload_len bytes of the sender's region, and none follow the header.
+Nothing on the wire is ever unpickled. What `meta` may hold is defined per kind in
+`messages`; authentication in `auth`.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from sparkdl_avg._errors import PeerClosed, ProtocolError
+from sparkdl_avg.net.shared_memory import SharedRegion
 
 MAGIC = b"SDLA"
-VERSION = 7
+VERSION = 8
 """2: typed messages (`messages`), SETTINGS and FAILED frames. 3: async evaluation on the
 workers (EVALUATE, FINISHED, and the evaluation fields of PULL, PARAMS, ACK and EVAL). 4:
 STATS carries `checkpoint_error` (a version 3 peer would refuse every STATS with "no
@@ -37,10 +41,13 @@ positions and several outputs). 6: AUTH names the role whose key made its MAC (`
 EVAL carries the evaluation metrics' sums (`metrics`) and their score tables (`ranked`, with
 a payload), and the first AVERAGE may ask for an evaluation before training; PUSH and
 AVERAGE carry `encoding` (compressed deltas), AVERAGE `global_follows`, REPORT `outer_norm`
-(`TrainConfig.outer_optimizer`, `delta_compression`)."""
+(`TrainConfig.outer_optimizer`, `delta_compression`). 8: the flag SHARED; WORKER hellos,
+PUSH and the first AVERAGE name shared-memory regions (`TrainConfig.shared_memory`)."""
 HEADER = struct.Struct("!4sBBHIQ")
 MAX_META_BYTES = 1 << 20
 _CHUNK = 1 << 20
+SHARED = 1
+"""Flag: the payload lies at the start of the sender's shared region (`shared_memory`)."""
 
 
 class Kind(enum.IntEnum):
@@ -104,11 +111,17 @@ class Connection:
         """Bytes sent and received so far, frames and payloads."""
         self.role: str | None = None
         """The peer's authenticated role, on a server's side (`auth`); None before."""
+        self.shared_out: SharedRegion | None = None
+        """A region the peer has mapped: a payload that *is* its start is only named."""
+        self.shared_in: SharedRegion | None = None
+        """The peer's region, mapped here: where its SHARED payloads are read."""
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        if self.shared_in is not None:  # the peer's region, mapped for this connection
+            self.shared_in.close()
 
     def set_timeout(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
@@ -117,8 +130,10 @@ class Connection:
         body = json.dumps(meta or {}, separators=(",", ":")).encode()
         view = memoryview(payload).cast("B") if payload is not None else None
         size = view.nbytes if view is not None else 0
-        self.sock.sendall(HEADER.pack(MAGIC, VERSION, kind, 0, len(body), size) + body)
-        if view is not None:
+        shared = view is not None and self.shared_out is not None and self.shared_out.holds(view)
+        self.sock.sendall(HEADER.pack(MAGIC, VERSION, kind, SHARED if shared else 0, len(body),
+                                      size) + body)
+        if view is not None and not shared:
             self.sock.sendall(view)
         self.bytes_moved += HEADER.size + len(body) + size
 
@@ -127,7 +142,7 @@ class Connection:
         kind and metadata returning one, or raising to refuse it unread) whose size it must
         match exactly; without a target it goes into a fresh buffer of at most `max_payload`
         bytes."""
-        magic, version, kind, _, meta_len, payload_len = HEADER.unpack(
+        magic, version, kind, flags, meta_len, payload_len = HEADER.unpack(
             self._read_exact(HEADER.size))
         if magic != MAGIC:
             raise ProtocolError(f"bad magic {magic!r}: the peer does not speak this protocol",
@@ -139,6 +154,8 @@ class Connection:
             kind = Kind(kind)
         except ValueError:
             raise ProtocolError(f"unknown frame kind {kind}", "kind") from None
+        if flags & ~SHARED:
+            raise ProtocolError(f"unknown frame flags {flags:#x}")
         if meta_len > self.max_meta:
             raise ProtocolError(f"metadata of {meta_len} bytes exceeds {self.max_meta}",
                                 "oversized")
@@ -153,6 +170,15 @@ class Connection:
         if kind is Kind.ERROR:  # refused unread: the stream is out of step, so it ends
             raise ProtocolError(f"an ERROR frame carries no payload; this one claims "
                                 f"{payload_len} bytes", "oversized")
+        shared = None
+        if flags & SHARED:
+            shared = self.shared_in
+            if shared is None:
+                raise ProtocolError("a payload in shared memory, on a connection that shares "
+                                    "none")
+            if payload_len > shared.nbytes:
+                raise ProtocolError(f"a shared payload of {payload_len} bytes in a region of "
+                                    f"{shared.nbytes}", "oversized")
         if callable(into):
             into = into(kind, meta)
         if into is not None:
@@ -161,11 +187,18 @@ class Connection:
                                     "expected (a different model or dtype on the other side?)",
                                     "shape")
             target = memoryview(into).cast("B")
-            self._read_into(target)
+            if shared is None:
+                self._read_into(target)
+            elif not shared.holds(target):  # else it was read in place
+                target[:] = shared.data[:payload_len]
+            self.bytes_moved += payload_len if shared is not None else 0
             return Frame(kind, meta, target)
         if payload_len > self.max_payload:
             raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of "
                                 f"{self.max_payload}", "oversized")
+        if shared is not None:
+            self.bytes_moved += payload_len
+            return Frame(kind, meta, memoryview(bytearray(shared.data[:payload_len])))
         # Grown as bytes arrive: a header that claims much and sends little costs little.
         buffer = bytearray()
         while len(buffer) < payload_len:

@@ -123,10 +123,14 @@ class WorkerHello(Message):
     device: str = "cpu"
     attempt: int = 0
     """Spark's attempt number of the task (an elastic fit's records say which came back)."""
+    shared: str = ""
+    """The worker's shared-memory region for its pushes (`net.shared_memory`), if it made
+    one; "" if none."""
 
     def check(self) -> None:
         if self.rank < 0 or self.attempt < 0:
             raise self.invalid(f"rank {self.rank}, attempt {self.attempt}")
+        fields.region_name(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +152,9 @@ class Push(Message):
     encoding: str = "none"
     """"none": the parameters; else the worker's delta from the global parameters,
     compressed so (`averaging.compression`)."""
+    shared_down: bool = False
+    """The worker has mapped the driver's region (named in the first AVERAGE): averages may
+    come through it."""
 
     def check(self) -> None:
         if self.round < 0 or self.samples < 1:
@@ -181,11 +188,18 @@ class Average(Message):
     global_follows: bool = False
     """The collective transport's restart: a STATE with the outer optimizer's state (and
     the update's residual) follows the worker's own (`averaging.global_step`)."""
+    shared: str = ""
+    """The first AVERAGE: the driver's region that later averages may come through, if the
+    worker can map it ("" if none)."""
+    shared_up: bool = False
+    """The first AVERAGE: the driver has mapped the region named in the worker's hello, so
+    its pushes may go through it."""
 
     def check(self) -> None:
         if self.round < -1:
             raise self.invalid(f"round {self.round}")
         fields.payload_description(self)
+        fields.region_name(self)
 
 
 @dataclass(frozen=True, slots=True)

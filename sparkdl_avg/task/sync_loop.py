@@ -39,7 +39,7 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
             model = replica.model
             flat = FlatBuffer(averaged_tensors(model), replica.wire_dtype)
             transport.configure(config, [tuple(p.shape) for p in trainable_parameters(model)],
-                                schedule.warmup_rounds)
+                                schedule.warmup_rounds, wire_nbytes=flat.array.nbytes)
     except Exception as exc:
         setup_error = exc
     try:
