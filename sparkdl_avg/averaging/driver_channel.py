@@ -41,16 +41,25 @@ class DriverChannel(Transport):
         self._deltas: WorkerDeltas | None = None
         self._region: SharedRegion | None = None
         """Ours, for our pushes, until the driver says whether it mapped it."""
-        self._shared_nbytes = 0
+        self._params_shared = False
 
     def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int,
                   wire_nbytes: int = 0) -> None:
         self._compression = config.delta_compression
-        self._shared_nbytes = wire_nbytes if config.shared_memory else 0
+        if config.shared_memory and wire_nbytes and self._region is None:
+            self._region = SharedRegion.create(wire_nbytes)
+        # what is pushed is the replica itself, not a copy (overlap's) or a delta
+        self._params_shared = config.delta_compression == "none" and \
+            not config.overlap_averaging
+
+    def host_buffer(self, dtype, numel: int) -> np.ndarray | None:
+        """Our region, where the replica lives when its pushes are itself: each push is then
+        only named, and no copy made."""
+        if self._region is None or not self._params_shared:
+            return None
+        return self._region.array(np.dtype(str(dtype).removeprefix("torch.")), numel)
 
     def open(self, hello: msg.WorkerHello) -> None:
-        if self._shared_nbytes and self._region is None:
-            self._region = SharedRegion.create(self._shared_nbytes)
         if self._region is not None:
             hello = dataclasses.replace(hello, shared=self._region.name)
         def attempt(connect_s: float, until: float, tries: int) -> Connection:
@@ -106,13 +115,15 @@ class DriverChannel(Transport):
                      *("through" if r is not None else "not through"
                        for r in (self._conn.shared_out, self._conn.shared_in)))
 
-    def _payload(self, values: np.ndarray) -> np.ndarray:
+    def _payload(self, values: np.ndarray, params: np.ndarray) -> np.ndarray:
         """`values`, or their copy at the start of our region (then the frame only names
-        it), if the driver mapped it and they fit."""
+        it), if the driver mapped it and they fit. Where the replica (`params`) lives in
+        the region, that is what is sent, as it is; nothing else may overwrite it."""
         region = self._conn.shared_out
         shared = region.array(values.dtype, values.size) if region is not None else None
-        if shared is None:
-            return values
+        if shared is None or values.ctypes.data == shared.ctypes.data or \
+                params.ctypes.data == region.address:
+            return values  # over TCP, or where it is
         np.copyto(shared, values)
         return shared
 
@@ -122,11 +133,11 @@ class DriverChannel(Transport):
                         encoding=self._compression,
                         shared_down=self._conn.shared_in is not None)
         if self._deltas is None:
-            msg.send(self._conn, push, self._payload(params))
+            msg.send(self._conn, push, self._payload(params, params))
             reply, _ = msg.expect(self._conn, msg.Average,
                                   into=msg.into_checked(params, "the driver"))
         else:
-            msg.send(self._conn, push, self._payload(self._deltas.encode(params)))
+            msg.send(self._conn, push, self._payload(self._deltas.encode(params), params))
             reply, _ = msg.expect(self._conn, msg.Average, into=self._deltas.receiving(params))
             self._deltas.apply(params)
         flat.scatter()

@@ -88,10 +88,17 @@ class FlatBuffer(WireBuffer):
     CPU with the wire's dtype, `flat` *is* the wire buffer: no copies at all. On a GPU, one
     pinned host buffer takes one non-blocking copy each way."""
 
-    def __init__(self, tensors: list[torch.Tensor], wire_dtype: torch.dtype) -> None:
+    def __init__(self, tensors: list[torch.Tensor], wire_dtype: torch.dtype,
+                 host: np.ndarray | None = None) -> None:
+        """`host`: memory for `flat` where it is the wire buffer (the CPU, the wire's dtype;
+        a shared-memory region: `Transport.host_buffer`), if it holds exactly the tensors."""
         first = tensors[0]
         numel = sum(t.numel() for t in tensors)
-        self.flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+        if host is not None and host.size == numel and first.device.type == "cpu" \
+                and first.dtype == wire_dtype:
+            self.flat = torch.from_numpy(host)
+        else:
+            self.flat = torch.empty(numel, dtype=first.dtype, device=first.device)
         offset = 0
         with torch.no_grad():
             for t in tensors:

@@ -37,9 +37,13 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
         with final_on_device_errors("build its replica on", str(device)):
             replica = Replica(spec, config, rank, data, device)
             model = replica.model
-            flat = FlatBuffer(averaged_tensors(model), replica.wire_dtype)
+            tensors = averaged_tensors(model)
+            numel = sum(t.numel() for t in tensors)
             transport.configure(config, [tuple(p.shape) for p in trainable_parameters(model)],
-                                schedule.warmup_rounds, wire_nbytes=flat.array.nbytes)
+                                schedule.warmup_rounds,
+                                wire_nbytes=numel * replica.wire_dtype.itemsize)
+            flat = FlatBuffer(tensors, replica.wire_dtype, host=transport.host_buffer(
+                replica.wire_dtype, numel))
     except Exception as exc:
         setup_error = exc
     try:
