@@ -90,12 +90,17 @@ class Coordinator(WorkerLinks):
                 shared = msg.WorkerHello.from_meta(hello).shared
                 if shared:
                     conn.shared_in = SharedRegion.attach(shared, self.average.nbytes)
-        if conn.shared_in is not None:
+                    if conn.shared_in is not None:  # mapped: its name can go at once
+                        conn.shared_in.unlink(peers=True)
+        if conn.shared_in is not None and self._shared is None and not self._sealed:
+            made = SharedRegion.create(self.average.nbytes)  # outside the lock: it sweeps
             with self._lock:
-                if self._shared is None and not self._sealed:  # before any average is out
-                    self._shared = SharedRegion.create(self.average.nbytes)
-                    if self._shared is not None:
-                        self.average = self._shared.array(self._dtype, self._model_numel)
+                if made is not None and self._shared is None and not self._sealed:
+                    # before any average is out: from now on the average lives there
+                    self._shared, made = made, None
+                    self.average = self._shared.array(self._dtype, self._model_numel)
+            if made is not None:
+                made.close()
         kept = super().serve(conn, hello)
         if conn.shared_in is not None and kept:
             log.info("worker rank %s is on the driver's host: its pushes come through shared "

@@ -42,31 +42,29 @@ class DriverChannel(Transport):
         self._region: SharedRegion | None = None
         """Ours, for our pushes, until the driver says whether it mapped it."""
         self._params_shared = False
+        self._shared_nbytes = 0
 
     def configure(self, config, trainable: list[tuple[int, ...]], warmup_rounds: int,
                   wire_nbytes: int = 0) -> None:
         self._compression = config.delta_compression
-        if config.shared_memory and wire_nbytes and self._region is None:
-            self._region = SharedRegion.create(wire_nbytes)
+        self._shared_nbytes = wire_nbytes if config.shared_memory else 0
         # what is pushed is the replica itself, not a copy (overlap's) or a delta
         self._params_shared = config.delta_compression == "none" and \
             not config.overlap_averaging
 
     def host_buffer(self, dtype, numel: int) -> np.ndarray | None:
-        """Our region, where the replica lives when its pushes are itself: each push is then
-        only named, and no copy made."""
+        """After `open`: our region, if the driver looks local, for the replica to live in
+        when its pushes are itself: each push is then only named, and no copy made."""
         if self._region is None or not self._params_shared:
             return None
         return self._region.array(np.dtype(str(dtype).removeprefix("torch.")), numel)
 
     def open(self, hello: msg.WorkerHello) -> None:
-        if self._region is not None:
-            hello = dataclasses.replace(hello, shared=self._region.name)
         def attempt(connect_s: float, until: float, tries: int) -> Connection:
             conn = connect(self._address, timeout=connect_s, max_payload=1 << 20,
                            tls=self._tls, tries=tries, until=until)
             try:
-                authenticate_to_server(conn, self._key, hello)
+                authenticate_to_server(conn, self._key, self._hello(hello, conn))
             except BaseException:
                 conn.close()
                 raise
@@ -97,6 +95,16 @@ class DriverChannel(Transport):
             self._deltas = WorkerDeltas(self._compression, params, state)
         return StartPoint(round=start.round + 1, state=state, wait_next=start.wait_next,
                           evaluate=start.evaluate, global_state=global_state)
+
+    def _hello(self, hello: msg.WorkerHello, conn: Connection) -> msg.WorkerHello:
+        """`hello`, naming a region of ours where the driver looks local (the connection's
+        two ends have one address; the token, not this, proves it)."""
+        if self._shared_nbytes and self._region is None and \
+                conn.sock.getsockname()[0] == conn.sock.getpeername()[0]:
+            self._region = SharedRegion.create(self._shared_nbytes)
+        if self._region is None:
+            return hello
+        return dataclasses.replace(hello, shared=self._region.name)
 
     def _share(self, start: msg.Average, nbytes: int) -> None:
         """After the start: keep our region if the driver mapped it (its name can go now),

@@ -6,8 +6,10 @@ random token, sent only over the authenticated connection: a peer that can open 
 *and* read the token is on this host and is the peer that created it, so nothing is shared
 by guesswork (a container with its own /dev/shm, another user, or another host simply
 finds no such region, and the pair keeps to TCP). Frames then name the region instead of
-carrying the bytes (`frames.Connection`); the region's owner unlinks its file once the
-peer has mapped it, or when it closes.
+carrying the bytes (`frames.Connection`). A worker unlinks its file once the driver has
+mapped it (the driver unlinks it on mapping it, the worker on hearing so); the driver keeps
+its own linked for workers that join later, until it closes.
+Whatever fails here (no room, a mapping refused) means TCP, never a failed fit.
 
 A file left by a process that was killed before it could unlink is removed by the next
 region made on the host (`_sweep`): its name carries the creator's pid. (Where processes with
@@ -32,7 +34,7 @@ import numpy as np
 log = logging.getLogger("sparkdl_avg")
 FOLDER = Path("/dev/shm")
 PREFIX = "sparkdl-avg-"
-_NAME = re.compile(rf"{PREFIX}(\d+)-[0-9a-f]{{16}}")
+_NAME = re.compile(rf"{PREFIX}(\d{{1,10}})-[0-9a-f]{{16}}")
 _TOKEN_BYTES = 16
 HEADER = 64
 """The token, then padding: the data starts 64-byte aligned."""
@@ -62,7 +64,8 @@ class SharedRegion:
         SIGBUS mid-fit)."""
         if not FOLDER.is_dir():
             return None
-        _sweep()
+        with contextlib.suppress(OSError):
+            _sweep()
         token = secrets.token_bytes(_TOKEN_BYTES)
         path = FOLDER / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         try:
@@ -79,7 +82,12 @@ class SharedRegion:
             log.info("no shared memory for %d MB of parameters (%s): they go over TCP",
                      nbytes >> 20, os.strerror(exc.errno or errno.EIO))
             return None
-        return cls(path, fd, nbytes, token, owner=True)
+        try:
+            return cls(path, fd, nbytes, token, owner=True)
+        except (OSError, ValueError) as exc:  # the mapping refused
+            path.unlink(missing_ok=True)
+            log.info("no shared memory for the parameters (%s): they go over TCP", exc)
+            return None
 
     @classmethod
     def attach(cls, name: str, nbytes: int) -> SharedRegion | None:
@@ -106,7 +114,10 @@ class SharedRegion:
         except OSError:
             os.close(fd)
             return None
-        return cls(path, fd, nbytes, token, owner=False)
+        try:
+            return cls(path, fd, nbytes, token, owner=False)
+        except (OSError, ValueError):
+            return None
 
     def array(self, dtype: np.dtype, numel: int) -> np.ndarray | None:
         """The first `numel` values of `dtype` in the region, or None if they do not fit."""
@@ -121,10 +132,10 @@ class SharedRegion:
         return view.nbytes <= self.nbytes and view.nbytes > 0 and \
             np.frombuffer(view, np.uint8).ctypes.data == self.address
 
-    def unlink(self) -> None:
-        """Remove the file (our own region's, once the peer has it mapped): the memory stays
-        until both unmap it."""
-        if self.owner:
+    def unlink(self, *, peers: bool = False) -> None:
+        """Remove the file (our own region's, once the peer has it mapped; `peers`: the
+        peer's, which only we map): the memory stays until both unmap it."""
+        if self.owner or peers:
             self.path.unlink(missing_ok=True)
 
     def close(self) -> None:
@@ -153,6 +164,6 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except (PermissionError, OverflowError):
+        return True  # not provably dead: kept
     return True

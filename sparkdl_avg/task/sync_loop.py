@@ -42,14 +42,15 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
             transport.configure(config, [tuple(p.shape) for p in trainable_parameters(model)],
                                 schedule.warmup_rounds,
                                 wire_nbytes=numel * replica.wire_dtype.itemsize)
-            flat = FlatBuffer(tensors, replica.wire_dtype, host=transport.host_buffer(
-                replica.wire_dtype, numel))
+            flat = FlatBuffer(tensors, replica.wire_dtype)
     except Exception as exc:
         setup_error = exc
     try:
         transport.open(hello)
         if setup_error is not None:
             raise setup_error
+        if (host := transport.host_buffer(replica.wire_dtype, numel)) is not None:
+            flat = FlatBuffer(tensors, replica.wire_dtype, host=host)  # a push is only named
         try:
             start = transport.receive_start(flat.array)
         except PeerRefused as exc:
