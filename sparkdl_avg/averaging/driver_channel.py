@@ -52,12 +52,12 @@ class DriverChannel(Transport):
         self._params_shared = config.delta_compression == "none" and \
             not config.overlap_averaging
 
-    def host_buffer(self, dtype, numel: int) -> np.ndarray | None:
+    def host_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray | None:
         """After `open`: our region, if the driver looks local, for the replica to live in
         when its pushes are itself: each push is then only named, and no copy made."""
         if self._region is None or not self._params_shared:
             return None
-        return self._region.array(np.dtype(str(dtype).removeprefix("torch.")), numel)
+        return self._region.array(dtype, numel)
 
     def open(self, hello: msg.WorkerHello) -> None:
         def attempt(connect_s: float, until: float, tries: int) -> Connection:

@@ -76,7 +76,7 @@ class Transport(ABC):
         parameters (the first tensors of its flat buffer), the warm-up's rounds and the
         flat buffer's bytes on the wire."""
 
-    def host_buffer(self, dtype, numel: int) -> np.ndarray | None:
+    def host_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray | None:
         """After `configure`: memory the replica's flat buffer may live in, so that a push
         sends it where it is (a shared-memory region); None: its own."""
         return None

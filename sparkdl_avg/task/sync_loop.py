@@ -37,20 +37,18 @@ def train_sync(spec: WorkerSpec, config: TrainConfig, rank: int, data: Partition
         with final_on_device_errors("build its replica on", str(device)):
             replica = Replica(spec, config, rank, data, device)
             model = replica.model
-            tensors = averaged_tensors(model)
-            numel = sum(t.numel() for t in tensors)
+            flat = FlatBuffer(averaged_tensors(model), replica.wire_dtype)
             transport.configure(config, [tuple(p.shape) for p in trainable_parameters(model)],
-                                schedule.warmup_rounds,
-                                wire_nbytes=numel * replica.wire_dtype.itemsize)
-            flat = FlatBuffer(tensors, replica.wire_dtype)
+                                schedule.warmup_rounds, wire_nbytes=flat.array.nbytes)
     except Exception as exc:
         setup_error = exc
     try:
         transport.open(hello)
         if setup_error is not None:
             raise setup_error
-        if (host := transport.host_buffer(replica.wire_dtype, numel)) is not None:
-            flat = FlatBuffer(tensors, replica.wire_dtype, host=host)  # a push is only named
+        if (host := transport.host_buffer(flat.array.dtype, flat.array.size)) is not None:
+            # where a push is only named: the replica moves into the region
+            flat = FlatBuffer(averaged_tensors(model), replica.wire_dtype, host=host)
         try:
             start = transport.receive_start(flat.array)
         except PeerRefused as exc:
