@@ -128,10 +128,12 @@ class DriverChannel(Transport):
         it), if the driver mapped it and they fit. Where the replica (`params`) lives in
         the region, that is what is sent, as it is; nothing else may overwrite it."""
         region = self._conn.shared_out
-        shared = region.array(values.dtype, values.size) if region is not None else None
-        if shared is None or values.ctypes.data == shared.ctypes.data or \
-                params.ctypes.data == region.address:
+        if region is None or region.holds(memoryview(values)) or \
+                region.holds(memoryview(params)):
             return values  # over TCP, or where it is
+        shared = region.array(values.dtype, values.size)
+        if shared is None:
+            return values  # too large: over TCP
         np.copyto(shared, values)
         return shared
 

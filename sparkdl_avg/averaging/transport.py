@@ -77,7 +77,7 @@ class Transport(ABC):
         flat buffer's bytes on the wire."""
 
     def host_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray | None:
-        """After `configure`: memory the replica's flat buffer may live in, so that a push
+        """After `open`: memory the replica's flat buffer may live in, so that a push
         sends it where it is (a shared-memory region); None: its own."""
         return None
 

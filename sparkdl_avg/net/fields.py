@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from sparkdl_avg._errors import ProtocolError
+from sparkdl_avg.net.shared_memory import REFERENCE
 
 if TYPE_CHECKING:
     from sparkdl_avg.net.message_base import Message
@@ -105,12 +106,9 @@ def hex_string(name: str, value: str, message: Message) -> None:
         raise message.invalid(f"{name} is not hex") from None
 
 
-_REGION = re.compile(r"sparkdl-avg-\d{1,10}-[0-9a-f]{16}:[0-9a-f]{32}")
-
-
 def region_name(message: Message) -> None:
     """`shared`: "" or a shared-memory region's name and token (`net.shared_memory`)."""
-    if message.shared and not _REGION.fullmatch(message.shared):
+    if message.shared and not REFERENCE.fullmatch(message.shared):
         raise message.invalid("shared is not a shared-memory region's name")
 
 

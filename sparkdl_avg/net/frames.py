@@ -189,9 +189,10 @@ class Connection:
             target = memoryview(into).cast("B")
             if shared is None:
                 self._read_into(target)
-            elif not shared.holds(target):  # else it was read in place
-                target[:] = shared.data[:payload_len]
-            self.bytes_moved += payload_len if shared is not None else 0
+            else:
+                if not shared.holds(target):  # else it is read where it lies
+                    target[:] = shared.data[:payload_len]
+                self.bytes_moved += payload_len
             return Frame(kind, meta, target)
         if payload_len > self.max_payload:
             raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of "

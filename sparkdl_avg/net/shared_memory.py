@@ -35,7 +35,10 @@ log = logging.getLogger("sparkdl_avg")
 FOLDER = Path("/dev/shm")
 PREFIX = "sparkdl-avg-"
 _NAME = re.compile(rf"{PREFIX}(\d{{1,10}})-[0-9a-f]{{16}}")
+"""A region's file: the creator's pid, then 8 random bytes."""
 _TOKEN_BYTES = 16
+REFERENCE = re.compile(rf"({_NAME.pattern}):([0-9a-f]{{{2 * _TOKEN_BYTES}}})")
+"""What a peer is told (`SharedRegion.name`): the file, then the token in hex."""
 HEADER = 64
 """The token, then padding: the data starts 64-byte aligned."""
 
@@ -93,14 +96,10 @@ class SharedRegion:
     def attach(cls, name: str, nbytes: int) -> SharedRegion | None:
         """The peer's region `name` (as `SharedRegion.name` gives it), if it is on this host,
         ours, of exactly `nbytes`, and holds its token; else None."""
-        file, _, token_hex = name.partition(":")
-        try:
-            token = bytes.fromhex(token_hex)
-        except ValueError:
-            return None
-        if not _NAME.fullmatch(file) or len(token) != _TOKEN_BYTES:
+        reference = REFERENCE.fullmatch(name)
+        if reference is None:
             return None  # only our own names: never a path elsewhere
-        path = FOLDER / file
+        path, token = FOLDER / reference.group(1), bytes.fromhex(reference.group(3))
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
