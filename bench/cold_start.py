@@ -141,9 +141,9 @@ def main() -> None:
             sessions[kind].append(in_fresh_process(__file__, "--one-session", kind,
                                                    "--fits", str(args.fits), env=env))
 
-    def medians(fits: list[dict]) -> dict:
+    def medians(fits: list[dict]) -> dict | None:  # None: no such fit (--fits 1 has no warm)
         return {k: round(median([f.get(k, 0.0) for f in fits]), 2)
-                for k in ("first_step", *PHASES)}
+                for k in ("first_step", *PHASES)} if fits else None
 
     results: dict = {"fresh_store": args.fresh_store}
     for kind, runs in sessions.items():
