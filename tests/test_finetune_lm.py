@@ -4,19 +4,17 @@ against the pretrained one it wraps. The job itself runs in test_job."""
 
 from __future__ import annotations
 
-import importlib.util
 import pprint
 
 import pytest
 import torch
+from test_hf import needs_hf
 
 from sparkdl_avg.examples import char_lm, finetune_lm
 
-# find_spec, not importorskip: importing transformers at collection costs every pytest run
-# about 6 s, also the ones that select none of these tests (CI's second passes)
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("peft") is None,
-    reason="needs the hf extra (transformers, peft)")
+# a skip by find_spec, not importorskip: importing transformers at collection costs every
+# pytest run about 6 s, also the ones that select none of these tests (CI's second passes)
+pytestmark = needs_hf
 
 
 def decoded(df) -> list[str]:

@@ -18,12 +18,9 @@ from functools import partial
 import cloudpickle
 import pytest
 import torch
+from test_hf import needs_hf
 
 from sparkdl_avg._model import _is_user_module, _modules_of, pickle_for_executors
-
-needs_hf = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("peft") is None,
-    reason="needs the hf extra (transformers, peft)")
 
 FACTORY = textwrap.dedent("""
     import torch
