@@ -37,7 +37,7 @@ PREFIX = "sparkdl-avg-"
 _NAME = re.compile(rf"{PREFIX}(\d{{1,10}})-[0-9a-f]{{16}}")
 """A region's file: the creator's pid, then 8 random bytes."""
 _TOKEN_BYTES = 16
-REFERENCE = re.compile(rf"({_NAME.pattern}):([0-9a-f]{{{2 * _TOKEN_BYTES}}})")
+REFERENCE = re.compile(rf"(?P<file>{_NAME.pattern}):(?P<token>[0-9a-f]{{{2 * _TOKEN_BYTES}}})")
 """What a peer is told (`SharedRegion.name`): the file, then the token in hex."""
 HEADER = 64
 """The token, then padding: the data starts 64-byte aligned."""
@@ -99,7 +99,7 @@ class SharedRegion:
         reference = REFERENCE.fullmatch(name)
         if reference is None:
             return None  # only our own names: never a path elsewhere
-        path, token = FOLDER / reference.group(1), bytes.fromhex(reference.group(3))
+        path, token = FOLDER / reference["file"], bytes.fromhex(reference["token"])
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
