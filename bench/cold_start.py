@@ -6,9 +6,10 @@ first (as a machine's store outlives its jobs); `--fresh-store` gives each its o
 tables the first fit then creates (2-3 s here). Sessions alternate between one with
 `sparkdl_avg.SPARK_CONF` (as the job's: Python workers forked from `task.warm_daemon`, torch
 already imported) and a plain one, in an order that rotates from sample to sample, and each
-kind is reported. `--late-warm-up` adds a third
-kind: SPARK_CONF with the end-of-fit warm-up (matplotlib, MLflow's model saving) started
-where it was before, as training starts, instead of before the first Spark job.
+kind is reported. `--late-warm-up` adds a kind: SPARK_CONF with the end-of-fit warm-up
+(matplotlib, MLflow's model saving) started where it was before, as training starts, instead
+of before the first Spark job. `--c1-jit` adds another: SPARK_CONF with the driver's JVM
+compiling with C1 only (`C1_JIT`), a setting for users to choose, not one we set.
 
 Each phase is the wall time the fit spends inside it on its critical path (a phase moved to a
 background thread costs only what the fit still waits for):
@@ -21,7 +22,7 @@ background thread costs only what the fit still waits for):
   load their partitions, build the replica and optimizer);
 - log_model, log_figures: after the last round.
 
-    python bench/cold_start.py [--samples 3] [--fits 3]
+    python bench/cold_start.py [--samples 3] [--fits 3] [--late-warm-up] [--c1-jit]
 """
 
 from __future__ import annotations
@@ -41,9 +42,16 @@ PHASES = ("run_open", "probe", "prepare", "to_first_step", "train", "log_figures
           "log_model", "total")
 
 
-KINDS = {"spark_conf": (True, False), "plain": (False, False),
-         "spark_conf_late_warm_up": (True, True)}
-"""Kinds of session: (SPARK_CONF, warm-up started as training starts)."""
+KINDS = {"spark_conf": (True, False, False), "plain": (False, False, False),
+         "spark_conf_late_warm_up": (True, True, False),
+         "spark_conf_c1_jit": (True, False, True)}
+"""Kinds of session: (SPARK_CONF, warm-up started as training starts, the JVM's JIT stopped
+at its first tier)."""
+OPTIONAL = {"spark_conf_late_warm_up": "late_warm_up", "spark_conf_c1_jit": "c1_jit"}
+"""The kinds run only where their option is given."""
+C1_JIT = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"}
+"""The driver's JVM (a local master's executors too) compiles with C1 only: less compile work
+while a cold JVM runs its first jobs, slower code where a job runs long enough for C2."""
 
 
 def _timed(owner, attr: str, spent: dict, name: str) -> None:
@@ -74,7 +82,8 @@ def _late_warm_up(logger_class) -> None:
     logger_class.ready = ready_then_warm_up
 
 
-def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False) -> list[dict]:
+def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
+                c1_jit: bool = False) -> list[dict]:
     """This process: a fresh session, `fits` fits; each one's phases."""
     from sparkdl_avg import SPARK_CONF, TrainConfig, fit
     from sparkdl_avg import _fit as fit_module
@@ -90,7 +99,7 @@ def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False) -> lis
     _timed(plan_module, "prepare", spent, "prepare")
     _timed(run_module.RunLogger, "log_figure", spent, "log_figures")
     _timed(fit_module, "_log_model", spent, "log_model")
-    spark = local_session(2, **(SPARK_CONF if warm_daemon else {}))
+    spark = local_session(2, **(SPARK_CONF if warm_daemon else {}), **(C1_JIT if c1_jit else {}))
     try:
         train_df, test_df = mnist1d.load(spark, 20_000)
         train_df.count()  # the session is up and has run a job, as before any fit
@@ -121,6 +130,9 @@ def main() -> None:
     parser.add_argument("--late-warm-up", action="store_true",
                         help="also SPARK_CONF sessions with the warm-up started as training "
                              "starts")
+    parser.add_argument("--c1-jit", action="store_true",
+                        help="also SPARK_CONF sessions whose JVM compiles with C1 only "
+                             "(-XX:TieredStopAtLevel=1)")
     parser.add_argument("--one-session", choices=list(KINDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_session:
@@ -132,7 +144,7 @@ def main() -> None:
 
         mlflow.MlflowClient(store).search_experiments()  # creates the store's tables
     sessions: dict[str, list] = {kind: [] for kind in KINDS
-                                 if args.late_warm_up or kind != "spark_conf_late_warm_up"}
+                                 if kind not in OPTIONAL or getattr(args, OPTIONAL[kind])}
     kinds = list(sessions)
     for i in range(args.samples):  # the kinds' order rotates: none always goes first
         for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
