@@ -21,6 +21,11 @@ from collections.abc import Iterator
 
 LOG4J = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
 """The local sessions' log4j settings: Spark's own at WARN, less what no user can act on."""
+C1_JIT = "-XX:TieredStopAtLevel=1"
+"""A JVM the job starts itself compiles with the JIT's first tier only: a cold JVM spends less
+CPU compiling while it runs the fit's first jobs (docs/guide/cluster.md measures it), and a
+job's Spark work in its own driver is small. Not for a JVM the job did not start
+(spark-submit's, a notebook's)."""
 JVM_NOISE = (b"WARNING: Using incubator modules",)
 """What the JVM prints on every start and no user can act on: Spark's launcher always adds the
 incubator module jdk.incubator.vector (JavaModuleOptions), and no JVM option hides the line."""
@@ -37,8 +42,9 @@ def session(app_name: str, master: str | None, num_workers: int) -> Iterator:
     """The job's SparkSession, stopped when the block ends. Under spark-submit, its session
     (`master` still wins when given); under plain `python`, `master` or a local session of
     `num_workers` slots on loopback with `SPARK_CONF` (its executors run this Python, which
-    has sparkdl-avg, so the daemon can start with torch loaded) and no UI. A JVM this process
-    starts logs through `LOG4J` and has its `JVM_NOISE` filtered out of its stderr."""
+    has sparkdl-avg, so the daemon can start with torch loaded) and no UI. A JVM this
+    process starts logs through `LOG4J`, compiles as `C1_JIT` says and has its `JVM_NOISE`
+    filtered out of its stderr."""
     log_to_stderr()
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
@@ -59,7 +65,7 @@ def session(app_name: str, master: str | None, num_workers: int) -> Iterator:
         spark = builder.getOrCreate()
     else:
         builder = builder.config("spark.driver.extraJavaOptions",
-                                 f"-Dlog4j2.configurationFile={LOG4J}")
+                                 f"-Dlog4j2.configurationFile={LOG4J} {C1_JIT}")
         spark = _start_jvm_filtered(builder)
     try:
         yield spark

@@ -55,6 +55,10 @@ for name, script, args in json.loads(sys.argv[1]):
     except SystemExit as exc:
         if exc.code:
             raise
+from pyspark import SparkContext  # the JVM the first job started, which outlives its session
+jvm_args = SparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+with open('jvm-options.txt', 'w') as f:
+    f.write(' '.join(jvm_args.getInputArguments().toArray()))
 """
 # A Python warning as `warnings` prints it (torch.export's, MLflow's, pandas', on the driver
 # or from an executor's Python worker, whose stderr the local JVM passes on), a Spark log
@@ -92,6 +96,15 @@ def test_every_job_prints_no_warning(jobs_run):
     printed = {name: [line for line in (stdout[name] + stderr[name]).splitlines()
                       if WARNING_LINE.search(line)] for name in stdout}
     assert not any(printed.values()), printed
+
+
+@pytest.mark.cluster
+def test_a_jvm_the_jobs_start_logs_by_their_settings_and_compiles_with_c1_only(jobs_run):
+    """The JVM the first job started under plain `python`: log4j from `_job.LOG4J`, and the
+    JIT's first tier only (`_job.C1_JIT`, a cold JVM's compile work cut)."""
+    options = (jobs_run[2] / "jvm-options.txt").read_text().split()
+    assert f"-Dlog4j2.configurationFile={JOBS / 'log4j2.properties'}" in options, options
+    assert "-XX:TieredStopAtLevel=1" in options, options
 
 
 @pytest.mark.cluster
