@@ -9,7 +9,8 @@ already imported) and a plain one, in an order that rotates from sample to sampl
 kind is reported. `--late-warm-up` adds a kind: SPARK_CONF with the end-of-fit warm-up
 (matplotlib, MLflow's model saving) started where it was before, as training starts, instead
 of before the first Spark job. `--c1-jit` adds another: SPARK_CONF with the driver's JVM
-compiling with C1 only (`C1_JIT`), a setting for users to choose, not one we set.
+compiling with C1 only (`C1_JIT`): the jobs give it to the JVM they start, and users may
+choose it; the library does not set it.
 
 Each phase is the wall time the fit spends inside it on its critical path (a phase moved to a
 background thread costs only what the fit still waits for):
