@@ -16,6 +16,10 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = RESULTS.parent.parent
+C1_JIT = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"}
+"""A session's settings (`local_session`) whose JVM, the driver's and a local master's
+executors, compiles with C1 only: less compile work while a cold JVM runs its first jobs,
+slower code where a job runs long enough for C2. The jobs' own JVM has it (`jobs/_job.py`)."""
 
 
 def local_session(workers: int = 2, **conf: str):

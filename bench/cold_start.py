@@ -37,7 +37,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import in_fresh_process, local_session, median, report  # noqa: E402
+from _common import C1_JIT, in_fresh_process, local_session, median, report  # noqa: E402
 
 PHASES = ("run_open", "probe", "prepare", "to_first_step", "train", "log_figures",
           "log_model", "total")
@@ -50,9 +50,6 @@ KINDS = {"spark_conf": (True, False, False), "plain": (False, False, False),
 at its first tier)."""
 OPTIONAL = {"spark_conf_late_warm_up": "late_warm_up", "spark_conf_c1_jit": "c1_jit"}
 """The kinds run only where their option is given."""
-C1_JIT = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"}
-"""The driver's JVM (a local master's executors too) compiles with C1 only: less compile work
-while a cold JVM runs its first jobs, slower code where a job runs long enough for C2."""
 
 
 def _timed(owner, attr: str, spent: dict, name: str) -> None:

@@ -50,7 +50,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import in_fresh_process, local_session, median, report  # noqa: E402
+from _common import C1_JIT, in_fresh_process, local_session, median, report  # noqa: E402
 
 EPOCHS, BATCH, LR, HIDDEN, SEED = 5, 50, 1e-3, (1024, 1024), 0
 
@@ -142,8 +142,8 @@ def one_side(side: str, repeats: int, every: int, transport: str, overlap: bool,
     from sparkdl_avg import SPARK_CONF
     from sparkdl_avg.examples import mnist1d
 
-    jit = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"} if c1_jit else {}
-    spark = local_session(2, **SPARK_CONF, **jit)  # both sides: the settings our jobs use
+    # both sides: the settings our jobs use
+    spark = local_session(2, **SPARK_CONF, **(C1_JIT if c1_jit else {}))
     try:
         train_df, test_df = mnist1d.load(spark, 20_000)
         train_df.count()  # the session is up and has run a job, on both sides
