@@ -61,11 +61,17 @@ def test_the_session_runs_the_spark_line_of_the_clients_pyspark(spark):
 
 def test_python_workers_are_forked_from_the_warm_daemon_with_torch_loaded(spark):
     """The session has `SPARK_CONF` (conftest, and the Connect server's settings): its Python
-    workers come from `task.warm_daemon`, which imported torch and the task's modules."""
+    workers come from `task.warm_daemon`, which imported torch and the task's modules, and
+    pyspark from the installed package (compiled), not from Spark's copy of it in
+    pyspark.zip (compiled afresh by every process)."""
+    import pyspark
+
     def forked_from(batches):  # nested: pickled by value, as test modules are not on workers
+        import os
         import sys
 
         import pyarrow as pa
+        import pyspark
 
         for _ in batches:
             pass
@@ -74,11 +80,15 @@ def test_python_workers_are_forked_from_the_warm_daemon_with_torch_loaded(spark)
             "daemon": [getattr(daemon.__spec__, "name", None)],
             "preloaded": [bool(getattr(daemon, "preloaded", False))],
             # torch's objects, frozen before the fork: collections skip them
-            "frozen": [getattr(daemon, "frozen", 0) > 100_000]})
+            "frozen": [getattr(daemon, "frozen", 0) > 100_000],
+            "pyspark": [os.path.realpath(pyspark.__file__)]})
 
     rows = spark.range(2, numPartitions=2).mapInArrow(
-        forked_from, "daemon string, preloaded boolean, frozen boolean").collect()
-    assert [tuple(r) for r in rows] == [("sparkdl_avg.task.warm_daemon", True, True)] * 2
+        forked_from, "daemon string, preloaded boolean, frozen boolean, pyspark string"
+    ).collect()
+    installed = os.path.realpath(pyspark.__file__)  # the same install on this machine
+    assert [tuple(r) for r in rows] == [("sparkdl_avg.task.warm_daemon", True, True,
+                                         installed)] * 2
 
 
 @pytest.fixture(scope="module")
