@@ -10,7 +10,9 @@ kind is reported. `--late-warm-up` adds a kind: SPARK_CONF with the end-of-fit w
 (matplotlib, MLflow's model saving) started where it was before, as training starts, instead
 of before the first Spark job. `--c1-jit` adds another: SPARK_CONF with the driver's JVM
 compiling with C1 only (`C1_JIT`): the jobs give it to the JVM they start, and users may
-choose it; the library does not set it.
+choose it; the library does not set it. `--zipped-pyspark` adds one more: SPARK_CONF with the
+daemon importing pyspark from Spark's pyspark.zip, as it did before it took the installed
+package's compiled modules (`bench/_zipped_pyspark_daemon.py`).
 
 Each phase is the wall time the fit spends inside it on its critical path (a phase moved to a
 background thread costs only what the fit still waits for):
@@ -24,6 +26,7 @@ background thread costs only what the fit still waits for):
 - log_model, log_figures: after the last round.
 
     python bench/cold_start.py [--samples 3] [--fits 3] [--late-warm-up] [--c1-jit]
+        [--zipped-pyspark]
 """
 
 from __future__ import annotations
@@ -43,13 +46,18 @@ PHASES = ("run_open", "probe", "prepare", "to_first_step", "train", "log_figures
           "log_model", "total")
 
 
-KINDS = {"spark_conf": (True, False, False), "plain": (False, False, False),
-         "spark_conf_late_warm_up": (True, True, False),
-         "spark_conf_c1_jit": (True, False, True)}
+KINDS = {"spark_conf": (True, False, False, False), "plain": (False, False, False, False),
+         "spark_conf_late_warm_up": (True, True, False, False),
+         "spark_conf_c1_jit": (True, False, True, False),
+         "spark_conf_zipped_pyspark": (True, False, False, True)}
 """Kinds of session: (SPARK_CONF, warm-up started as training starts, the JVM's JIT stopped
-at its first tier)."""
-OPTIONAL = {"spark_conf_late_warm_up": "late_warm_up", "spark_conf_c1_jit": "c1_jit"}
+at its first tier, the daemon's pyspark from Spark's zip)."""
+OPTIONAL = {"spark_conf_late_warm_up": "late_warm_up", "spark_conf_c1_jit": "c1_jit",
+            "spark_conf_zipped_pyspark": "zipped_pyspark"}
 """The kinds run only where their option is given."""
+ZIPPED_PYSPARK = {"spark.python.daemon.module": "_zipped_pyspark_daemon",
+                  "spark.executorEnv.PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+"""The daemon of `--zipped-pyspark`, a module of this folder."""
 
 
 def _timed(owner, attr: str, spent: dict, name: str) -> None:
@@ -81,7 +89,7 @@ def _late_warm_up(logger_class) -> None:
 
 
 def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
-                c1_jit: bool = False) -> list[dict]:
+                c1_jit: bool = False, zipped_pyspark: bool = False) -> list[dict]:
     """This process: a fresh session, `fits` fits; each one's phases."""
     from sparkdl_avg import SPARK_CONF, TrainConfig, fit
     from sparkdl_avg import _fit as fit_module
@@ -97,7 +105,9 @@ def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
     _timed(plan_module, "prepare", spent, "prepare")
     _timed(run_module.RunLogger, "log_figure", spent, "log_figures")
     _timed(fit_module, "_log_model", spent, "log_model")
-    spark = local_session(2, **(SPARK_CONF if warm_daemon else {}), **(C1_JIT if c1_jit else {}))
+    conf = {**(SPARK_CONF if warm_daemon else {}), **(C1_JIT if c1_jit else {}),
+            **(ZIPPED_PYSPARK if zipped_pyspark else {})}
+    spark = local_session(2, **conf)
     try:
         train_df, test_df = mnist1d.load(spark, 20_000)
         train_df.count()  # the session is up and has run a job, as before any fit
@@ -131,6 +141,9 @@ def main() -> None:
     parser.add_argument("--c1-jit", action="store_true",
                         help="also SPARK_CONF sessions whose JVM compiles with C1 only "
                              "(-XX:TieredStopAtLevel=1)")
+    parser.add_argument("--zipped-pyspark", action="store_true",
+                        help="also SPARK_CONF sessions whose daemon imports pyspark from "
+                             "Spark's pyspark.zip, as before")
     parser.add_argument("--one-session", choices=list(KINDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_session:
