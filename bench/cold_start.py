@@ -46,12 +46,11 @@ PHASES = ("run_open", "probe", "prepare", "to_first_step", "train", "log_figures
           "log_model", "total")
 
 
-KINDS = {"spark_conf": (True, False, False, False), "plain": (False, False, False, False),
-         "spark_conf_late_warm_up": (True, True, False, False),
-         "spark_conf_c1_jit": (True, False, True, False),
-         "spark_conf_zipped_pyspark": (True, False, False, True)}
-"""Kinds of session: (SPARK_CONF, warm-up started as training starts, the JVM's JIT stopped
-at its first tier, the daemon's pyspark from Spark's zip)."""
+KINDS = {"spark_conf": {"warm_daemon": True}, "plain": {"warm_daemon": False},
+         "spark_conf_late_warm_up": {"warm_daemon": True, "late_warm_up": True},
+         "spark_conf_c1_jit": {"warm_daemon": True, "c1_jit": True},
+         "spark_conf_zipped_pyspark": {"warm_daemon": True, "zipped_pyspark": True}}
+"""Kinds of session: `one_session`'s settings for each."""
 OPTIONAL = {"spark_conf_late_warm_up": "late_warm_up", "spark_conf_c1_jit": "c1_jit",
             "spark_conf_zipped_pyspark": "zipped_pyspark"}
 """The kinds run only where their option is given."""
@@ -90,7 +89,10 @@ def _late_warm_up(logger_class) -> None:
 
 def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
                 c1_jit: bool = False, zipped_pyspark: bool = False) -> list[dict]:
-    """This process: a fresh session, `fits` fits; each one's phases."""
+    """This process: a fresh session, `fits` fits; each one's phases. The session has
+    SPARK_CONF (`warm_daemon`), the JVM's JIT stopped at its first tier (`c1_jit`), the
+    daemon's pyspark from Spark's zip (`zipped_pyspark`); `late_warm_up`: the end-of-fit
+    warm-up started as training starts."""
     from sparkdl_avg import SPARK_CONF, TrainConfig, fit
     from sparkdl_avg import _fit as fit_module
     from sparkdl_avg.driver import plan as plan_module
@@ -147,7 +149,7 @@ def main() -> None:
     parser.add_argument("--one-session", choices=list(KINDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_session:
-        print(json.dumps(one_session(args.fits, *KINDS[args.one_session])))
+        print(json.dumps(one_session(args.fits, **KINDS[args.one_session])))
         return
     store = f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"
     if not args.fresh_store:

@@ -9,18 +9,23 @@ from pathlib import Path
 from sparkdl_avg.task.warm_daemon import without_installed_spark_zip
 
 
+def spark_zip(home: Path, version: str = "4.3.0") -> str:
+    """home/python/lib/pyspark.zip, as Spark lays it out under SPARK_HOME; its path."""
+    (home / "python" / "lib").mkdir(parents=True)
+    zipped = home / "python" / "lib" / "pyspark.zip"
+    with zipfile.ZipFile(zipped, "w") as archive:
+        archive.writestr("pyspark/__init__.py", "")
+        archive.writestr("pyspark/version.py", f'__version__ = "{version}"\n')
+    return str(zipped)
+
+
 def installed_pyspark(root: Path, version: str = "4.3.0", zipped_version: str | None = None):
     """root/pyspark as pip installs it, with its python/lib/pyspark.zip; the zip's path."""
     package = root / "pyspark"
-    (package / "python" / "lib").mkdir(parents=True)
+    zipped = spark_zip(package, zipped_version or version)  # SPARK_HOME is the package
     (package / "__init__.py").write_text("")
     (package / "version.py").write_text(f'__version__ = "{version}"\n')
-    zipped = package / "python" / "lib" / "pyspark.zip"
-    with zipfile.ZipFile(zipped, "w") as archive:
-        archive.writestr("pyspark/__init__.py", "")
-        archive.writestr("pyspark/version.py",
-                         f'__version__ = "{zipped_version or version}"\n')
-    return str(zipped)
+    return zipped
 
 
 def test_an_installed_pysparks_own_zip_gives_way_to_the_installed_package(tmp_path):
@@ -46,12 +51,7 @@ def test_a_spark_distributions_zip_stays(tmp_path):
     """SPARK_HOME/python/lib/pyspark.zip of a Spark distribution (Databricks' own build, say)
     is not the pip-installed pyspark the executors' Python may also have."""
     installed_pyspark(tmp_path / "site")
-    home = installed_pyspark(tmp_path / "spark-home")  # a pyspark.zip under another tree
-    distribution = tmp_path / "dist" / "python" / "lib"
-    distribution.mkdir(parents=True)
-    zipped = str(distribution / "pyspark.zip")
-    Path(home).rename(zipped)
-    path = [zipped, str(tmp_path / "site")]
+    path = [spark_zip(tmp_path / "spark-home"), str(tmp_path / "site")]
     assert without_installed_spark_zip(path) == path
 
 

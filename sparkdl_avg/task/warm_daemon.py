@@ -49,9 +49,10 @@ def _imports_the_zipped_pyspark(path: list[str], zipped: str, package: str) -> b
     if spec is None or spec.origin is None:
         return False
     try:
-        with zipfile.ZipFile(zipped) as archive:
-            return os.path.samefile(os.path.dirname(spec.origin), package) and \
-                archive.read("pyspark/version.py") == Path(package, "version.py").read_bytes()
+        if not os.path.samefile(os.path.dirname(spec.origin), package):
+            return False
+        with zipfile.ZipFile(zipped) as archive:  # read only for the package it came with
+            return archive.read("pyspark/version.py") == Path(package, "version.py").read_bytes()
     except (OSError, KeyError, zipfile.BadZipFile):
         return False
 
