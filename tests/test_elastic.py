@@ -18,7 +18,7 @@ import early
 import numpy as np
 import pytest
 from loopback import coordinator
-from polling import eventually
+from polling import eventually, wait_for
 
 from sparkdl_avg import ConfigError, TrainConfig
 from sparkdl_avg._errors import PeerRefused
@@ -91,6 +91,9 @@ def test_an_evicted_worker_leaves_and_its_newer_attempt_joins_at_the_next_round(
         new = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=5,
                             reply_timeout=5)
         new.open(msg.WorkerHello(rank=0, host="newer", attempt=9))
+        # the boundary below lets in who is waiting: the newer attempt, once the
+        # coordinator's accept thread has read its hello (a loaded machine may take a while)
+        wait_for(lambda: 0 in coord.elastic.joining)
         got = []
         joined = threading.Thread(target=lambda: got.append(
             new.receive_start(np.zeros(4, np.float32))))
