@@ -122,6 +122,9 @@ def _start(coord, channels, ranks) -> None:
         for r in ranks]
     for t in threads:
         t.start()
+    # `ranks` connected before the short deadline runs: on a loaded machine their threads
+    # may take longer than it to connect, and the fit would not start with them
+    wait_for(lambda: len(coord.hellos) == len(ranks), 30)
     coord.accept_workers(np.zeros(4, np.float32), 0.5)
     for t in threads:
         t.join(10)
