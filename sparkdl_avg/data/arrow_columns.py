@@ -25,6 +25,23 @@ class Column:
     """A ragged field's rows' lengths (int64); None for a fixed shape."""
 
 
+def as_numpy(array: pa.Array) -> np.ndarray:
+    """`array`'s values in numpy. A number array without nulls (what training reads) is
+    viewed where it lies, in its data buffer: pyarrow's `to_numpy` imports pandas on its
+    first call, 0.35 s of every cold Python worker before its first step, and nothing else a
+    task does needs pandas. Booleans (bit-packed), nulls and other types go to `to_numpy`."""
+    t = array.type
+    kind = "i" if pa.types.is_signed_integer(t) else "u" if pa.types.is_unsigned_integer(t) \
+        else "f" if pa.types.is_floating(t) else None
+    if kind is None or array.null_count:
+        return array.to_numpy(zero_copy_only=False)
+    dtype = np.dtype(f"{kind}{t.bit_width // 8}")  # Arrow's memory is in native order
+    data = array.buffers()[1]
+    if data is None or len(array) == 0:
+        return np.empty(0, dtype)
+    return np.frombuffer(data, dtype, count=len(array), offset=array.offset * dtype.itemsize)
+
+
 def read_column(array: pa.Array, field: FieldSpec) -> Column:
     """The rows of `array` (one column of a batch) as `field` describes them. Raises DataError
     naming the column for a null (NaN in floats read for an integer field too), or for a
@@ -41,7 +58,7 @@ def read_column(array: pa.Array, field: FieldSpec) -> Column:
     for level in range(len(field.shape)):
         if array.null_count:
             raise DataError(f"{field.described} holds nulls: cannot use them")
-        counts = pc.list_value_length(array).to_numpy(zero_copy_only=False)
+        counts = as_numpy(pc.list_value_length(array))
         if level == 0 and field.ragged:
             lengths = counts.astype(np.int64, copy=False)
         else:
@@ -54,7 +71,7 @@ def read_column(array: pa.Array, field: FieldSpec) -> Column:
         array = array.flatten()
     if array.null_count:
         raise DataError(f"{field.described} holds nulls: cannot use them")
-    values = array.to_numpy(zero_copy_only=False)
+    values = as_numpy(array)
     if values.dtype != np.dtype(field.dtype):
         check_fits(values, field)
         values = values.astype(field.dtype)
@@ -100,7 +117,7 @@ def _image_column(array: pa.StructArray, field: FieldSpec) -> Column:
         if ints.null_count or not pa.types.is_integer(ints.type):
             raise DataError(f"{field.described}: its {name!r} must be integers without "
                             f"nulls, got {ints.type} with {ints.null_count} nulls")
-        ints = ints.to_numpy(zero_copy_only=False)
+        ints = as_numpy(ints)
         if ints.size and (ints.min() < -2**31 or ints.max() >= 2**31):
             raise DataError(f"{field.described}: its {name!r} holds {ints.min()} to "
                             f"{ints.max()}, beyond the int32 Spark's image source has")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sparkdl_avg._errors import DataError
-from sparkdl_avg.data.arrow_columns import read_column
+from sparkdl_avg.data.arrow_columns import as_numpy, read_column
 from sparkdl_avg.data.cache import MIB, MemoryColumns, MemoryWriter
 from sparkdl_avg.data.columns import EVAL, INDEX, SPLIT, TRAIN
 from sparkdl_avg.data.disk_cache import DiskColumns, DiskWriter
@@ -119,8 +119,7 @@ def _place(batch, shape: Shape, writers: dict, seen: dict) -> None:
     if batch.num_rows == 0:
         return
     columns = [read_column(batch.column(f.wire), f) for f in shape.schema.carried]
-    row = batch.column(INDEX).to_numpy(zero_copy_only=False)
-    split = batch.column(SPLIT).to_numpy(zero_copy_only=False)
+    row, split = as_numpy(batch.column(INDEX)), as_numpy(batch.column(SPLIT))
     for part in (TRAIN, EVAL):
         mine = split == part
         if mine.all():  # the common case: no copies of the batch's rows

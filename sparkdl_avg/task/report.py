@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import operator
+
 FIELDS = (
     ("partition", "int"), ("host", "string"), ("pid", "long"), ("device", "string"),
     ("gpu", "string"), ("warning", "string"), ("train_rows", "long"), ("eval_rows", "long"),
@@ -33,11 +35,46 @@ def struct_type(fields=FIELDS):
 
 
 def record_batch(values: dict, fields=FIELDS):
-    """One Arrow row of `values` (keyed by the fields' names) under the derived schema."""
+    """One Arrow row of `values` (keyed by the fields' names) under the derived schema.
+    Built from buffers, not with `pa.array`: pyarrow's conversion of Python values imports
+    pandas on its first call (0.35 s of a cold Python worker, on the probe job before every
+    cold fit's first step), and no task needs pandas otherwise."""
     import pyarrow as pa
 
-    arrow = {"int": pa.int32(), "long": pa.int64(), "double": pa.float64(),
-             "string": pa.string(), "binary": pa.binary()}
-    schema = pa.schema([(name, arrow[kind]) for name, kind in fields])
-    return pa.RecordBatch.from_pydict({name: [values[name]] for name, _ in fields},
-                                      schema=schema)
+    schema = pa.schema([(name, _arrow_type(kind)) for name, kind in fields])
+    return pa.RecordBatch.from_arrays(
+        [_one_value(kind, values[name]) for name, kind in fields], schema=schema)
+
+
+def _arrow_type(kind: str):
+    import pyarrow as pa
+
+    return {"int": pa.int32(), "long": pa.int64(), "double": pa.float64(),
+            "string": pa.string(), "binary": pa.binary()}[kind]
+
+
+_NUMPY = {"int": "int32", "long": "int64", "double": "float64"}
+
+
+def _one_value(kind: str, value):
+    """A one-element Arrow array of `kind` holding `value` (None: a null)."""
+    import numpy as np
+    import pyarrow as pa
+
+    arrow_type = _arrow_type(kind)
+    if value is None:
+        return pa.nulls(1, arrow_type)
+    if kind in _NUMPY:  # an integer field takes integers only, as `pa.array` would
+        if isinstance(value, (bool, np.bool_)) and kind != "double":
+            raise TypeError(f"an integer field got {value!r}")
+        number = float(value) if kind == "double" else operator.index(value)
+        return pa.Array.from_buffers(arrow_type, 1,
+                                     [None, pa.py_buffer(np.array([number], _NUMPY[kind]))])
+    if kind == "string" or isinstance(value, str):
+        if not isinstance(value, str):
+            raise TypeError(f"a string field got {type(value).__name__}")
+        value = value.encode()
+    data = memoryview(value).cast("B")  # bytes, bytearray or a slice's view, not copied
+    offsets = np.array([0, data.nbytes], np.int32)
+    return pa.Array.from_buffers(arrow_type, 1,
+                                 [None, pa.py_buffer(offsets), pa.py_buffer(data)])
