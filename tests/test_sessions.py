@@ -63,12 +63,15 @@ def test_python_workers_are_forked_from_the_warm_daemon_with_torch_loaded(spark)
     """The session has `SPARK_CONF` (conftest, and the Connect server's settings): its Python
     workers come from `task.warm_daemon`, which imported torch and the task's modules, and
     pyspark from the installed package (compiled), not from Spark's copy of it in
-    pyspark.zip (compiled afresh by every process)."""
+    pyspark.zip (compiled afresh by every process). Nor do they have an archive finder off
+    their path, or a jar with no Python on it, for Spark's `invalidate_caches` to read again
+    in each worker's first task."""
     import pyspark
 
     def forked_from(batches):  # nested: pickled by value, as test modules are not on workers
         import os
         import sys
+        import zipimport
 
         import pyarrow as pa
         import pyspark
@@ -76,19 +79,23 @@ def test_python_workers_are_forked_from_the_warm_daemon_with_torch_loaded(spark)
         for _ in batches:
             pass
         daemon = sys.modules["__main__"]  # the daemon runs as `python -m <module>`
+        archives = [f.archive for f in sys.path_importer_cache.values()
+                    if isinstance(f, zipimport.zipimporter)]
         yield pa.RecordBatch.from_pydict({
             "daemon": [getattr(daemon.__spec__, "name", None)],
             "preloaded": [bool(getattr(daemon, "preloaded", False))],
             # torch's objects, frozen before the fork: collections skip them
             "frozen": [getattr(daemon, "frozen", 0) > 100_000],
-            "pyspark": [os.path.realpath(pyspark.__file__)]})
+            "pyspark": [os.path.realpath(pyspark.__file__)],
+            "archives_off_path": [sum(a not in sys.path for a in archives)],
+            "jars": [sum(e.endswith(".jar") for e in sys.path)]})
 
     rows = spark.range(2, numPartitions=2).mapInArrow(
-        forked_from, "daemon string, preloaded boolean, frozen boolean, pyspark string"
-    ).collect()
+        forked_from, "daemon string, preloaded boolean, frozen boolean, pyspark string, "
+        "archives_off_path long, jars long").collect()
     installed = os.path.realpath(pyspark.__file__)  # the same install on this machine
     assert [tuple(r) for r in rows] == [("sparkdl_avg.task.warm_daemon", True, True,
-                                         installed)] * 2
+                                         installed, 0, 0)] * 2
 
 
 @pytest.fixture(scope="module")
