@@ -12,7 +12,10 @@ of before the first Spark job. `--c1-jit` adds another: SPARK_CONF with the driv
 compiling with C1 only (`C1_JIT`): the jobs give it to the JVM they start, and users may
 choose it; the library does not set it. `--zipped-pyspark` adds one more: SPARK_CONF with the
 daemon importing pyspark from Spark's pyspark.zip, as it did before it took the installed
-package's compiled modules (`bench/_zipped_pyspark_daemon.py`).
+package's compiled modules (`bench/_zipped_pyspark_daemon.py`). `--against REV` adds
+SPARK_CONF sessions that run the library of another commit (a `git worktree` of it first on
+the path of the driver and of the executors' Python; each sample says where the driver's and
+the workers' library came from): the code before a change, in the same run as after it.
 
 Each phase is the wall time the fit spends inside it on its critical path (a phase moved to a
 background thread costs only what the fit still waits for):
@@ -26,7 +29,7 @@ background thread costs only what the fit still waits for):
 - log_model, log_figures: after the last round.
 
     python bench/cold_start.py [--samples 3] [--fits 3] [--late-warm-up] [--c1-jit]
-        [--zipped-pyspark]
+        [--zipped-pyspark] [--against REV]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import argparse
 import functools
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,10 +53,11 @@ PHASES = ("run_open", "probe", "prepare", "to_first_step", "train", "log_figures
 KINDS = {"spark_conf": {"warm_daemon": True}, "plain": {"warm_daemon": False},
          "spark_conf_late_warm_up": {"warm_daemon": True, "late_warm_up": True},
          "spark_conf_c1_jit": {"warm_daemon": True, "c1_jit": True},
-         "spark_conf_zipped_pyspark": {"warm_daemon": True, "zipped_pyspark": True}}
+         "spark_conf_zipped_pyspark": {"warm_daemon": True, "zipped_pyspark": True},
+         "spark_conf_against": {"warm_daemon": True}}
 """Kinds of session: `one_session`'s settings for each."""
 OPTIONAL = {"spark_conf_late_warm_up": "late_warm_up", "spark_conf_c1_jit": "c1_jit",
-            "spark_conf_zipped_pyspark": "zipped_pyspark"}
+            "spark_conf_zipped_pyspark": "zipped_pyspark", "spark_conf_against": "against"}
 """The kinds run only where their option is given."""
 ZIPPED_PYSPARK = {"spark.python.daemon.module": "_zipped_pyspark_daemon",
                   "spark.executorEnv.PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
@@ -93,6 +98,7 @@ def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
     SPARK_CONF (`warm_daemon`), the JVM's JIT stopped at its first tier (`c1_jit`), the
     daemon's pyspark from Spark's zip (`zipped_pyspark`); `late_warm_up`: the end-of-fit
     warm-up started as training starts."""
+    import sparkdl_avg
     from sparkdl_avg import SPARK_CONF, TrainConfig, fit
     from sparkdl_avg import _fit as fit_module
     from sparkdl_avg.driver import plan as plan_module
@@ -124,10 +130,23 @@ def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
             t = result.timings
             samples.append({**spent, "to_first_step": t["first_step_s"] - t["validate_s"],
                             "first_step": t["first_step_s"], "train": t["train_s"],
-                            "total": total})
+                            "total": total,
+                            "library": os.path.dirname(sparkdl_avg.__file__),
+                            "workers_library": result.workers[0]["library"]})
         return samples
     finally:
         spark.stop()
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _worktree(rev: str) -> str:
+    """A detached checkout of `rev` in a new temporary folder; its path."""
+    tree = os.path.join(tempfile.mkdtemp(prefix="cold-start-against-"), "tree")
+    subprocess.run(["git", "worktree", "add", "--detach", tree, rev], cwd=REPO, check=True,
+                   capture_output=True)
+    return tree
 
 
 def main() -> None:
@@ -146,6 +165,8 @@ def main() -> None:
     parser.add_argument("--zipped-pyspark", action="store_true",
                         help="also SPARK_CONF sessions whose daemon imports pyspark from "
                              "Spark's pyspark.zip, as before")
+    parser.add_argument("--against", metavar="REV",
+                        help="also SPARK_CONF sessions running the library of commit REV")
     parser.add_argument("--one-session", choices=list(KINDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_session:
@@ -159,18 +180,32 @@ def main() -> None:
     sessions: dict[str, list] = {kind: [] for kind in KINDS
                                  if kind not in OPTIONAL or getattr(args, OPTIONAL[kind])}
     kinds = list(sessions)
-    for i in range(args.samples):  # the kinds' order rotates: none always goes first
-        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
-            env = {**os.environ, "MLFLOW_TRACKING_URI": store if not args.fresh_store else
-                   f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"}
-            sessions[kind].append(in_fresh_process(__file__, "--one-session", kind,
-                                                   "--fits", str(args.fits), env=env))
+    tree = _worktree(args.against) if args.against else None
+    try:
+        for i in range(args.samples):  # the kinds' order rotates: none always goes first
+            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+                env = {**os.environ, "MLFLOW_TRACKING_URI": store if not args.fresh_store else
+                       f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"}
+                if kind == "spark_conf_against":  # the driver's, and the executors' (local)
+                    env["PYTHONPATH"] = os.pathsep.join(
+                        p for p in (tree, os.environ.get("PYTHONPATH")) if p)
+                # started in the worktree: the executors' Python puts its folder first
+                sessions[kind].append(in_fresh_process(
+                    __file__, "--one-session", kind, "--fits", str(args.fits), env=env,
+                    cwd=tree if kind == "spark_conf_against" else None))
+    finally:
+        if tree is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO,
+                           check=False)
 
     def medians(fits: list[dict]) -> dict | None:  # None: no such fit (--fits 1 has no warm)
         return {k: round(median([f.get(k, 0.0) for f in fits]), 2)
                 for k in ("first_step", *PHASES)} if fits else None
 
     results: dict = {"fresh_store": args.fresh_store}
+    if args.against:
+        results["against"] = subprocess.check_output(
+            ["git", "rev-parse", args.against], cwd=REPO, text=True).strip()
     for kind, runs in sessions.items():
         cold = [s[0] for s in runs]
         warm = [f for s in runs for f in s[1:]]
