@@ -7,10 +7,11 @@ once on a busy machine), at every session's first fit and whenever Spark starts 
 afresh. With it the daemon imports them once, at its own start, and the workers it forks
 share those pages.
 
-`pyspark.daemon` forks only after its own start because a module that starts threads at
-import does not survive a fork. torch and the modules below start none (numpy's OpenBLAS
-pool is made fork-safe by OpenBLAS itself); pyarrow and pandas, which do, are not imported
-here. If an import fails the daemon serves anyway and the task imports on its own, where
+A module that starts threads at import survives the fork only where it starts them again
+in the child: of what is imported here, numpy (OpenBLAS's pool) and pyarrow start one each,
+and both register at-fork handlers for that; torch and the task's modules start none. No
+task needs pandas (`task.report`, `data.arrow_columns.as_numpy`), so no worker imports it.
+If an import fails the daemon serves anyway and the task imports on its own, where
 the failure is reported with the task. This module itself must be importable by the
 executors' Python without `--py-files` (those reach a worker's path only after the fork).
 """
