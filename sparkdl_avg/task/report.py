@@ -41,9 +41,11 @@ def record_batch(values: dict, fields=FIELDS):
     cold fit's first step), and no task needs pandas otherwise."""
     import pyarrow as pa
 
-    schema = pa.schema([(name, _arrow_type(kind)) for name, kind in fields])
+    types = [_arrow_type(kind) for _, kind in fields]
+    schema = pa.schema([(name, t) for (name, _), t in zip(fields, types, strict=True)])
     return pa.RecordBatch.from_arrays(
-        [_one_value(kind, values[name]) for name, kind in fields], schema=schema)
+        [_one_value(kind, t, values[name]) for (name, kind), t in zip(fields, types, strict=True)],
+        schema=schema)
 
 
 def _arrow_type(kind: str):
@@ -56,12 +58,12 @@ def _arrow_type(kind: str):
 _NUMPY = {"int": "int32", "long": "int64", "double": "float64"}
 
 
-def _one_value(kind: str, value):
-    """A one-element Arrow array of `kind` holding `value` (None: a null)."""
+def _one_value(kind: str, arrow_type, value):
+    """A one-element Arrow array of `kind` (its Arrow type `arrow_type`) holding `value`
+    (None: a null)."""
     import numpy as np
     import pyarrow as pa
 
-    arrow_type = _arrow_type(kind)
     if value is None:
         return pa.nulls(1, arrow_type)
     if kind in _NUMPY:  # an integer field takes integers only, as `pa.array` would
