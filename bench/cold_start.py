@@ -180,19 +180,23 @@ def main() -> None:
     sessions: dict[str, list] = {kind: [] for kind in KINDS
                                  if kind not in OPTIONAL or getattr(args, OPTIONAL[kind])}
     kinds = list(sessions)
-    tree = _worktree(args.against) if args.against else None
+    # the commit, resolved once: the worktree and the result name the same one
+    against = subprocess.check_output(["git", "rev-parse", "--verify", args.against], cwd=REPO,
+                                      text=True).strip() if args.against else None
+    tree = _worktree(against) if against else None
     try:
         for i in range(args.samples):  # the kinds' order rotates: none always goes first
             for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
                 env = {**os.environ, "MLFLOW_TRACKING_URI": store if not args.fresh_store else
                        f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"}
-                if kind == "spark_conf_against":  # the driver's, and the executors' (local)
+                other = kind == "spark_conf_against"
+                if other:  # the driver's path, and the executors' (a local master)
                     env["PYTHONPATH"] = os.pathsep.join(
                         p for p in (tree, os.environ.get("PYTHONPATH")) if p)
                 # started in the worktree: the executors' Python puts its folder first
                 sessions[kind].append(in_fresh_process(
                     __file__, "--one-session", kind, "--fits", str(args.fits), env=env,
-                    cwd=tree if kind == "spark_conf_against" else None))
+                    cwd=tree if other else None))
     finally:
         if tree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO,
@@ -203,9 +207,8 @@ def main() -> None:
                 for k in ("first_step", *PHASES)} if fits else None
 
     results: dict = {"fresh_store": args.fresh_store}
-    if args.against:
-        results["against"] = subprocess.check_output(
-            ["git", "rev-parse", args.against], cwd=REPO, text=True).strip()
+    if against:
+        results["against"] = against
     for kind, runs in sessions.items():
         cold = [s[0] for s in runs]
         warm = [f for s in runs for f in s[1:]]
