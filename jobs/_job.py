@@ -43,13 +43,15 @@ def session(app_name: str, master: str | None, num_workers: int) -> Iterator:
     (`master` still wins when given); under plain `python`, `master` or a local session of
     `num_workers` slots on loopback with `SPARK_CONF` (its executors run this Python, which
     has sparkdl-avg, so the daemon can start with torch loaded) and no UI. A JVM this
-    process starts logs through `LOG4J`, compiles as `C1_JIT` says and has its `JVM_NOISE`
-    filtered out of its stderr."""
+    process starts logs through `LOG4J`, compiles as `C1_JIT` says, maps the class archive of
+    Spark's classes an earlier job's JVM recorded (the first records it, written as it exits
+    after the job: `sparkdl_avg._jvm_archive`) and has its `JVM_NOISE` filtered out of its
+    stderr."""
     log_to_stderr()
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
-    from sparkdl_avg import SPARK_CONF
+    from sparkdl_avg import SPARK_CONF, _jvm_archive
 
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit started the JVM already
     builder = (SparkSession.builder.appName(app_name)
@@ -61,16 +63,18 @@ def session(app_name: str, master: str | None, num_workers: int) -> Iterator:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = (builder.master(f"local[{num_workers}]").config("spark.ui.enabled", "false")
                    .config(map=SPARK_CONF))
+    archive = None
     if submitted or SparkContext._gateway is not None:  # the JVM runs already
         spark = builder.getOrCreate()
     else:
-        builder = builder.config("spark.driver.extraJavaOptions",
-                                 f"-Dlog4j2.configurationFile={LOG4J} {C1_JIT}")
-        spark = _start_jvm_filtered(builder)
+        spark, archive = _jvm_archive.start_session(
+            builder, f"-Dlog4j2.configurationFile={LOG4J} {C1_JIT}", _start_jvm_filtered)
     try:
         yield spark
     finally:
         spark.stop()
+        if archive is not None and archive.recording:
+            _jvm_archive.publish_after_stop(archive)
 
 
 def _start_jvm_filtered(builder):

@@ -41,8 +41,10 @@ def small_runs(tmp: Path) -> dict[str, list[str]]:
 
 # The jobs run one after another in one process, as `python jobs/<job>.py ...` runs each (its
 # folder first on sys.path), with the project's own warnings (the package's and the jobs')
-# made errors: a warning a job could cause and a user could not act on fails it. One process
-# starts one JVM: each later job's session is a new SparkContext in it.
+# made errors: a warning a job could cause and a user could not act on fails it. The first
+# job's JVM records the class archive of Spark's classes (the archive folder is new) and ends
+# with its session, to write it; the second job's JVM maps it, and each later job's session
+# is a new SparkContext in that JVM.
 RUN_IN_TURN = """
 import json, os, runpy, sys, warnings
 warnings.filterwarnings('error', module=r'(sparkdl_avg(\\.|$)|__main__$)')
@@ -55,18 +57,23 @@ for name, script, args in json.loads(sys.argv[1]):
     except SystemExit as exc:
         if exc.code:
             raise
-from pyspark import SparkContext  # the JVM the first job started, which outlives its session
+from pyspark import SparkContext  # the JVM the second job started, which outlives its session
 jvm_args = SparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
 with open('jvm-options.txt', 'w') as f:
     f.write(' '.join(jvm_args.getInputArguments().toArray()))
+pid = SparkContext._jvm.java.lang.ProcessHandle.current().pid()
+with open(f'/proc/{pid}/maps') as maps, open('jvm-mapped.txt', 'w') as f:
+    f.write(' '.join(sorted({line.split()[-1] for line in maps if line.endswith('.jsa\\n')})))
 """
 # A Python warning as `warnings` prints it (torch.export's, MLflow's, pandas', on the driver
 # or from an executor's Python worker, whose stderr the local JVM passes on), a Spark log
 # line at WARN, or a Python log record at WARNING in the jobs' logging format
 # ("%(asctime)s %(levelname)s %(message)s": the package's own log.warning), transformers'
 # own log line ("[transformers] ...", which it prints from WARNING up), or the JVM's own
-# "WARNING: ..." (the jobs filter the incubator-module line Spark's launcher causes).
-WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning: | WARN(ING)? |^WARNING: |^\[transformers\] ")
+# "WARNING: ..." (the jobs filter the incubator-module line Spark's launcher causes) or its
+# unified log's "[0.1s][warning][cds] ..." (a recording JVM's notes on classes it skips).
+WARNING_LINE = re.compile(
+    r"\b[A-Z]\w*Warning: | WARN(ING)? |^WARNING: |^\[transformers\] |\]\[warning\]\[")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +83,8 @@ def jobs_run(tmp_path_factory, mlflow_store) -> tuple[dict[str, str], dict[str, 
     tmp = tmp_path_factory.mktemp("jobs")
     runs = [(name, str(JOBS / f"{name}.py"), args) for name, args in small_runs(tmp).items()]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
-    env.update(SPARK_LOCAL_IP="127.0.0.1", MLFLOW_TRACKING_URI=mlflow_store)
+    env.update(SPARK_LOCAL_IP="127.0.0.1", MLFLOW_TRACKING_URI=mlflow_store,
+               SPARKDL_AVG_JVM_ARCHIVES=str(tmp / "jvm-archives"))
     proc = subprocess.run([sys.executable, "-c", RUN_IN_TURN, json.dumps(runs)], env=env,
                           cwd=tmp, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -100,11 +108,27 @@ def test_every_job_prints_no_warning(jobs_run):
 
 @pytest.mark.cluster
 def test_a_jvm_the_jobs_start_logs_by_their_settings_and_compiles_with_c1_only(jobs_run):
-    """The JVM the first job started under plain `python`: log4j from `_job.LOG4J`, and the
-    JIT's first tier only (`_job.C1_JIT`, a cold JVM's compile work cut)."""
+    """The JVM the jobs started under plain `python`: log4j from `_job.LOG4J`, and the JIT's
+    first tier only (`_job.C1_JIT`, a cold JVM's compile work cut)."""
     options = (jobs_run[2] / "jvm-options.txt").read_text().split()
     assert f"-Dlog4j2.configurationFile={JOBS / 'log4j2.properties'}" in options, options
     assert "-XX:TieredStopAtLevel=1" in options, options
+
+
+@pytest.mark.cluster
+def test_the_first_jobs_jvm_records_sparks_classes_and_the_next_jobs_jvm_maps_them(jobs_run):
+    """The class archive (`sparkdl_avg._jvm_archive`): the first job's JVM, with none in the
+    folder, records one and writes it as it exits after the job; the second job's JVM is
+    given it and has it mapped (its memory maps name the file), so it loads Spark's classes
+    from it instead of from the jars."""
+    _, stderr, tmp = jobs_run
+    archives = list((tmp / "jvm-archives").iterdir())
+    assert len(archives) == 1 and archives[0].suffix == ".jsa", archives  # nothing half-done
+    assert archives[0].stat().st_size > 50e6  # Spark's classes, not only the JDK's (13 MB)
+    assert f"JVM class archive {archives[0]} written" in stderr["train_mnist1d"]
+    options = (tmp / "jvm-options.txt").read_text().split()
+    assert f"-XX:SharedArchiveFile={archives[0]}" in options, options
+    assert str(archives[0]) in (tmp / "jvm-mapped.txt").read_text().split()
 
 
 @pytest.mark.cluster
