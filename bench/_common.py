@@ -22,7 +22,8 @@ executors, compiles with C1 only: less compile work while a cold JVM runs its fi
 slower code where a job runs long enough for C2. The jobs' own JVM has it (`jobs/_job.py`)."""
 
 
-def local_session(workers: int = 2, **conf: str):
+def session_builder(workers: int = 2, **conf: str):
+    """The builder of `local_session`'s session, for a bench that starts it otherwise."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
@@ -33,7 +34,11 @@ def local_session(workers: int = 2, **conf: str):
                .config("spark.driver.host", "127.0.0.1"))
     for key, value in conf.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    return builder
+
+
+def local_session(workers: int = 2, **conf: str):
+    spark = session_builder(workers, **conf).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 

@@ -16,10 +16,16 @@ package's compiled modules (`bench/_zipped_pyspark_daemon.py`). `--against REV` 
 SPARK_CONF sessions that run the library of another commit (a `git worktree` of it first on
 the path of the driver and of the executors' Python; each sample says where the driver's and
 the workers' library came from): the code before a change, in the same run as after it.
+`--class-archive` adds SPARK_CONF + C1 sessions whose JVM maps the archive of Spark's classes
+that the jobs' JVMs map (`sparkdl_avg._jvm_archive`), recorded in a new folder by one more
+session before the samples and reported alone (`class_archive_recording`: a recording JVM
+runs slower, and writes the archive after the session).
 
 Each phase is the wall time the fit spends inside it on its critical path (a phase moved to a
 background thread costs only what the fit still waits for):
 
+- session_start: the session's start, to its first job done (the same for each fit of a
+  process: not part of a fit);
 - run_open: the MLflow run created (a fresh sqlite store first creates its tables);
 - probe: the probe job (slots, reachability, local dirs; a cold session starts its Python
   workers here);
@@ -29,7 +35,7 @@ background thread costs only what the fit still waits for):
 - log_model, log_figures: after the last round.
 
     python bench/cold_start.py [--samples 3] [--fits 3] [--late-warm-up] [--c1-jit]
-        [--zipped-pyspark] [--against REV]
+        [--zipped-pyspark] [--against REV] [--class-archive]
 """
 
 from __future__ import annotations
@@ -38,26 +44,41 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import C1_JIT, in_fresh_process, local_session, median, report  # noqa: E402
+from _common import (  # noqa: E402
+    C1_JIT,
+    in_fresh_process,
+    local_session,
+    median,
+    report,
+    session_builder,
+)
 
-PHASES = ("run_open", "probe", "prepare", "to_first_step", "train", "log_figures",
-          "log_model", "total")
+from sparkdl_avg import _jvm_archive  # noqa: E402
+
+PHASES = ("session_start", "run_open", "probe", "prepare", "to_first_step", "train",
+          "log_figures", "log_model", "total")
 
 
 KINDS = {"spark_conf": {"warm_daemon": True}, "plain": {"warm_daemon": False},
          "spark_conf_late_warm_up": {"warm_daemon": True, "late_warm_up": True},
          "spark_conf_c1_jit": {"warm_daemon": True, "c1_jit": True},
          "spark_conf_zipped_pyspark": {"warm_daemon": True, "zipped_pyspark": True},
-         "spark_conf_against": {"warm_daemon": True}}
+         "spark_conf_against": {"warm_daemon": True},
+         "spark_conf_c1_class_archive": {"warm_daemon": True, "c1_jit": True,
+                                         "class_archive": True},
+         "class_archive_recording": {"warm_daemon": True, "c1_jit": True,
+                                     "class_archive": True}}
 """Kinds of session: `one_session`'s settings for each."""
 OPTIONAL = {"spark_conf_late_warm_up": "late_warm_up", "spark_conf_c1_jit": "c1_jit",
-            "spark_conf_zipped_pyspark": "zipped_pyspark", "spark_conf_against": "against"}
+            "spark_conf_zipped_pyspark": "zipped_pyspark", "spark_conf_against": "against",
+            "spark_conf_c1_class_archive": "class_archive"}
 """The kinds run only where their option is given."""
 ZIPPED_PYSPARK = {"spark.python.daemon.module": "_zipped_pyspark_daemon",
                   "spark.executorEnv.PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
@@ -93,11 +114,15 @@ def _late_warm_up(logger_class) -> None:
 
 
 def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
-                c1_jit: bool = False, zipped_pyspark: bool = False) -> list[dict]:
+                c1_jit: bool = False, zipped_pyspark: bool = False,
+                class_archive: bool = False) -> list[dict]:
     """This process: a fresh session, `fits` fits; each one's phases. The session has
     SPARK_CONF (`warm_daemon`), the JVM's JIT stopped at its first tier (`c1_jit`), the
-    daemon's pyspark from Spark's zip (`zipped_pyspark`); `late_warm_up`: the end-of-fit
-    warm-up started as training starts."""
+    daemon's pyspark from Spark's zip (`zipped_pyspark`), the class archive of Spark's
+    classes the jobs' JVMs map (`class_archive`: recorded where there is none yet, and
+    published after the session); `late_warm_up`: the end-of-fit warm-up started as training
+    starts. Each fit's figures include the session's start (`session_start`: to a session
+    that has run its first job)."""
     import sparkdl_avg
     from sparkdl_avg import SPARK_CONF, TrainConfig, fit
     from sparkdl_avg import _fit as fit_module
@@ -115,10 +140,20 @@ def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
     _timed(fit_module, "_log_model", spent, "log_model")
     conf = {**(SPARK_CONF if warm_daemon else {}), **(C1_JIT if c1_jit else {}),
             **(ZIPPED_PYSPARK if zipped_pyspark else {})}
-    spark = local_session(2, **conf)
+    t0 = time.perf_counter()
+    archive = None
+    if class_archive:
+        from sparkdl_avg import _jvm_archive
+
+        spark, archive = _jvm_archive.start_session(
+            session_builder(2, **conf), conf.get("spark.driver.extraJavaOptions", ""))
+        spark.sparkContext.setLogLevel("ERROR")
+    else:
+        spark = local_session(2, **conf)
     try:
         train_df, test_df = mnist1d.load(spark, 20_000)
         train_df.count()  # the session is up and has run a job, as before any fit
+        session_start = time.perf_counter() - t0
         cfg = TrainConfig(num_workers=2, epochs=1, batch_size=50, optimizer="adam", lr=1e-3,
                           experiment_name="bench-cold-start")
         samples = []
@@ -130,12 +165,16 @@ def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
             t = result.timings
             samples.append({**spent, "to_first_step": t["first_step_s"] - t["validate_s"],
                             "first_step": t["first_step_s"], "train": t["train_s"],
-                            "total": total,
+                            "total": total, "session_start": session_start,
+                            "archive": archive and ("recorded" if archive.recording else
+                                                    "mapped"),
                             "library": os.path.dirname(sparkdl_avg.__file__),
                             "workers_library": result.workers[0]["library"]})
         return samples
     finally:
         spark.stop()
+        if archive is not None and archive.recording:
+            _jvm_archive.publish_after_stop(archive)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,6 +206,10 @@ def main() -> None:
                              "Spark's pyspark.zip, as before")
     parser.add_argument("--against", metavar="REV",
                         help="also SPARK_CONF sessions running the library of commit REV")
+    parser.add_argument("--class-archive", action="store_true",
+                        help="also SPARK_CONF + C1 sessions whose JVM maps the class archive "
+                             "of Spark's classes (jobs/_job.py's), recorded first by one more "
+                             "session, reported alone")
     parser.add_argument("--one-session", choices=list(KINDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_session:
@@ -177,18 +220,25 @@ def main() -> None:
         import mlflow
 
         mlflow.MlflowClient(store).search_experiments()  # creates the store's tables
-    sessions: dict[str, list] = {kind: [] for kind in KINDS
-                                 if kind not in OPTIONAL or getattr(args, OPTIONAL[kind])}
+    sessions: dict[str, list] = {kind: [] for kind in KINDS if kind != "class_archive_recording"
+                                 and (kind not in OPTIONAL or getattr(args, OPTIONAL[kind]))}
     kinds = list(sessions)
     # the commit, resolved once: the worktree and the result name the same one
     against = subprocess.check_output(["git", "rev-parse", "--verify", args.against], cwd=REPO,
                                       text=True).strip() if args.against else None
     tree = _worktree(against) if against else None
+    archives = tempfile.mkdtemp()  # a new folder: the first class-archive session records
+    if args.class_archive:
+        sessions = {"class_archive_recording": [in_fresh_process(
+            __file__, "--one-session", "class_archive_recording", "--fits", str(args.fits),
+            env={**os.environ, "MLFLOW_TRACKING_URI": store,
+                 _jvm_archive.FOLDER_ENV: archives})], **sessions}
     try:
         for i in range(args.samples):  # the kinds' order rotates: none always goes first
             for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
                 env = {**os.environ, "MLFLOW_TRACKING_URI": store if not args.fresh_store else
-                       f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"}
+                       f"sqlite:///{tempfile.mkdtemp()}/mlflow.db",
+                       _jvm_archive.FOLDER_ENV: archives}
                 other = kind == "spark_conf_against"
                 if other:  # the driver's path, and the executors' (a local master)
                     env["PYTHONPATH"] = os.pathsep.join(
@@ -198,6 +248,7 @@ def main() -> None:
                     __file__, "--one-session", kind, "--fits", str(args.fits), env=env,
                     cwd=tree if other else None))
     finally:
+        shutil.rmtree(archives, ignore_errors=True)
         if tree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO,
                            check=False)
