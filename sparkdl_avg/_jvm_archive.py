@@ -8,8 +8,8 @@ with, and later JVMs of the same map it (`-XX:SharedArchiveFile`) instead of loa
 classes again: here, a session's start 2.4 s instead of 4.4 s and its first job 1.0 s instead
 of 2.1 s (docs/guide/cluster.md).
 
-A recording JVM runs slower and its exit takes seconds more while it writes the archive (about
-150 MB), once. A JVM given an archive it cannot use (another JVM's, a different class path)
+A recording JVM runs slower and its exit takes seconds more while it writes the archive (150-180
+MB), once. A JVM given an archive it cannot use (another JVM's, a different class path)
 runs without it; one given a damaged archive does not start at all, which is why a recording
 is published only after a clean exit and under a new name (`os.replace`), and why a caller
 that fails to start a JVM with an archive discards it (`discard`). The folder is the user's
@@ -60,7 +60,8 @@ class ClassArchive:
 
 
 def folder() -> str | None:
-    """The archives' folder, created if need be; None where archives are off or the folder is
+    """The archives' folder, created if need be; None where archives are off, where its path
+    has a space or a quote (Spark's launcher splits JVM options there) or where the folder is
     not this user's alone."""
     chosen = os.environ.get(FOLDER_ENV)
     if chosen == "off":
@@ -68,6 +69,9 @@ def folder() -> str | None:
     if not chosen:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         chosen = os.path.join(cache, "sparkdl-avg", "jvm-archives")
+    if any(c.isspace() or c in "\"'\\" for c in chosen):
+        log.debug("no JVM class archives: Spark splits JVM options at spaces (%r)", chosen)
+        return None
     try:
         os.makedirs(chosen, mode=0o700, exist_ok=True)
         st = os.stat(chosen)

@@ -139,8 +139,8 @@ def test_unused_archives_and_dead_processes_recordings_are_removed(machine):
     assert time.time() - os.path.getmtime(archive.path) < 60
 
 
-def test_archives_are_off_on_request_and_in_a_folder_others_may_write(machine, monkeypatch,
-                                                                      caplog):
+def test_archives_are_off_on_request_in_a_folder_others_may_write_or_with_spaces(
+        machine, monkeypatch, caplog):
     monkeypatch.setenv(_jvm_archive.FOLDER_ENV, "off")
     assert _jvm_archive.for_new_jvm("") is None
     monkeypatch.setenv(_jvm_archive.FOLDER_ENV, str(machine))
@@ -149,6 +149,9 @@ def test_archives_are_off_on_request_and_in_a_folder_others_may_write(machine, m
     with caplog.at_level(logging.WARNING, logger=_jvm_archive.__name__):
         assert _jvm_archive.for_new_jvm("") is None
     assert "others may write to it" in caplog.text and _jvm_archive.FOLDER_ENV in caplog.text
+    spaced = machine.parent / "my archives"  # Spark's launcher splits JVM options at spaces
+    monkeypatch.setenv(_jvm_archive.FOLDER_ENV, str(spaced))
+    assert _jvm_archive.for_new_jvm("") is None
     monkeypatch.delenv(_jvm_archive.FOLDER_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(machine.parent / "cache"))
     default = _jvm_archive.folder()  # the user's cache, made private
