@@ -143,8 +143,6 @@ def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
     t0 = time.perf_counter()
     archive = None
     if class_archive:
-        from sparkdl_avg import _jvm_archive
-
         spark, archive = _jvm_archive.start_session(
             session_builder(2, **conf), conf.get("spark.driver.extraJavaOptions", ""))
         spark.sparkContext.setLogLevel("ERROR")

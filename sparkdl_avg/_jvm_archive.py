@@ -162,8 +162,7 @@ def for_new_jvm(java_options: str) -> ClassArchive | None:
     if where is None or name is None:
         return None
     path = os.path.join(where, f"spark-{name}.jsa")
-    _remove_older(where, ".recording", STALE_S)
-    _remove_older(where, ".failed", STALE_S)
+    _remove_older(where, (".recording", ".failed"), STALE_S)
     if os.path.exists(path + ".failed"):
         return None
     if os.path.exists(path):
@@ -190,11 +189,12 @@ def publish(archive: ClassArchive, jvm: subprocess.Popen, timeout_s: float = 180
         jvm.wait()
     finally:  # published, or removed (an interrupt included)
         written = os.path.exists(archive.recording) and os.path.getsize(archive.recording) > 0
-        if code == 0 and written:
+        published = code == 0 and written
+        if published:
             os.replace(archive.recording, archive.path)
         else:
             _remove(archive.recording)
-    if code == 0 and written:
+    if published:
         _remove_older(os.path.dirname(archive.path), ".jsa", KEEP_S)
         log.info("JVM class archive %s written in %.1f s", archive.path,
                  time.perf_counter() - started)
@@ -216,11 +216,12 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def _remove_older(where: str, suffix: str, age_s: float) -> None:
-    """Remove the files of `where` named `*suffix` last modified over `age_s` ago."""
+def _remove_older(where: str, suffixes: str | tuple[str, ...], age_s: float) -> None:
+    """Remove the files of `where` whose names end with one of `suffixes`, last modified over
+    `age_s` ago."""
     now = time.time()
     for name in os.listdir(where):
         path = os.path.join(where, name)
         with contextlib.suppress(FileNotFoundError):  # another process removed it first
-            if name.endswith(suffix) and now - os.path.getmtime(path) > age_s:
+            if name.endswith(suffixes) and now - os.path.getmtime(path) > age_s:
                 os.remove(path)
