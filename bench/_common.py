@@ -19,11 +19,10 @@ REPO = RESULTS.parent.parent
 C1_JIT = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"}
 """A session's settings (`local_session`) whose JVM, the driver's and a local master's
 executors, compiles with C1 only: less compile work while a cold JVM runs its first jobs,
-slower code where a job runs long enough for C2. The jobs' own JVM has it (`jobs/_job.py`)."""
+slower code where a job runs long enough for C2. `sparkdl_avg.local_session`'s JVM has it."""
 
 
-def session_builder(workers: int = 2, **conf: str):
-    """The builder of `local_session`'s session, for a bench that starts it otherwise."""
+def local_session(workers: int = 2, **conf: str):
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
@@ -34,11 +33,7 @@ def session_builder(workers: int = 2, **conf: str):
                .config("spark.driver.host", "127.0.0.1"))
     for key, value in conf.items():
         builder = builder.config(key, value)
-    return builder
-
-
-def local_session(workers: int = 2, **conf: str):
-    spark = session_builder(workers, **conf).getOrCreate()
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 

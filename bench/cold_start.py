@@ -16,10 +16,11 @@ package's compiled modules (`bench/_zipped_pyspark_daemon.py`). `--against REV` 
 SPARK_CONF sessions that run the library of another commit (a `git worktree` of it first on
 the path of the driver and of the executors' Python; each sample says where the driver's and
 the workers' library came from): the code before a change, in the same run as after it.
-`--class-archive` adds SPARK_CONF + C1 sessions whose JVM maps the archive of Spark's classes
-that the jobs' JVMs map (`sparkdl_avg._jvm_archive`), recorded in a new folder by one more
-session before the samples and reported alone (`class_archive_recording`: a recording JVM
-runs slower, and writes the archive after the session).
+`--class-archive` adds sessions of `sparkdl_avg.local_session(2)`, the jobs' own: SPARK_CONF +
+C1, and a JVM that maps the archive of Spark's classes (`sparkdl_avg._jvm_archive`), recorded
+in a new folder by one more session before the samples and reported alone
+(`class_archive_recording`: a recording JVM runs slower, and writes the archive after the
+session).
 
 Each phase is the wall time the fit spends inside it on its critical path (a phase moved to a
 background thread costs only what the fit still waits for):
@@ -57,10 +58,9 @@ from _common import (  # noqa: E402
     local_session,
     median,
     report,
-    session_builder,
 )
 
-from sparkdl_avg import _jvm_archive  # noqa: E402
+from sparkdl_avg import _jvm_archive, _local_session  # noqa: E402
 
 PHASES = ("session_start", "run_open", "probe", "prepare", "to_first_step", "train",
           "log_figures", "log_model", "total")
@@ -142,10 +142,9 @@ def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
             **(ZIPPED_PYSPARK if zipped_pyspark else {})}
     t0 = time.perf_counter()
     archive = None
-    if class_archive:
-        spark, archive = _jvm_archive.start_session(
-            session_builder(2, **conf), conf.get("spark.driver.extraJavaOptions", ""))
-        spark.sparkContext.setLogLevel("ERROR")
+    if class_archive:  # the library's own local session: its settings, not `conf`
+        spark = sparkdl_avg.local_session(2)
+        archive = "recorded" if _local_session._recording else "mapped"
     else:
         spark = local_session(2, **conf)
     try:
@@ -164,15 +163,13 @@ def one_session(fits: int, warm_daemon: bool, late_warm_up: bool = False,
             samples.append({**spent, "to_first_step": t["first_step_s"] - t["validate_s"],
                             "first_step": t["first_step_s"], "train": t["train_s"],
                             "total": total, "session_start": session_start,
-                            "archive": archive and ("recorded" if archive.recording else
-                                                    "mapped"),
+                            "archive": archive,
                             "library": os.path.dirname(sparkdl_avg.__file__),
                             "workers_library": result.workers[0]["library"]})
         return samples
     finally:
         spark.stop()
-        if archive is not None and archive.recording:
-            _jvm_archive.publish_after_stop(archive)
+        _local_session.end_recording()
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,9 +202,9 @@ def main() -> None:
     parser.add_argument("--against", metavar="REV",
                         help="also SPARK_CONF sessions running the library of commit REV")
     parser.add_argument("--class-archive", action="store_true",
-                        help="also SPARK_CONF + C1 sessions whose JVM maps the class archive "
-                             "of Spark's classes (jobs/_job.py's), recorded first by one more "
-                             "session, reported alone")
+                        help="also sessions of sparkdl_avg.local_session (SPARK_CONF + C1, "
+                             "a JVM that maps the class archive of Spark's classes), recorded "
+                             "first by one more session, reported alone")
     parser.add_argument("--one-session", choices=list(KINDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_session:

@@ -1,8 +1,8 @@
 """Train PyTorch models across a Spark cluster by parameter averaging, logged to MLflow.
 
-Only the names in `__all__` are public. `fit` and `FitResult` load torch and pyspark, so they
-are imported on first use: the parameter server's command line (`python -m sparkdl_avg ps
-serve`) goes through this module and needs neither."""
+Only the names in `__all__` are public. `fit`, `FitResult` and `local_session` load torch or
+pyspark, so they are imported on first use: the parameter server's command line
+(`python -m sparkdl_avg ps serve`) goes through this module and needs neither."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ the session starts. The executors' Python must have sparkdl-avg installed: shipp
 
 if TYPE_CHECKING:
     from sparkdl_avg._fit import FitResult, fit
+    from sparkdl_avg._local_session import local_session
 
 __all__ = [
     "ClusterError",
@@ -52,14 +53,16 @@ __all__ = [
     "TrainingError",
     "__version__",
     "fit",
+    "local_session",
 ]
 
-_LAZY = {"fit", "FitResult"}
+_LAZY = {"fit": "_fit", "FitResult": "_fit", "local_session": "_local_session"}
+"""Each public name imported on first use, and its module."""
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from sparkdl_avg import _fit
+        import importlib
 
-        return getattr(_fit, name)
+        return getattr(importlib.import_module(f"sparkdl_avg.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'sparkdl_avg' has no attribute {name!r}")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from sparkdl_avg._local_session import LOG4J
+
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
 PEFT = importlib.util.find_spec("peft") is not None  # the fine-tuning job needs the hf extra
 
@@ -108,10 +110,11 @@ def test_every_job_prints_no_warning(jobs_run):
 
 @pytest.mark.cluster
 def test_a_jvm_the_jobs_start_logs_by_their_settings_and_compiles_with_c1_only(jobs_run):
-    """The JVM the jobs started under plain `python`: log4j from `_job.LOG4J`, and the JIT's
-    first tier only (`_job.C1_JIT`, a cold JVM's compile work cut)."""
+    """The JVM the jobs started under plain `python` (`sparkdl_avg.local_session`'s): log4j
+    from `_local_session.LOG4J`, and the JIT's first tier only (a cold JVM's compile work
+    cut)."""
     options = (jobs_run[2] / "jvm-options.txt").read_text().split()
-    assert f"-Dlog4j2.configurationFile={JOBS / 'log4j2.properties'}" in options, options
+    assert f"-Dlog4j2.configurationFile={LOG4J}" in options, options
     assert "-XX:TieredStopAtLevel=1" in options, options
 
 

@@ -118,8 +118,10 @@ def test_server_command_line_imports_neither_pyspark_nor_torch(tmp_path):
 
 def test_only_the_session_module_touches_what_spark_connect_lacks():
     """A Connect session has no SparkContext: `driver/session.py` answers for both kinds. The
-    one other is `_jvm_archive`, which ends a JVM this process started itself (the jobs' and
-    the benches' local sessions, never a Connect one) so that it writes its class archive."""
+    others are `_jvm_archive` and `_local_session`, which start a JVM of this process's own
+    (`local_session`'s, the jobs' and the benches', never a Connect session's) and end it so
+    that it writes its class archive."""
     users = {name for name, path in modules().items()
              if any(word in path.read_text() for word in ("sparkContext", "_jsc", "_jvm"))}
-    assert users == {"sparkdl_avg.driver.session", "sparkdl_avg._jvm_archive"}
+    assert users == {"sparkdl_avg.driver.session", "sparkdl_avg._jvm_archive",
+                     "sparkdl_avg._local_session"}

@@ -6,7 +6,7 @@ def test_public_names_are_exactly_the_documented_surface():
         "ClusterError", "ConfigError", "DataCacheError", "DataError", "EarlyStopping",
         "FitResult", "Metric", "ModelError", "PreprocessError",
         "ProtocolError", "SPARK_CONF",
-        "SparkdlAvgError", "TrainConfig", "TrainingError", "__version__", "fit",
+        "SparkdlAvgError", "TrainConfig", "TrainingError", "__version__", "fit", "local_session",
     ])
     for name in sparkdl_avg.__all__:
         assert hasattr(sparkdl_avg, name)
