@@ -9,12 +9,13 @@ already imported) and a plain one, in an order that rotates from sample to sampl
 kind is reported. `--late-warm-up` adds a kind: SPARK_CONF with the end-of-fit warm-up
 (matplotlib, MLflow's model saving) started where it was before, as training starts, instead
 of before the first Spark job. `--c1-jit` adds another: SPARK_CONF with the driver's JVM
-compiling with C1 only (`C1_JIT`): the jobs give it to the JVM they start, and users may
-choose it; the library does not set it. `--zipped-pyspark` adds one more: SPARK_CONF with the
-daemon importing pyspark from Spark's pyspark.zip, as it did before it took the installed
-package's compiled modules (`bench/_zipped_pyspark_daemon.py`). `--against REV` adds
-SPARK_CONF sessions that run the library of another commit (a `git worktree` of it first on
-the path of the driver and of the executors' Python; each sample says where the driver's and
+compiling with C1 only (`C1_JIT`): `sparkdl_avg.local_session` gives it to the JVM it starts
+(the jobs' too), and a session of the user's own may choose it; `SPARK_CONF` does not set it.
+`--zipped-pyspark` adds one more: SPARK_CONF with the daemon importing pyspark from Spark's
+pyspark.zip, as it did before it took the installed package's compiled modules
+(`bench/_zipped_pyspark_daemon.py`). `--against REV` adds SPARK_CONF sessions that run the
+library of another commit (a `git worktree` of it first on the path of the driver and of the
+executors' Python; each sample says where the driver's and
 the workers' library came from): the code before a change, in the same run as after it.
 `--class-archive` adds sessions of `sparkdl_avg.local_session(2)`, the jobs' own: SPARK_CONF +
 C1, and a JVM that maps the archive of Spark's classes (`sparkdl_avg._jvm_archive`), recorded

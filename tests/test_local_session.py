@@ -24,6 +24,12 @@ def test_a_bad_argument_is_refused_naming_it(kwargs, named):
         local_session(**kwargs)
 
 
+def test_a_spark_connect_environment_is_refused(monkeypatch):
+    monkeypatch.setenv("SPARK_REMOTE", "sc://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="SPARK_REMOTE"):
+        local_session(2)
+
+
 # A fresh process: its session's JVM is the first, so local_session starts it. It runs a
 # Python job (the executors' daemon is SPARK_CONF's) and exits without stopping the session.
 SCRIPT = """
