@@ -36,14 +36,15 @@ def session(app_name: str, master: str | None, num_workers: int) -> Iterator:
 
     from sparkdl_avg import _local_session, local_session
 
-    if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit started the JVM already
+    if master is None and not submitted:
         spark = local_session(num_workers, app_name=app_name)
-    else:  # spark-submit started the JVM already, or the job names its master
+    else:
         builder = (SparkSession.builder.appName(app_name)
                    .config("spark.ui.showConsoleProgress", "false"))  # the library's own
         if master:
             builder = builder.master(master)
-        spark = _local_session.start_jvm(builder)
+        spark = builder.getOrCreate() if submitted else _local_session.start_jvm(builder)
     try:
         yield spark
     finally:

@@ -118,25 +118,28 @@ def key(java_options: str) -> str | None:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
-def start_session(builder, options: str, start=None):
+def start_session(builder, options: str, start=None, record: bool = True):
     """`builder`'s session, its JVM (which this process starts) given `options` and the archive
-    `for_new_jvm` chooses; that archive too, or None. `start(builder)` starts it
-    (`getOrCreate` by default). A JVM that does not start with its archive (a damaged file)
-    starts again, recording a new one. Where the archive is a recording, publish it with
-    `publish_after_stop` once the session has stopped."""
+    `for_new_jvm` chooses (`record`: or records where there is none); that archive too, or
+    None. `start(builder)` starts it (`getOrCreate` by default). A JVM that exits as it starts
+    with its archive (a damaged file) starts again, recording a new one. Where the archive is
+    a recording, publish it with `publish_after_stop` once the session has stopped."""
     from pyspark.errors import PySparkRuntimeError
 
     start = start or (lambda b: b.getOrCreate())
-    archive = for_new_jvm(options)
+    archive = for_new_jvm(options, record=record)
     if archive is not None and archive.recording is None:
         try:
             return start(builder.config("spark.driver.extraJavaOptions",
                                         f"{options} {archive.java_options}")), archive
         except PySparkRuntimeError as exc:
+            if exc.getCondition() != "JAVA_GATEWAY_EXITED":  # not the JVM's start: not ours
+                raise
             log.warning("the JVM did not start with its class archive %s (%s): removed, and "
-                        "the JVM started again to record a new one", archive.path, exc)
+                        "the JVM started again%s", archive.path, exc,
+                        " to record a new one" if record else "")
             discard(archive)
-            archive = for_new_jvm(options)
+            archive = for_new_jvm(options, record=record)
     extra = f" {archive.java_options}" if archive is not None else ""
     return start(builder.config("spark.driver.extraJavaOptions", options + extra)), archive
 
@@ -153,11 +156,11 @@ def publish_after_stop(archive: ClassArchive) -> bool:
     return publish(archive, gateway.proc)
 
 
-def for_new_jvm(java_options: str) -> ClassArchive | None:
+def for_new_jvm(java_options: str, record: bool = True) -> ClassArchive | None:
     """The archive a JVM about to start with `java_options` should map, or record where there is
-    none yet; None where archives are off or unknowable, or where a JVM of this kind exited
-    cleanly without writing one in the last day (a marker remembers it, so later JVMs do not
-    record in vain)."""
+    none yet (`record`); None where archives are off or unknowable, where there is none and
+    `record` is false, or where a JVM of this kind exited cleanly without writing one in the
+    last day (a marker remembers it, so later JVMs do not record in vain)."""
     where, name = folder(), key(java_options)
     if where is None or name is None:
         return None
@@ -168,7 +171,7 @@ def for_new_jvm(java_options: str) -> ClassArchive | None:
     if os.path.exists(path):
         os.utime(path)  # in use: kept by `_remove_older` for KEEP_S more
         return ClassArchive(path, None)
-    return ClassArchive(path, f"{path}.{os.getpid()}.recording")
+    return ClassArchive(path, f"{path}.{os.getpid()}.recording") if record else None
 
 
 def publish(archive: ClassArchive, jvm: subprocess.Popen, timeout_s: float = 180.0) -> bool:

@@ -198,3 +198,30 @@ def test_a_jvm_that_does_not_start_with_its_archive_starts_again_recording(machi
     starts.clear()
     session, mapped = _jvm_archive.start_session(builder, "-Xa", lambda b: starts.append(b))
     assert mapped.recording is None and len(starts) == 1
+
+
+def test_an_error_other_than_the_jvms_exit_keeps_the_archive(machine):
+    """Only a JVM that exits as it starts condemns its archive: an error of another kind (a
+    Connect URL missing) is raised as it is, and the archive stays."""
+    from pyspark.errors import PySparkRuntimeError
+
+    first = _jvm_archive.for_new_jvm("-Xa")
+    assert _jvm_archive.publish(first, jvm(first.recording))
+
+    def start(b):
+        raise PySparkRuntimeError(errorClass="CONNECT_URL_NOT_SET", messageParameters={})
+
+    with pytest.raises(PySparkRuntimeError, match="CONNECT_URL_NOT_SET"):
+        _jvm_archive.start_session(Builder(), "-Xa", start)
+    assert os.path.exists(first.path)
+
+
+def test_without_recording_a_jvm_maps_an_archive_or_has_none(machine):
+    """`record=False` (an interactive kernel, which may be killed while its JVM writes): no
+    recording where there is no archive, the archive where there is one."""
+    assert _jvm_archive.for_new_jvm("-Xa", record=False) is None
+    assert not os.listdir(machine)
+    first = _jvm_archive.for_new_jvm("-Xa")
+    assert _jvm_archive.publish(first, jvm(first.recording))
+    assert _jvm_archive.for_new_jvm("-Xa", record=False) == _jvm_archive.ClassArchive(
+        first.path, None)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from sparkdl_avg import ConfigError, local_session
+from sparkdl_avg import ConfigError, _local_session, local_session
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
@@ -24,10 +24,63 @@ def test_a_bad_argument_is_refused_naming_it(kwargs, named):
         local_session(**kwargs)
 
 
-def test_a_spark_connect_environment_is_refused(monkeypatch):
-    monkeypatch.setenv("SPARK_REMOTE", "sc://127.0.0.1:1")
-    with pytest.raises(ConfigError, match="SPARK_REMOTE"):
+@pytest.mark.parametrize(("env", "conf", "named"), [
+    ({"SPARK_REMOTE": "sc://127.0.0.1:1"}, {}, "SPARK_REMOTE"),
+    ({"SPARK_REMOTE": ""}, {}, "SPARK_REMOTE"),  # pyspark asks only whether it is there
+    ({"SPARK_CONNECT_MODE_ENABLED": "1"}, {}, "SPARK_CONNECT_MODE_ENABLED"),
+    ({}, {"spark.remote": "sc://127.0.0.1:1"}, "spark.remote"),
+])
+def test_what_would_make_a_new_session_a_connect_one_is_refused(monkeypatch, env, conf, named):
+    """Where no session runs yet: the check comes before any JVM starts."""
+    from pyspark import SparkContext
+
+    monkeypatch.setattr(SparkContext, "_active_spark_context", None)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=named):
+        local_session(2, conf=conf)
+
+
+def test_under_spark_submit_or_a_notebooks_jvm_it_refuses_and_the_jobs_take_that_session(
+        monkeypatch):
+    """local_session starts Spark here, so beside spark-submit's JVM it refuses; `start_jvm`
+    (the jobs' path with --master) takes that JVM's session as it is: no JVM options set, no
+    class archive recorded."""
+    from pyspark import SparkContext
+
+    class Builder:
+        calls: list = []
+
+        def config(self, *args, **kwargs):
+            self.calls.append(("config", args, kwargs))
+            return self
+
+        def getOrCreate(self):  # noqa: N802 - pyspark's name
+            self.calls.append(("getOrCreate",))
+            return "spark-submit's session"
+
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")
+    monkeypatch.setattr(SparkContext, "_gateway", None)  # connected to at the first session
+    with pytest.raises(ConfigError, match="PYSPARK_GATEWAY_PORT"):
         local_session(2)
+    assert _local_session.start_jvm(Builder()) == "spark-submit's session"
+    assert Builder.calls == [("getOrCreate",)] and _local_session._recording is None
+
+
+def test_a_forked_childs_exit_leaves_the_parents_recording_alone(monkeypatch):
+    from pyspark import SparkContext
+
+    published = []
+    monkeypatch.setattr(_local_session._jvm_archive, "publish_after_stop", published.append)
+    gateway = object()
+    monkeypatch.setattr(SparkContext, "_gateway", gateway)
+    monkeypatch.setattr(SparkContext, "_active_spark_context", None)
+    monkeypatch.setattr(_local_session, "_recording", (os.getpid() + 1, gateway, "archive"))
+    _local_session.end_recording()  # as a child forked from the recording process exits
+    assert published == [] and _local_session._recording is None
+    monkeypatch.setattr(_local_session, "_recording", (os.getpid(), gateway, "archive"))
+    _local_session.end_recording()  # the process itself
+    assert published == ["archive"]
 
 
 # A fresh process: its session's JVM is the first, so local_session starts it. It runs a
