@@ -10,7 +10,8 @@ What it sets, and why (docs/guide/cluster.md measures each):
 - log4j at WARN less what no user can act on (`LOG4J`);
 - the JIT's first tier only (`jit="c1"`): a cold JVM spends less CPU compiling while it runs
   the fit's first jobs (the first step 1.2 s sooner here), and a heavy Spark job of the
-  session's own runs slower (1.6x on a 300-million-row aggregation), which `jit="full"` avoids;
+  session's own runs slower (1.9x on a 300-million-row aggregation, `bench/c1_heavy_job.py`),
+  which `jit="full"` avoids;
 - a class archive of Spark's classes (`_jvm_archive`): the first such JVM records it and
   writes it as it exits, later ones map it and start in half the time;
 - its stderr without `JVM_NOISE`.
@@ -58,7 +59,7 @@ def local_session(slots: int = 2, *, app_name: str = "sparkdl-avg", jit: str = "
     alone, and the session's start 3.8 s against 8.9 s: docs/benchmarks).
 
     - `jit="c1"` (default): the JVM compiles with the JIT's first tier only. A heavy Spark job
-      of the session's own then runs slower (1.6x here); `jit="full"` is HotSpot's default.
+      of the session's own then runs slower (1.9x here); `jit="full"` is HotSpot's default.
     - `class_archive=True` (default): the JVM maps a class archive of Spark's classes. The
       first session of a given Java, Spark and options records it, and writes it as this
       process exits (about 10 s, once; 150-180 MB in `~/.cache/sparkdl-avg/jvm-archives`;
