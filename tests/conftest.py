@@ -17,6 +17,9 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 # Executors must run this interpreter (the venv), not whatever python3 is on PATH.
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+# No test writes a JVM class archive into the user's cache: those that record one name a
+# folder of their own (test_job, test_local_session, test_jvm_archive).
+os.environ["SPARKDL_AVG_JVM_ARCHIVES"] = "off"
 
 
 def pytest_collection_finish(session):
