@@ -44,7 +44,7 @@ def session(app_name: str, master: str | None, num_workers: int) -> Iterator:
                    .config("spark.ui.showConsoleProgress", "false"))  # the library's own
         if master:
             builder = builder.master(master)
-        spark = builder.getOrCreate() if submitted else _local_session.start_jvm(builder)
+        spark = _local_session.start_jvm(builder)  # spark-submit's JVM: its session as is
     try:
         yield spark
     finally:

@@ -69,7 +69,7 @@ def folder() -> str | None:
     if not chosen:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         chosen = os.path.join(cache, "sparkdl-avg", "jvm-archives")
-    if any(c.isspace() or c in "\"'\\" for c in chosen):
+    if splits_in_java_options(chosen):
         log.debug("no JVM class archives: Spark splits JVM options at spaces (%r)", chosen)
         return None
     try:
@@ -83,6 +83,12 @@ def folder() -> str | None:
                     "code the JVM runs); chmod go-w it or set %s", chosen, FOLDER_ENV)
         return None
     return chosen
+
+
+def splits_in_java_options(path: str) -> bool:
+    """Whether Spark's launcher would cut `path` apart in a JVM option: it splits the options
+    at spaces and does not honour quotes."""
+    return any(c.isspace() or c in "\"'\\" for c in path)
 
 
 def _java() -> str | None:

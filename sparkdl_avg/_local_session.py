@@ -136,8 +136,7 @@ def start_jvm(builder, *, jit: str = "c1", class_archive: bool = True, java_opti
     with _lock:
         if SparkContext._gateway is not None or "PYSPARK_GATEWAY_PORT" in os.environ:
             return builder.getOrCreate()  # the JVM runs already: its options are set
-        # Spark's launcher splits JVM options at spaces and does not honour quotes
-        usable = os.path.exists(LOG4J) and not any(c.isspace() or c in "\"'\\" for c in LOG4J)
+        usable = os.path.exists(LOG4J) and not _jvm_archive.splits_in_java_options(LOG4J)
         log4j = f"-Dlog4j2.configurationFile={LOG4J}" if usable else ""
         options = " ".join(o for o in (log4j, JIT[jit], java_options) if o)
         if not class_archive:
