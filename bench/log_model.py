@@ -4,7 +4,7 @@ case), the char-LM transformer and the images CNN. No Spark: the schema is the o
 that data would learn.
 
 One fresh process per sample and model, which first does what a fit does before its first
-Spark job (`tracking/run._warm_up`: torch.export's and MLflow's first use), then logs the model
+Spark job (`tracking/first_use.pay`: torch.export's and MLflow's first use), then logs the model
 three ways:
 
 - ahead, first: as a fit does now (`tracking/model_ahead`): the initial model saved with its
@@ -88,10 +88,10 @@ def one_process(kind: str) -> list[dict]:
     torch.export.export, ArtifactRepository.download_artifacts = counted_export, \
         counted_download
     mlflow.set_experiment("bench-log-model")
+    from sparkdl_avg.tracking.first_use import pay
     from sparkdl_avg.tracking.model_ahead import SavedAhead
-    from sparkdl_avg.tracking.run import _warm_up
 
-    _warm_up(True)  # what a fit pays beside its first Spark job
+    pay(True)  # what a fit pays beside its first Spark job
     logs = []
     for way in ("ahead", "fresh", "ahead"):
         model, schema = _model_and_schema(kind)

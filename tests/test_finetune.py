@@ -9,6 +9,7 @@ training, naming the first differing parameter; so is a resume over other frozen
 from __future__ import annotations
 
 import os
+import time
 
 import mlflow
 import numpy as np
@@ -162,6 +163,38 @@ def test_replicas_with_other_frozen_weights_are_refused_before_training(frame):
     assert runs.iloc[0]["status"] == "FAILED"
     assert "metrics.train_loss" not in runs.columns or np.isnan(
         runs.iloc[0]["metrics.train_loss"])  # no round was trained
+
+
+def _built_after_the_warm_up():
+    """A frozen layer and a head, built on the driver only once the fit's warm-up (on a thread
+    of its own) has made and saved its model: as a slow model_fn's build would span it."""
+    from pyspark import TaskContext
+
+    if TaskContext.get() is None:  # the driver (the replicas' builds run in tasks)
+        from sparkdl_avg.tracking import first_use
+
+        deadline = time.monotonic() + 60
+        while not first_use.saved_a_model and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert first_use.saved_a_model, "the fit's warm-up saved no model within 60 s"
+    frozen = torch.nn.Linear(IN, 16).requires_grad_(False)
+    return torch.nn.Sequential(frozen, torch.nn.ReLU(), torch.nn.Linear(16, CLASSES))
+
+
+def test_the_warm_up_beside_the_drivers_build_leaves_its_frozen_weights_as_seeded(
+        frame, monkeypatch):
+    """The driver builds model_fn under the fit's seed while its warm-up saves a model of its
+    own on another thread (a process's first fit that logs a model). Had that model drawn its
+    weights from torch's global generator, the driver's frozen weights would differ from
+    every replica's, and the fit would be refused as if model_fn were at fault."""
+    from sparkdl_avg.tracking import first_use
+
+    monkeypatch.setattr(first_use, "saved_a_model", False)  # this process's first model saving
+    result = fit(frame, _built_after_the_warm_up,
+                 TrainConfig(**{**SYNC, "epochs": 1, "log_model": True}))
+    seeded = _built(_built_after_the_warm_up)
+    assert torch.equal(result.model[0].weight, seeded[0].weight)
+    assert torch.equal(result.model[0].bias, seeded[0].bias)
 
 
 def test_a_resume_over_other_frozen_weights_is_refused(frame, tmp_path):

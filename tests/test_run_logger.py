@@ -1,6 +1,6 @@
 """The MLflow run logger's parts that need no fit."""
 
-from sparkdl_avg.tracking import run
+from sparkdl_avg.tracking import first_use, run
 
 
 def test_the_model_saving_warm_up_runs_once_a_process(monkeypatch):
@@ -9,12 +9,12 @@ def test_the_model_saving_warm_up_runs_once_a_process(monkeypatch):
     import mlflow.pytorch
 
     saved = []
-    monkeypatch.setattr(run, "_saved_a_model", False)
+    monkeypatch.setattr(first_use, "saved_a_model", False)
     monkeypatch.setattr(mlflow.pytorch, "save_model", lambda model, path, **_: saved.append(path))
-    run._warm_up(logs_model=False)
+    first_use.pay(logs_model=False)
     assert saved == []
-    run._warm_up(logs_model=True)
-    run._warm_up(logs_model=True)
+    first_use.pay(logs_model=True)
+    first_use.pay(logs_model=True)
     assert len(saved) == 1
 
 
@@ -75,7 +75,7 @@ def test_a_failed_fits_warm_up_and_saving_ahead_end_with_it(monkeypatch):
     from sparkdl_avg.tracking import model_ahead
 
     ended = []
-    monkeypatch.setattr(run, "_warm_up", lambda logs_model: time.sleep(1.5) or ended.append(
+    monkeypatch.setattr(first_use, "pay", lambda logs_model: time.sleep(1.5) or ended.append(
         "warm-up"))
     monkeypatch.setattr(model_ahead.SavedAhead, "_save", lambda self: time.sleep(1.0) or
                         ended.append("ahead"))
@@ -88,3 +88,20 @@ def test_a_failed_fits_warm_up_and_saving_ahead_end_with_it(monkeypatch):
     assert ended == ["warm-up", "ahead"]
     assert not {"sparkdl-avg-warm-up", "sparkdl-avg-model-ahead"} & {
         t.name for t in threading.enumerate() if t.is_alive()}
+
+
+def test_the_warm_up_draws_nothing_from_torchs_global_generator(monkeypatch):
+    """The warm-up runs on a thread beside the driver's build of model_fn, which draws from
+    torch's global generator under torch.manual_seed(TrainConfig.seed). A draw of the warm-up's
+    own there changes the driver's initial parameters (every replica's) and its frozen
+    weights, which each replica's build must match: a CI run failed so ("partition 1 built
+    other frozen weights than the driver's build of model_fn", a LoRA GPT-2 built while the
+    warm-up made its model)."""
+    import torch
+
+    monkeypatch.setattr(first_use, "saved_a_model", False)
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    first_use.import_and_save(logs_model=True)  # the real save, raising what fails
+    assert first_use.saved_a_model
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -212,7 +212,7 @@ def test_the_end_of_fit_warm_up_runs_beside_the_first_spark_job(data, monkeypatc
 
     from sparkdl_avg import _fit
     from sparkdl_avg.driver import plan
-    from sparkdl_avg.tracking import run
+    from sparkdl_avg.tracking import first_use, run
 
     warmed, training, opened = threading.Event(), threading.Event(), []
     open_run, check_cluster = run.RunLogger._open_run, plan.check_cluster
@@ -237,7 +237,7 @@ def test_the_end_of_fit_warm_up_runs_beside_the_first_spark_job(data, monkeypatc
         check_cluster(spark, config)
 
     monkeypatch.setattr(run.RunLogger, "_open_run", slow_open)
-    monkeypatch.setattr(run, "_warm_up", warm_up)
+    monkeypatch.setattr(first_use, "pay", warm_up)
     monkeypatch.setattr(plan, "check_cluster", first_job)
     monkeypatch.setitem(_fit._TRAIN, "sync", train_sync)
     started = time.monotonic()

@@ -21,9 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from sparkdl_avg._gc_pause import collector_paused
+from sparkdl_avg.tracking import first_use
 from sparkdl_avg.tracking.parent import named_parent, parent_run  # noqa: F401 - parent_run was documented here
 from sparkdl_avg.tracking.system_metrics import start_system_metrics
 
@@ -139,7 +138,8 @@ class RunLogger:
         self._pending.append(self._writes.submit(write))
 
     def warm_up(self) -> None:
-        """Start warming up what is logged at the end (`_warm_up`), once the run is open (so
+        """Start warming up what is logged at the end (`first_use.pay`), once the run is open
+        (so
         one thread at a time imports MLflow). The fit starts it before its first Spark job:
         in a cold session that job waits seconds for the executors' Python to import torch,
         on one core while the other idles, and the warm-up fills that time instead of taking
@@ -149,7 +149,7 @@ class RunLogger:
 
         def after_open() -> None:
             if self._opened.exception() is None:  # a run that failed to open fails the fit
-                _warm_up(self._logs_model)
+                first_use.pay(self._logs_model)
 
         self._warm = threading.Thread(target=after_open, name="sparkdl-avg-warm-up",
                                       daemon=True)
@@ -348,46 +348,6 @@ class RunLogger:
                 for metric in batch[start:]:  # keep them for the next flush
                     self._queue.put(metric)
                 raise
-
-
-_saved_a_model = False
-"""Whether this process has saved a model (`_warm_up`): the first-use costs are paid."""
-
-
-def _warm_up(logs_model: bool) -> None:
-    """Pay, while the fit trains, the first-use costs of what it logs at the end: matplotlib,
-    and MLflow's model saving (torch.export's first export alone takes over a second), on a
-    2-parameter model saved to a folder that is then removed. Once a process: a later fit's
-    saving would only take CPU from its workers (0.3-0.5 s a fit on two busy cores)."""
-    try:
-        with collector_paused():  # a first fit imports matplotlib and torch.export here
-            _import_and_save(logs_model)
-    except Exception:  # noqa: BLE001 - only a head start
-        log.debug("warm-up failed", exc_info=True)
-
-
-def _import_and_save(logs_model: bool) -> None:
-    global _saved_a_model
-    import shutil
-    import tempfile
-
-    from matplotlib.figure import Figure  # noqa: F401
-
-    from sparkdl_avg.tracking import plots  # noqa: F401
-
-    if logs_model is not True or _saved_a_model:  # "adapters": files, not a model
-        return
-    import mlflow.pytorch
-    import torch
-
-    folder = tempfile.mkdtemp(prefix="sparkdl-avg-warm-up-")
-    try:
-        mlflow.pytorch.save_model(torch.nn.Linear(2, 1).eval(), f"{folder}/model",
-                                  input_example=np.zeros((2, 2), np.float32),
-                                  pip_requirements=["torch"])
-        _saved_a_model = True
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _import_pyspark_ml() -> None:

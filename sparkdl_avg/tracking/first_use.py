@@ -1,0 +1,58 @@
+"""What a fit logs at its end, used once ahead: the first-use costs of matplotlib and of
+MLflow's model saving (torch.export's first export over a second of it), paid once a process
+on a thread of its own (`RunLogger.warm_up`), beside the fit's first Spark job.
+
+That thread runs while the driver builds `model_fn` under the fit's seed, from torch's global
+generator: nothing here may draw from it, or the driver's initial parameters and frozen
+weights would no longer be the seed's, and every replica's frozen weights would differ from
+the driver's (the fit refused as if `model_fn` were at fault)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+
+import numpy as np
+
+from sparkdl_avg._gc_pause import collector_paused
+
+log = logging.getLogger("sparkdl_avg")
+saved_a_model = False
+"""Whether this process has saved a model (`pay`): the first-use costs are paid."""
+
+
+def pay(logs_model: bool | str) -> None:
+    """Pay the first-use costs of what a fit of `logs_model` logs at its end: matplotlib, and
+    for a whole model MLflow's model saving, saving a 2-parameter model to a folder then
+    removed. Once a process: a later fit's saving would only take CPU from its workers
+    (0.3-0.5 s a fit on two busy cores). Only a head start: a failure is logged."""
+    try:
+        with collector_paused():  # a first fit imports matplotlib and torch.export here
+            import_and_save(logs_model)
+    except Exception:  # noqa: BLE001 - only a head start
+        log.debug("warm-up failed", exc_info=True)
+
+
+def import_and_save(logs_model: bool | str) -> None:
+    """`pay`'s work, raising what fails."""
+    global saved_a_model
+    from matplotlib.figure import Figure  # noqa: F401
+
+    from sparkdl_avg.tracking import plots  # noqa: F401
+
+    if logs_model is not True or saved_a_model:  # "adapters": files, not a model
+        return
+    import mlflow.pytorch
+    import torch
+
+    model = torch.nn.utils.skip_init(torch.nn.Linear, 2, 1).eval()  # no draw: zeros below
+    torch.nn.utils.vector_to_parameters(torch.zeros(3), model.parameters())
+    folder = tempfile.mkdtemp(prefix="sparkdl-avg-warm-up-")
+    try:
+        mlflow.pytorch.save_model(model, f"{folder}/model",
+                                  input_example=np.zeros((2, 2), np.float32),
+                                  pip_requirements=["torch"])
+        saved_a_model = True
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
