@@ -105,3 +105,17 @@ def test_the_warm_up_draws_nothing_from_torchs_global_generator(monkeypatch):
     first_use.import_and_save(logs_model=True)  # the real save, raising what fails
     assert first_use.saved_a_model
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_the_warm_up_saves_its_model_without_a_warning(monkeypatch):
+    """The warm-up's save is a fit's first in its process, and a job prints no warning: a
+    model whose parameters shared one storage had torch.export's archive warn ("No complete
+    tensor found in the group")."""
+    import warnings
+
+    monkeypatch.setattr(first_use, "saved_a_model", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first_use.import_and_save(logs_model=True)
+    assert first_use.saved_a_model
+    assert [str(w.message) for w in caught] == []

@@ -47,7 +47,8 @@ def import_and_save(logs_model: bool | str) -> None:
     import torch
 
     model = torch.nn.utils.skip_init(torch.nn.Linear, 2, 1).eval()  # no draw: zeros below
-    torch.nn.utils.vector_to_parameters(torch.zeros(3), model.parameters())
+    for param in model.parameters():  # each its own storage, as a model's are (export warns
+        torch.nn.init.zeros_(param)  # of parameters that share one)
     folder = tempfile.mkdtemp(prefix="sparkdl-avg-warm-up-")
     try:
         mlflow.pytorch.save_model(model, f"{folder}/model",
