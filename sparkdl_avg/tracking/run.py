@@ -139,8 +139,7 @@ class RunLogger:
 
     def warm_up(self) -> None:
         """Start warming up what is logged at the end (`first_use.pay`), once the run is open
-        (so
-        one thread at a time imports MLflow). The fit starts it before its first Spark job:
+        (so one thread at a time imports MLflow). The fit starts it before its first Spark job:
         in a cold session that job waits seconds for the executors' Python to import torch,
         on one core while the other idles, and the warm-up fills that time instead of taking
         CPU from the workers once they train."""
