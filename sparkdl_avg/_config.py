@@ -238,7 +238,8 @@ class TrainConfig:
 
     finish_timeout: float | None = None
     """Seconds the driver waits for the training job to end after its last round; None:
-    round_timeout."""
+    round_timeout, or for an elastic fit (`min_workers`) the longer of it and connect_timeout
+    (a retried task still loading its partition must connect to learn the fit has ended)."""
 
     max_failures: int = 3
     """Task failures (an exception, a killed worker, a lost executor, a hang) the fit recovers

@@ -125,6 +125,11 @@ def test_waits_derive_from_round_timeout_unless_set():
     assert TrainConfig(round_timeout=10, connect_timeout=5, reply_timeout=7,
                        finish_timeout=8).waits() == Waits(
         round=10, connect=5, reply=7, finish=8, reconnect=10)
+    # elastic: a retried task still loading its partition gets to connect and be told the
+    # fit has ended, rather than the finished fit failing while it loads
+    assert TrainConfig(num_workers=2, min_workers=1, round_timeout=10).waits().finish == 300
+    assert TrainConfig(num_workers=2, min_workers=1, round_timeout=10,
+                       finish_timeout=8).waits().finish == 8
     with pytest.raises(ConfigError, match="reply_timeout must be positive"):
         TrainConfig(reply_timeout=0)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import early
 import numpy as np
@@ -24,9 +25,11 @@ from sparkdl_avg import ConfigError, TrainConfig
 from sparkdl_avg._errors import PeerRefused
 from sparkdl_avg.averaging.driver_channel import DriverChannel
 from sparkdl_avg.averaging.membership import Membership
+from sparkdl_avg.averaging.transport import RoundReport
 from sparkdl_avg.driver.load_monitor import LoadMonitor
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import Credential, new_secret, role_key
+from sparkdl_avg.net.frames import HEADER, MAGIC, VERSION, Kind
 from sparkdl_avg.task.enrolment import enrol
 
 WORKERS = b"w" * 32
@@ -136,7 +139,9 @@ def test_a_second_live_claimant_is_refused_and_a_late_task_is_told_the_fit_ended
         channels = [DriverChannel(coord.address, Credential.of(secret, r), connect_timeout=5,
                                   reply_timeout=5) for r in range(2)]
         _start(coord, channels, [0])  # rank 1 is late: the fit starts with min_workers=1
-        assert records[0]["partition"] == 1 and records[0]["round_lost"] == 0
+        # the history's first training round is 1 (its round 0 is the evaluation before it)
+        assert records[0]["partition"] == 1 and records[0]["round_lost"] == 1
+        assert records[0]["attempt_back"] is None  # every record has every key
         twin = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=5,
                              reply_timeout=5)
         twin.open(msg.WorkerHello(rank=0, host="twin"))
@@ -151,6 +156,97 @@ def test_a_second_live_claimant_is_refused_and_a_late_task_is_told_the_fit_ended
             channels[1].receive_start(np.zeros(4, np.float32))
         assert info.value.reason == "ended"
         for c in channels:
+            c.close()
+
+
+class _Flat:
+    """A worker's replica as `DriverChannel.exchange` takes it."""
+
+    def __init__(self, numel: int) -> None:
+        self.array = np.ones(numel, np.float32)
+
+    def gather(self):
+        return self.array
+
+    def scatter(self) -> None:
+        pass
+
+
+def test_a_worker_whose_push_trickles_leaves_the_round_within_round_timeout():
+    """round_timeout bounds the whole message: a push whose bytes each come sooner than it
+    (a degraded link, a stalled executor) must not hold the round for as long as they take."""
+    secret, records = new_secret(), []
+    coord = coordinator(secret, 2, timeout=1.0, numel=64)
+    coord.elastic = Membership(1, records, rows_in_rounds=lambda a, b: 10 * (b - a))
+    with coord:
+        channels = [DriverChannel(coord.address, Credential.of(secret, r), connect_timeout=5,
+                                  reply_timeout=30) for r in range(2)]
+        threads = [threading.Thread(target=lambda c=c, r=r: (
+            c.open(msg.WorkerHello(rank=r, host="h")),
+            c.receive_start(np.zeros(64, np.float32)))) for r, c in enumerate(channels)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(coord.hellos) == 2, 30)
+        coord.accept_workers(np.zeros(64, np.float32), 5)
+        for t in threads:
+            t.join(10)
+        report = RoundReport(round=0, samples=1, loss_sum=0.0, compute_s=0.0, setup_s=0.0,
+                             lr=None)
+        replies = []
+        present = threading.Thread(target=lambda: replies.append(
+            channels[0].exchange(report, _Flat(64))), daemon=True)
+        present.start()
+        header = msg.Push(round=0, samples=1, loss_sum=0.0, compute_s=0.0, setup_s=0.0,
+                          dtype="float32", numel=64)
+        body = json.dumps(header.to_meta(), separators=(",", ":")).encode()
+        stop = threading.Event()
+
+        def trickle():  # a valid push, its 256 bytes one every 0.25 s (a minute in all)
+            sock = channels[1]._conn.sock
+            sock.sendall(HEADER.pack(MAGIC, VERSION, Kind.PUSH, 0, len(body), 256) + body)
+            while not stop.wait(0.25):
+                try:
+                    sock.sendall(b"\0")
+                except OSError:
+                    return
+
+        threading.Thread(target=trickle, daemon=True).start()
+        start = time.monotonic()
+        stats = coord.run_round(0, model_numel=64, allow_state=False, evaluate=False)
+        took = time.monotonic() - start
+        stop.set()
+        assert took < 20, took  # 1 s, and slack for a loaded machine: the push needs 64 s
+        present.join(10)
+        assert replies and not replies[0].stop  # the present worker got the round's average
+        assert stats is not None and sorted(coord._workers) == [0]
+        assert records[0]["partition"] == 1
+        assert "no whole message in 1s (round_timeout)" in records[0]["error"]
+        for c in channels:
+            c.close()
+
+
+def test_a_late_task_waits_for_the_boundary_longer_than_connect_timeout():
+    """A late task's start comes at the next round boundary, which may be a whole round (and
+    its evaluation) away: it waits as long as for any average, not just connect_timeout."""
+    secret, records = new_secret(), []
+    with _elastic_coordinator(secret, records) as coord:
+        first = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=5,
+                              reply_timeout=5)
+        _start(coord, [first], [0])
+        late = DriverChannel(coord.address, Credential.of(secret, 1), connect_timeout=0.5,
+                             reply_timeout=10)
+        late.open(msg.WorkerHello(rank=1, host="late", attempt=1))
+        wait_for(lambda: 1 in coord.elastic.joining)
+        got = []
+        joined = threading.Thread(target=lambda: got.append(
+            late.receive_start(np.zeros(4, np.float32))))
+        joined.start()
+        time.sleep(1.5)  # the round in progress: three times connect_timeout
+        coord._let_join(1, coord._send_joining_start(1))
+        joined.join(10)
+        assert got and got[0].round == 1
+        assert sorted(coord._workers) == [0, 1] and records[0]["round_back"] == 2
+        for c in (first, late):
             c.close()
 
 
@@ -275,6 +371,7 @@ def test_a_task_lost_in_the_last_round_ends_the_fit_with_the_others(fits):
     fit = fits["elastic_last_round_fault"]
     failure = _one_loss_and_return(fit)
     assert failure["round_lost"] == 20 and failure["round_back"] is None
+    assert failure["attempt_back"] is None
     assert failure["skipped_rows"] == 30
     assert fit["history"][-1]["workers"] == 3
 

@@ -57,7 +57,7 @@ def test_fit_recovers_from_a_task_fault_bit_identically(fault, data, reference, 
     assert failure["executor"] == "driver" and failure["host"]  # local mode: one executor
     expected = {"raise": "ValueError: injected failure in forward",
                 "kill": "Python worker exited unexpectedly",
-                "hang": "sent nothing for 3s (round_timeout)"}[fault]
+                "hang": "sent no whole message in 3s (round_timeout)"}[fault]
     assert expected in failure["error"]
     # the fault hit round 4 (step 9 of 40); the last checkpoint was taken after round 3, so
     # partition 1 ran steps 7 to 9 twice

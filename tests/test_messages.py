@@ -3,7 +3,10 @@ frame that does not fit is refused with reason "malformed" before anyone acts on
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -216,3 +219,37 @@ def test_an_unexpected_kind_is_named(pair):
     with pytest.raises(ProtocolError, match="expected ACK, got DONE") as info:
         msg.expect(b, msg.Ack)
     assert info.value.reason == "unexpected"
+
+
+def test_a_message_trickled_a_byte_at_a_time_is_bounded_by_one_wait(pair):
+    """`within`: the whole frame within the wait, not each byte; after it the connection's
+    own per-read timeout is back. Each byte comes sooner than the wait, so only a deadline
+    for the whole message can end the read."""
+    a, b = pair
+    frame = bytearray()
+    fake = socket.socketpair()  # a sender that writes the frame's bytes one at a time
+    Connection(fake[0], timeout=5, max_payload=1024).send(Kind.PUSH, VALID[msg.Push],
+                                                          np.zeros(10, np.float32))
+    fake[0].close()
+    while chunk := fake[1].recv(4096):
+        frame += chunk
+    fake[1].close()
+    stop = threading.Event()
+
+    def trickle():
+        for byte in frame:
+            if stop.wait(0.05):
+                return
+            with contextlib.suppress(OSError):
+                a.sock.sendall(bytes([byte]))
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError), b.within(0.5):
+        msg.receive(b)
+    took = time.monotonic() - start
+    stop.set()
+    sender.join(5)
+    assert took < 0.05 * len(frame) / 2  # the frame needs 10 s at this rate
+    assert b.deadline is None and b.sock.gettimeout() == 5

@@ -30,9 +30,10 @@ class DriverChannel(Transport):
     def __init__(self, address: tuple[str, int], key: Credential, *, connect_timeout: float,
                  reply_timeout: float, tls_ca_pem: str | None = None) -> None:
         """`key`: this worker's own, claimed at the load monitor (`task.enrolment`).
-        `connect_timeout`: for connecting (retried while the driver is busy) and for the first
-        parameters, which come once every worker has loaded its partition. `reply_timeout`:
-        for each later average."""
+        `connect_timeout`: for connecting (retried while the driver is busy) and, or
+        `reply_timeout` if longer, for the first parameters, which come once every worker has
+        loaded its partition (or at a round boundary). `reply_timeout`: for each later
+        average."""
         self._address, self._key = address, key
         self._connect_timeout, self._reply_timeout = connect_timeout, reply_timeout
         self._tls = client_context(tls_ca_pem) if tls_ca_pem else None
@@ -74,7 +75,9 @@ class DriverChannel(Transport):
         # sooner would leave the driver holding its rank for a dead connection
         self._conn = dial(attempt, self._connect_timeout, HANDSHAKE_S)
         self._conn.deadline = None
-        self._conn.set_timeout(self._connect_timeout)
+        # the start comes once the others have loaded, or (a late task of an elastic fit)
+        # at the next round boundary: a round and its evaluation may take reply_timeout
+        self._conn.set_timeout(max(self._connect_timeout, self._reply_timeout))
 
     def receive_start(self, params: np.ndarray) -> StartPoint:
         start, _ = msg.expect(self._conn, msg.Average, into=msg.into_checked(params, "the driver"))

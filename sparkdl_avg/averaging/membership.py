@@ -53,17 +53,19 @@ class Membership:
         averaged, so it missed only the rounds after)."""
         record = {"partition": rank, "attempt": hello.attempt, "host": hello.host,
                   "error": why, "round_lost": round_index + 1, "round_back": None,
-                  "seconds_away": None, "skipped_rows": None, "restart_at": None}
+                  "attempt_back": None, "seconds_away": None, "skipped_rows": None,
+                  "restart_at": None}
         self.records.append(record)
         self._away[rank] = (record, round_index + 1 if pushed else round_index,
                             time.monotonic())
 
     def absent_from_start(self, rank: int, round_index: int) -> None:
-        """Rank `rank` had not connected when training started at `round_index`."""
+        """Rank `rank` had not connected when training started at `round_index` (counted from
+        0; the record counts as the history does, from 1)."""
         record = {"partition": rank, "attempt": None, "host": None,
-                  "error": "not connected when training started", "round_lost": round_index,
-                  "round_back": None, "seconds_away": None, "skipped_rows": None,
-                  "restart_at": None}
+                  "error": "not connected when training started",
+                  "round_lost": round_index + 1, "round_back": None, "attempt_back": None,
+                  "seconds_away": None, "skipped_rows": None, "restart_at": None}
         self.records.append(record)
         self._away[rank] = (record, round_index, time.monotonic())
 

@@ -256,11 +256,13 @@ class WorkerLinks(Server):
                 into=None) -> tuple[msg.M, memoryview | None]:
         host = self.hellos[rank].host
         try:
-            message, payload = msg.receive(conn, into)
+            with conn.within(self._timeout):  # the whole message: a trickle holds no round
+                message, payload = msg.receive(conn, into)
         except TimeoutError:
             raise WorkerLostError(
-                f"partition {rank} (host {host}) sent nothing for {self._timeout:g}s "
-                "(round_timeout): the task hangs or its executor is stuck",
+                f"partition {rank} (host {host}) sent no whole message in {self._timeout:g}s "
+                "(round_timeout): the task hangs, its executor is stuck or its link is "
+                "too slow",
                 partition=rank, host=host) from None
         except (ProtocolError, OSError) as exc:
             raise WorkerLostError(f"lost the worker of partition {rank} (host {host}): {exc}",

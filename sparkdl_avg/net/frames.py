@@ -103,6 +103,7 @@ class Connection:
         self.deadline: float | None = None
         """If set (time.monotonic()), reads past it fail: a slow drip cannot hold us."""
         sock.settimeout(timeout)
+        self._timeout = timeout
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
@@ -125,6 +126,27 @@ class Connection:
 
     def set_timeout(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
+        self._timeout = timeout
+
+    @property
+    def timeout(self) -> float | None:
+        """How long one read may wait (`set_timeout`)."""
+        return self._timeout
+
+    @contextlib.contextmanager
+    def within(self, seconds: float | None):
+        """Reads in the block must all be done `seconds` from now: a peer that sends a message
+        a byte at a time holds us one wait, not one wait a byte. None: no deadline."""
+        if seconds is None:
+            yield
+            return
+        self.deadline = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self.deadline = None
+            with contextlib.suppress(OSError):  # closed meanwhile
+                self.sock.settimeout(self._timeout)
 
     def send(self, kind: Kind, meta: dict[str, Any] | None = None, payload: Any = None) -> None:
         body = json.dumps(meta or {}, separators=(",", ":")).encode()

@@ -204,7 +204,8 @@ class ParameterServer(FitLifecycle, Server):
 
         while not self._closed.is_set():
             try:
-                message, payload = msg.receive(conn, into)
+                with conn.within(conn.timeout):  # the whole message in one wait: no trickle
+                    message, payload = msg.receive(conn, into)
             except PeerClosed:
                 return
             except Unacceptable as exc:  # the frame was read whole: answer, go on
