@@ -18,8 +18,10 @@ from sparkdl_avg.averaging.coordinator import Coordinator
 from sparkdl_avg.averaging.driver_channel import DriverChannel
 from sparkdl_avg.averaging.flat_buffer import FlatBuffer
 from sparkdl_avg.averaging.global_step import GlobalStep
-from sparkdl_avg.averaging.outer import OuterOptimizer, outer_factory
+from sparkdl_avg.averaging.outer import OuterOptimizer, outer_factory, outer_settings
 from sparkdl_avg.averaging.transport import RoundReport
+from sparkdl_avg.driver.checkpoints import Checkpoint
+from sparkdl_avg.driver.resume_checks import check_resumable
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.auth import Credential, new_secret
 from sparkdl_avg.task.schedule import Schedule
@@ -279,3 +281,23 @@ def test_global_state_round_trips_through_its_packed_form():
     step.from_deltas(1, payloads, [1.0, 3.0], a)
     twin.from_deltas(1, payloads, [1.0, 3.0], b)
     assert np.array_equal(a, b)
+
+
+def test_a_resume_tells_two_callable_outer_optimizers_apart_by_what_they_build():
+    """Every lambda is "<lambda>": a checkpoint records what the callable builds, so a resume
+    with Adam where SGD stepped, or another lr, is refused naming outer_optimizer."""
+    def settings(make) -> dict:
+        return outer_settings(TrainConfig(num_workers=2, outer_optimizer=make))
+
+    sgd = settings(lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True))
+    saved = Checkpoint(round=1, steps=2, params=np.zeros(3, np.float32), states=None,
+                       fingerprint=sgd)
+    schedule = Schedule(micro_batches_per_epoch=20, epochs=1, averaging_frequency=2)
+    again = settings(lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True))
+    check_resumable(saved, again, schedule=schedule, source="x")  # the same optimizer
+    assert sgd["outer_lr"] == 0.7 and sgd["outer_momentum"] == 0.9  # logged as params too
+    for other in (lambda p: torch.optim.Adam(p, lr=0.7),
+                  lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9, nesterov=True)):
+        with pytest.raises(ConfigError, match=r"outer_optimizer: checkpoint '\S*<lambda>: "
+                                              r"torch\.optim\.sgd\.SGD\(.*lr=0\.7"):
+            check_resumable(saved, settings(other), schedule=schedule, source="x")

@@ -46,16 +46,40 @@ def outer_factory(name_or_fn, lr: float | None,
 
 def outer_settings(config) -> dict:
     """The outer optimizer's settings as they take effect (defaults resolved), for
-    checkpoints' fingerprints and MLflow: a callable by its qualified name."""
+    checkpoints' fingerprints and MLflow: a callable as what it builds (`_built`)."""
     outer = config.outer_optimizer
     if callable(outer):
-        return {"outer_optimizer": getattr(outer, "__qualname__", "callable"),
-                "outer_lr": None, "outer_momentum": None}
+        return _built(outer)
     lr, momentum = OUTER_DEFAULTS.get(outer, (None, None))
     return {"outer_optimizer": outer,
             "outer_lr": config.outer_lr if config.outer_lr is not None else lr,
             "outer_momentum": config.outer_momentum if config.outer_momentum is not None
             else momentum}
+
+
+def _built(make: Callable) -> dict:
+    """A callable outer optimizer as the optimizer it builds over one probe parameter: its
+    class and hyperparameters. Its name alone would not do: every lambda is "<lambda>", and a
+    resume must tell SGD from Adam, and lr 0.7 from 0.5. By name alone if it cannot build."""
+    name = getattr(make, "__qualname__", "callable")
+    try:
+        built = make([torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))])
+        defaults = dict(built.defaults)
+    except Exception:  # noqa: BLE001 - the fit's own build reports it (`OuterOptimizer`)
+        return {"outer_optimizer": name, "outer_lr": None, "outer_momentum": None}
+    plain = {key: value for key, value in sorted(defaults.items())
+             if isinstance(value, (bool, int, float, str, tuple, type(None)))}
+    kind = type(built)
+    described = ", ".join(f"{key}={value!r}" for key, value in plain.items())
+    return {"outer_optimizer": f"{name}: {kind.__module__}.{kind.__qualname__}({described})",
+            "outer_lr": _number(defaults.get("lr")),
+            "outer_momentum": _number(defaults.get("momentum"))}
+
+
+def _number(value) -> float | None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def shapes_of(tensors: list[torch.Tensor]) -> list[tuple[int, ...]]:
