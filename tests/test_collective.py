@@ -174,6 +174,23 @@ def test_task_groups_bind_the_given_address_sum_and_leave_nothing_behind():
     assert not dist.is_initialized()  # no global default group for a reused worker to trip on
 
 
+def test_a_group_that_fails_to_form_leaves_no_listening_socket():
+    """The barrier's all-gather fails (a peer's task failed, the stage was cancelled): rank
+    0's listening socket is closed, not left in the Python worker Spark reuses."""
+    def listening() -> int:
+        return sum(c.status == psutil.CONN_LISTEN for c in psutil.Process().net_connections("tcp"))
+
+    def all_gather(message: str) -> list[str]:
+        raise RuntimeError("the barrier's all-gather failed")
+
+    before = listening()
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="all-gather failed"):
+            TaskGroup.form(rank=0, world=2, address="127.0.0.1", device=torch.device("cpu"),
+                           all_gather=all_gather, connect_timeout_s=1, op_timeout_s=1)
+    assert listening() == before
+
+
 @pytest.mark.parametrize(("fields", "match"), [
     ({"transport": "ring"}, r"transport='ring' is not supported"),
     ({"transport": "collective", "mode": "async"}, r"transport='collective' applies to "

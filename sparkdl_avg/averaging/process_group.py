@@ -33,14 +33,20 @@ class TaskGroup:
         """Every task of the barrier job calls this once its data is loaded. `address`: this
         task's cluster address; `all_gather`: the barrier context's. Collectives time out
         after `op_timeout_s` (the round timeout)."""
-        listener = None
+        listening = None
         port = 0
         if rank == 0:
             listening = socket.create_server((address, 0), backlog=max(64, 2 * world))
             port = listening.getsockname()[1]
-            listener = listening.detach()  # the store's from here: it closes the socket
-        found = [json.loads(m) for m in all_gather(json.dumps([rank, address, port]))]
+        try:
+            found = [json.loads(m) for m in all_gather(json.dumps([rank, address, port]))]
+        except BaseException:  # a peer failed, the stage was cancelled: Spark reuses us
+            if listening is not None:
+                listening.close()
+            raise
         host, port = next((h, p) for r, h, p in found if r == 0)
+        # the store's from here: it closes the socket
+        listener = listening.detach() if listening is not None else None
         store = dist.TCPStore(host, port, world, rank == 0,
                               timeout=datetime.timedelta(seconds=connect_timeout_s),
                               wait_for_workers=False, use_libuv=False,
