@@ -301,3 +301,21 @@ def test_a_resume_tells_two_callable_outer_optimizers_apart_by_what_they_build()
         with pytest.raises(ConfigError, match=r"outer_optimizer: checkpoint '\S*<lambda>: "
                                               r"torch\.optim\.sgd\.SGD\(.*lr=0\.7"):
             check_resumable(saved, settings(other), schedule=schedule, source="x")
+
+
+def test_bf16_keeps_every_nan_a_nan_and_rounds_as_torch_does():
+    """Rounding adds to the bits: a NaN whose mantissa is high would carry into ±0 or ±inf,
+    and a diverged replica's delta would pass as finite. Finite values against torch's own
+    bfloat16 conversion (round to nearest even), an independent computation."""
+    nans = np.array([0xFFFFFFFF, 0x7FFFFFFF, 0xFFFF8001, 0x7F800001, 0x7FC00000],
+                    np.uint32).view(np.float32)
+    finite = np.random.default_rng(3).standard_normal(1000).astype(np.float32) * 1e3
+    values = np.concatenate([nans, finite, np.float32([3.39e38, -3.4e38, 0.0, -0.0])])
+    payload = np.empty(compression.encoded_nbytes("bf16", values.size), np.uint8)
+    compression.encode(values, "bf16", payload)
+    back = np.empty(values.size, np.float32)
+    compression.decode(payload, "bf16", back)
+    assert np.isnan(back[:nans.size]).all()
+    expected = torch.from_numpy(values[nans.size:]).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(back[nans.size:], expected)
+    assert np.signbit(back[-1]) and not np.signbit(back[-2])

@@ -97,7 +97,11 @@ def _to_bf16(values: np.ndarray) -> np.ndarray:
     """Each value's nearest bfloat16 (ties to even), as its 16 bits."""
     bits32 = values.astype(np.float32).view(np.uint32)
     rounded = bits32 + (np.uint32(0x7FFF) + ((bits32 >> 16) & 1))
-    return (rounded >> 16).astype(np.uint16)
+    out = (rounded >> 16).astype(np.uint16)
+    nan = (bits32 & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():  # rounding would carry a NaN's mantissa out, into ±0 or ±inf: quiet NaN
+        out[nan] = ((bits32[nan] >> 16) | np.uint32(0x0040)).astype(np.uint16)
+    return out
 
 
 def _pack_nibbles(q: np.ndarray, codes: np.ndarray, start: int) -> None:
