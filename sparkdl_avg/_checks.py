@@ -160,6 +160,11 @@ def check_averaging(config) -> None:
         require_float("outer_momentum", config.outer_momentum)
         if config.outer_momentum >= 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {config.outer_momentum}")
+        if config.outer_momentum == 0 and outer == "nesterov":
+            raise ConfigError("outer_momentum=0 with outer_optimizer='nesterov': Nesterov "
+                              "needs a momentum; for no momentum use outer_optimizer="
+                              "'momentum' with outer_momentum=0 (plain SGD on the "
+                              "pseudo-gradient)")
     for name in ("outer_lr", "outer_momentum"):
         if getattr(config, name) is not None and (outer == "average" or callable(outer)):
             raise ConfigError(f"{name} applies to outer_optimizer='nesterov' or 'momentum'; "

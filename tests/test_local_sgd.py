@@ -136,6 +136,7 @@ def test_a_callable_that_does_not_return_an_optimizer_is_a_config_error():
     ({"outer_optimizer": "nesterov", "outer_lr": float("nan")}, "outer_lr must be a finite"),
     ({"outer_optimizer": "momentum", "outer_momentum": 1.0}, r"outer_momentum must be in"),
     ({"outer_optimizer": "momentum", "outer_momentum": -0.1}, "outer_momentum must not be"),
+    ({"outer_optimizer": "nesterov", "outer_momentum": 0.0}, "outer_momentum=0 with outer_"),
     ({"outer_lr": 0.5}, "outer_lr applies to outer_optimizer='nesterov'"),
     ({"outer_optimizer": lambda p: None, "outer_momentum": 0.5}, "the callable sets its own"),
     ({"averaging_warmup_steps": -1}, "averaging_warmup_steps must be at least 0"),
