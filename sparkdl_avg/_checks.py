@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import importlib.util
 import math
 
@@ -245,3 +247,21 @@ def check_elastic(config) -> None:
     for bad, why in refused:
         if bad:
             raise ConfigError(f"min_workers={m} (an elastic fit) with {why}")
+
+
+def refuse_unknown_fields(cls):
+    """A dataclass whose constructor refuses a name it lacks with a ConfigError naming it and
+    the nearest field, rather than Python's TypeError."""
+    init, names = cls.__init__, sorted(f.name for f in dataclasses.fields(cls))
+
+    @functools.wraps(init)
+    def checked(self, *args, **fields) -> None:
+        for name in sorted(set(fields) - set(names)):
+            hint = difflib.get_close_matches(name, names, n=1)
+            raise ConfigError(f"{cls.__name__} has no field {name!r}"
+                              + (f"; did you mean {hint[0]!r}?" if hint else
+                                 f"; its fields are {', '.join(names)}"))
+        init(self, *args, **fields)
+
+    cls.__init__ = checked
+    return cls

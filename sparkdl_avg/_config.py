@@ -18,6 +18,7 @@ from sparkdl_avg._checks import (
     check_registered_model,
     check_sync_transport,
     parse_driver_address,
+    refuse_unknown_fields,
     require_int,
 )
 from sparkdl_avg._controls import EarlyStopping, check_controls
@@ -51,6 +52,7 @@ ASYNC_ONLY = ("algorithm", "push_every", "fetch_every", "staleness_bound", "dc_l
 """Fields of one mode: set to anything but their default in the other mode, a ConfigError."""
 
 
+@refuse_unknown_fields  # a misspelt name: a ConfigError naming the nearest field
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """How to train: workers, schedule, optimizer, averaging and logging."""
@@ -70,9 +72,8 @@ class TrainConfig:
     """Minibatch size *per worker*; the global batch is `num_workers * batch_size`."""
 
     eval_batch_size: int | None = None
-    """Rows a replica evaluates at once (and the returned model scores at once, by default);
-    None: 16 x batch_size, and at most 8 MiB of features a chunk. Bounds the device memory
-    evaluation and scoring take."""
+    """Rows a replica evaluates (and the returned model scores, by default) at once; None:
+    16 x batch_size, at most 8 MiB of features a chunk. Bounds evaluation's device memory."""
 
     eval_before_training: bool | None = None
     """Evaluate the initial parameters on `eval_df` before the first step, logged as round 0
@@ -120,8 +121,7 @@ class TrainConfig:
 
     precision: Precision | None = None
     """None: the model's own dtype. "bf16" or "fp16": autocast, while parameters, optimizer
-    state and averaging keep the model's dtype; "fp16" adds a gradient scaler and needs
-    CUDA."""
+    state and averaging keep the model's dtype; "fp16" adds a gradient scaler (CUDA only)."""
 
     early_stopping: EarlyStopping | None = None
     """Stop once the evaluations stop improving (needs eval_df): see `EarlyStopping`."""
@@ -238,8 +238,8 @@ class TrainConfig:
 
     finish_timeout: float | None = None
     """Seconds the driver waits for the training job to end after its last round; None:
-    round_timeout, or for an elastic fit (`min_workers`) the longer of it and connect_timeout
-    (a retried task still loading its partition must connect to learn the fit has ended)."""
+    round_timeout, and for an elastic fit (`min_workers`) at least connect_timeout (a retried
+    task still loading its partition must connect to learn that the fit has ended)."""
 
     max_failures: int = 3
     """Task failures (an exception, a killed worker, a lost executor, a hang) the fit recovers
@@ -307,8 +307,7 @@ class TrainConfig:
 
     ps_address: str | None = None
     """Async: "host:port" of a running `sparkdl-avg ps serve` (with ps_shards > 1, the
-    shards' "host:port,host:port,..." in shard order); None starts them beside the driver
-    for this fit."""
+    shards' "host:port,host:port,..." in shard order); None: started beside the driver."""
 
     ps_secret_file: str | None = None
     """Async with ps_address: file holding the server's hex secret."""

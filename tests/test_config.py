@@ -1,4 +1,6 @@
 import dataclasses
+import inspect
+import pickle
 import re
 from pathlib import Path
 
@@ -165,3 +167,15 @@ def test_overlap_needs_checkpoints_counted_in_rounds():
         TrainConfig(overlap_averaging=True)
     TrainConfig(overlap_averaging=True, checkpoint_every=0)
     TrainConfig(overlap_averaging=True, checkpoint_every=10)
+
+
+def test_a_misspelt_field_is_a_config_error_naming_the_nearest():
+    with pytest.raises(ConfigError, match=r"TrainConfig has no field 'num_worker'; did you "
+                                          r"mean 'num_workers'\?"):
+        TrainConfig(num_worker=2)
+    with pytest.raises(ConfigError, match=r"no field 'zzz'; its fields are .*num_workers"):
+        TrainConfig(zzz=1)
+    config = TrainConfig(num_workers=2)  # what the check must not change: copies, pickles
+    assert dataclasses.replace(config, epochs=3).epochs == 3
+    assert pickle.loads(pickle.dumps(config)) == config
+    assert "num_workers" in inspect.signature(TrainConfig).parameters
