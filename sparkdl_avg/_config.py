@@ -143,7 +143,7 @@ class TrainConfig:
     """Sync, "driver" transport. None: all-or-nothing (a lost task restarts every worker from
     the last checkpoint). m in 1..num_workers: elastic; Spark retries a lost task alone, each
     round averages the workers present while m are, and a returning task joins at a round
-    boundary (docs/guide/failures.md)."""
+    boundary (docs/guide/faults.md)."""
 
     outer_optimizer: OuterName | Callable[[Any], Any] = "average"
     """Sync: what a round makes of the replicas' average. "average": the replicas take it

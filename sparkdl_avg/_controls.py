@@ -135,6 +135,10 @@ def check_warmup(config, total_steps: int) -> None:
     if config.warmup_steps > total_steps:
         raise ConfigError(f"warmup_steps={config.warmup_steps} is longer than training "
                           f"({total_steps} optimizer steps); lower it or train longer")
+    if config.mode == "sync" and config.averaging_warmup_steps > total_steps:
+        raise ConfigError(f"averaging_warmup_steps={config.averaging_warmup_steps} is longer "
+                          f"than training ({total_steps} optimizer steps): every round would "
+                          "be one step; lower it, or for that set averaging_frequency=1")
 
 
 def check_early_stopping(config, *, has_eval: bool, classify: bool) -> None:

@@ -97,8 +97,8 @@ class FitResult:
       `load_mb_s` (loading the partition), `read_mb_s` (reading minibatches as the model
       gets them), `batch_wait_s` (the training thread's wait for its minibatches);
     - its memory: `start_rss_mb` and `peak_rss_mb`, resident (None off Linux);
-    - its ragged inputs (None without any): `ragged_positions` trained on,
-      `pad_positions` of them padding, and their share `pad_fraction`."""
+    - its ragged inputs: `ragged_positions` trained on and `pad_positions` of them padding
+      (0 without any), and their share `pad_fraction` (None without any)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each phase of the fit: `validate_s`, `first_step_s` (from the start
     to the first training step), `train_s`, `log_model_s` (when it logs the model) and

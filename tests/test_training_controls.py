@@ -271,6 +271,10 @@ def test_plan_checks_refuse_before_training(data, mlflow_client):
     assert latest_run(mlflow_client, "controls").info.status == "FAILED"
     with pytest.raises(ConfigError, match=r"warmup_steps=500 is longer than training \(\d+ "):
         fit(data, FaultyMLP, replace(CONTROLLED, warmup_steps=500))
+    with pytest.raises(ConfigError, match=r"averaging_warmup_steps=500 is longer than "
+                                          r"training \(\d+ optimizer steps\): every round"):
+        fit(data, FaultyMLP, replace(CONTROLLED, averaging_warmup_steps=500))
+    assert latest_run(mlflow_client, "controls").info.status == "FAILED"
     with pytest.raises(ConfigError, match=r"metric='eval_accuracy'\) needs a classifier"):
         fit(data, FaultyMLP, replace(CONTROLLED, early_stopping=EarlyStopping(
             metric="eval_accuracy", mode="max")), eval_df=data, loss="mse")
