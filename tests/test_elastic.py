@@ -18,6 +18,7 @@ import time
 import early
 import numpy as np
 import pytest
+import torch
 from loopback import coordinator
 from polling import eventually, wait_for
 
@@ -248,6 +249,25 @@ def test_a_late_task_waits_for_the_boundary_longer_than_connect_timeout():
         assert sorted(coord._workers) == [0, 1] and records[0]["round_back"] == 2
         for c in (first, late):
             c.close()
+
+
+def test_an_absent_workers_carried_state_leaves_its_residual_behind():
+    """A checkpoint keeps an absent worker's state of the checkpoint before, but not its
+    compression residual: the worker may have sent it since, before it left."""
+    from sparkdl_avg.averaging.compression import RESIDUAL
+    from sparkdl_avg.averaging.membership import carried_states
+    from sparkdl_avg.task.worker_state import pack_entries, unpack
+
+    def state(momentum: float, residual: float) -> tuple:
+        return pack_entries([(0, {"momentum_buffer": torch.full((3,), momentum)}),
+                             (RESIDUAL, {"residual": torch.full((4,), residual)})])
+
+    now = {0: state(1.0, 0.5)}
+    carried = carried_states(now, [state(7.0, 0.25), state(9.0, 0.125)], 2)
+    assert carried[0] is now[0]  # present: as it came
+    absent = unpack(*carried[1])
+    assert RESIDUAL not in absent
+    assert torch.equal(absent[0]["momentum_buffer"], torch.full((3,), 9.0))
 
 
 # --- fits on local[4,4] --------------------------------------------------------------------

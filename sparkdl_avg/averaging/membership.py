@@ -83,3 +83,24 @@ class Membership:
         for rank, (record, missed_from, _) in list(self._away.items()):
             record["skipped_rows"] = self._rows_in_rounds(missed_from, rounds)
             del self._away[rank]
+
+
+def carried_states(states: dict, earlier: list, num_workers: int) -> list:
+    """A checkpoint's worker states, by rank: those present now (`states`), and for each
+    absent worker its state of the checkpoint before (`earlier`) without its compression
+    residual. That residual may have been sent since, in a round it trained before leaving;
+    restored, it would be sent twice. A worker that returns in a live fit starts with none
+    too."""
+    from sparkdl_avg.averaging.compression import RESIDUAL
+    from sparkdl_avg.task.worker_state import pack_entries, unpack
+
+    def without_residual(state: tuple) -> tuple:
+        layout, payload = state
+        if not any(int(entry[0]) == RESIDUAL for entry in layout):
+            return state
+        entries = unpack(layout, payload)
+        del entries[RESIDUAL]
+        return pack_entries(sorted(entries.items()))
+
+    return [states[rank] if rank in states else without_residual(earlier[rank])
+            for rank in range(num_workers)]

@@ -15,7 +15,7 @@ from sparkdl_avg.averaging.collective_coordinator import CollectiveCoordinator
 from sparkdl_avg.averaging.coordinator import Coordinator
 from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
 from sparkdl_avg.averaging.global_step import GlobalStep
-from sparkdl_avg.averaging.membership import Membership
+from sparkdl_avg.averaging.membership import Membership, carried_states
 from sparkdl_avg.averaging.round_stats import RoundStats
 from sparkdl_avg.driver.barrier import BarrierJob
 from sparkdl_avg.driver.checkpoints import (
@@ -299,8 +299,8 @@ class _Attempt:
 
     def _states(self, states: dict | None) -> list | None:
         """A checkpoint's optimizer states, by rank. In an elastic fit, a worker not present
-        keeps its state of the checkpoint before; with none before, no checkpoint is taken
-        (the restart point stays where it was)."""
+        keeps its state of the checkpoint before, less its residual (`carried_states`); with
+        none before, no checkpoint is taken (the restart point stays where it was)."""
         n = self.plan.config.num_workers
         if states is None or len(states) == n:
             return None if states is None else [states[rank] for rank in range(n)]
@@ -308,7 +308,7 @@ class _Attempt:
             log.warning("round %d's checkpoint is skipped: partitions %s are away and have no "
                         "earlier state", self.point.round, sorted(set(range(n)) - set(states)))
             return None
-        return [states.get(rank, self.point.states[rank]) for rank in range(n)]
+        return carried_states(states, self.point.states, n)
 
 
 def elastic_start(spark, config) -> int | None:
