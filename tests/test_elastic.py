@@ -270,6 +270,33 @@ def test_an_absent_workers_carried_state_leaves_its_residual_behind():
     assert torch.equal(absent[0]["momentum_buffer"], torch.full((3,), 9.0))
 
 
+def test_the_final_counts_come_from_a_worker_that_was_never_away():
+    """Integer buffers (BatchNorm's num_batches_tracked) are not averaged: the fit takes one
+    worker's. Rank 0 started late, so its count restarted; rank 1's is the fit's."""
+    from sparkdl_avg.task.worker_state import pack_entries
+
+    secret, records = new_secret(), []
+    with _elastic_coordinator(secret, records) as coord:
+        channels = [DriverChannel(coord.address, Credential.of(secret, r), connect_timeout=5,
+                                  reply_timeout=5) for r in range(2)]
+        _start(coord, channels, [1])  # rank 0 is late
+        channels[0].open(msg.WorkerHello(rank=0, host="late", attempt=1))
+        wait_for(lambda: 0 in coord.elastic.joining)
+        joined = threading.Thread(target=lambda: channels[0].receive_start(
+            np.zeros(4, np.float32)))
+        joined.start()
+        coord._let_join(1, coord._send_joining_start(1))
+        joined.join(10)
+        counts = {rank: pack_entries([(-1, {"bn.num_batches_tracked": torch.tensor(n)})])
+                  for rank, n in ((0, 3), (1, 40))}
+        for rank in (0, 1):
+            channels[rank].done(*counts[rank])
+        layout, payload = coord.finish()
+        assert layout == counts[1][0] and payload.tobytes() == counts[1][1].tobytes()
+        for c in channels:
+            c.close()
+
+
 # --- fits on local[4,4] --------------------------------------------------------------------
 
 FITS = ("barrier", "elastic", "elastic_train_fault", "elastic_eval_fault",

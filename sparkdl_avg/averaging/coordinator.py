@@ -306,14 +306,16 @@ class Coordinator(WorkerLinks):
         return merge(list(self._each(receive).values()))
 
     def finish(self) -> tuple[list, np.ndarray]:
-        """Every worker's DONE; returns worker 0's integer buffers (layout, bytes): every
-        replica took the same steps, so any one's count is the fit's."""
-        done = list(self._each(lambda rank, conn: self._expect(rank, conn, msg.Done)).values())
+        """Every worker's DONE; returns the lowest rank's integer buffers (layout, bytes):
+        every replica took the same steps, so any one's count is the fit's. In an elastic fit,
+        the lowest rank's that was never away: a returning worker's counts restarted."""
+        done = self._each(lambda rank, conn: self._expect(rank, conn, msg.Done))
         if self.elastic is not None:
             self._end_elastic()
         if not done:  # every worker left after the last average: no counts to take
             return [], np.zeros(0, np.uint8)
-        message, payload = done[0]
+        away = self.elastic.ever_away() if self.elastic is not None else set()
+        message, payload = done[min(set(done) - away, default=min(done))]
         return message.layout, np.frombuffer(payload, np.uint8) if payload is not None \
             else np.zeros(0, np.uint8)
 

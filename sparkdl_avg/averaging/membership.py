@@ -78,6 +78,10 @@ class Membership:
                       seconds_away=time.monotonic() - left,
                       skipped_rows=self._rows_in_rounds(missed_from, round_index))
 
+    def ever_away(self) -> set[int]:
+        """The ranks that have missed rounds: lost, or late from the start."""
+        return {record["partition"] for record in self.records}
+
     def close_open(self, rounds: int) -> None:
         """At the fit's end: the rows of workers that never came back, up to `rounds`."""
         for rank, (record, missed_from, _) in list(self._away.items()):
