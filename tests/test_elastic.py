@@ -268,6 +268,9 @@ def test_an_absent_workers_carried_state_leaves_its_residual_behind():
     absent = unpack(*carried[1])
     assert RESIDUAL not in absent
     assert torch.equal(absent[0]["momentum_buffer"], torch.full((3,), 9.0))
+    # no checkpoint before: an empty state (a fresh optimizer), not a skipped checkpoint
+    first = carried_states(now, None, 2)
+    assert first[0] is now[0] and first[1][0] == [] and unpack(*first[1]) == {}
 
 
 def test_the_final_counts_come_from_a_worker_that_was_never_away():
@@ -401,7 +404,7 @@ def test_a_killed_async_task_is_retried_alone_and_the_server_keeps_every_push(fi
 def test_a_task_lost_in_an_evaluation_or_a_checkpoint_rejoins(fits, name, lost_in):
     """Lost while the driver waited for its evaluation sums or its optimizer state: that
     evaluation merges the other workers' rows (the checkpoint keeps its state of the
-    checkpoint before, or, with none, is skipped), and the fit trains on and takes it
+    checkpoint before, or, with none, an empty one), and the fit trains on and takes it
     back."""
     fit = fits[name]
     failure = _one_loss_and_return(fit)

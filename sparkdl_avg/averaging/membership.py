@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.frames import Connection
 
@@ -89,12 +91,13 @@ class Membership:
             del self._away[rank]
 
 
-def carried_states(states: dict, earlier: list, num_workers: int) -> list:
+def carried_states(states: dict, earlier: list | None, num_workers: int) -> list:
     """A checkpoint's worker states, by rank: those present now (`states`), and for each
     absent worker its state of the checkpoint before (`earlier`) without its compression
     residual. That residual may have been sent since, in a round it trained before leaving;
     restored, it would be sent twice. A worker that returns in a live fit starts with none
-    too."""
+    too. With no checkpoint before (None), an absent worker's state is empty: restarted from
+    this checkpoint it starts as a returning worker joins, with a fresh optimizer."""
     from sparkdl_avg.averaging.compression import RESIDUAL
     from sparkdl_avg.task.worker_state import pack_entries, unpack
 
@@ -106,5 +109,7 @@ def carried_states(states: dict, earlier: list, num_workers: int) -> list:
         del entries[RESIDUAL]
         return pack_entries(sorted(entries.items()))
 
-    return [states[rank] if rank in states else without_residual(earlier[rank])
+    empty = ([], np.zeros(0, np.uint8))
+    return [states[rank] if rank in states else
+            empty if earlier is None else without_residual(earlier[rank])
             for rank in range(num_workers)]

@@ -299,15 +299,11 @@ class _Attempt:
 
     def _states(self, states: dict | None) -> list | None:
         """A checkpoint's optimizer states, by rank. In an elastic fit, a worker not present
-        keeps its state of the checkpoint before, less its residual (`carried_states`); with
-        none before, no checkpoint is taken (the restart point stays where it was)."""
+        keeps its state of the checkpoint before, less its residual, or with none before an
+        empty one (`carried_states`)."""
         n = self.plan.config.num_workers
         if states is None or len(states) == n:
             return None if states is None else [states[rank] for rank in range(n)]
-        if self.point.states is None:
-            log.warning("round %d's checkpoint is skipped: partitions %s are away and have no "
-                        "earlier state", self.point.round, sorted(set(range(n)) - set(states)))
-            return None
         return carried_states(states, self.point.states, n)
 
 
