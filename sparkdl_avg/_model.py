@@ -28,8 +28,9 @@ from sparkdl_avg.averaging.flat_buffer import averaged_tensors
 
 
 def build_model(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    if not callable(model_fn):
-        raise ModelError(f"model_fn must be a zero-argument callable, got {model_fn!r}")
+    if not callable(model_fn) or isinstance(model_fn, torch.nn.Module):  # its call: forward
+        raise ModelError("model_fn must be a zero-argument callable that builds the model (its "
+                         f"class, or a function), got a {type(model_fn).__name__} object")
     try:
         model = model_fn()
     except Exception as exc:

@@ -196,6 +196,14 @@ def test_model_fn_that_fails_to_build(good):
         fit(good, broken, CFG)
 
 
+def test_a_built_model_as_model_fn_is_refused_saying_what_to_pass(good):
+    built = torch.nn.Sequential(torch.nn.Linear(4, 3))  # callable: its call is forward()
+    with pytest.raises(ModelError, match=r"must be a zero-argument callable that builds the "
+                                         r"model \(its class, or a function\), got a "
+                                         r"Sequential object"):
+        fit(good, built, CFG)
+
+
 def test_model_fn_that_cannot_be_pickled(good):
     lock = threading.Lock()
 
