@@ -258,3 +258,28 @@ def test_an_update_holding_nan_or_inf_is_refused_by_every_rule(algorithm, bad):
         assert not s.apply(0, update, lr=lr)
         assert np.all(s.params == 1.0)
         assert all(np.all(b == 1.0) for b in getattr(s, "backups", {}).values())
+
+
+@pytest.mark.parametrize("algorithm", ["dcasgd", "dcasgd-adaptive"])
+@pytest.mark.parametrize("lr", [0.1, 0.0])
+def test_dcasgd_applies_the_statistics_after_the_gradients_as_downpour_does(algorithm, lr):
+    """BatchNorm's running statistics follow the trainable parameters on the wire; their
+    change is no lr x gradient. Read as one, DC-ASGD's g and its compensation grow as 1/lr
+    and drove a running variance negative. Here the parameters step as DC-ASGD (against the
+    rule without statistics, an independent run) and the statistics as Downpour, at lr 0
+    too. Two chunks, so that the boundary falls inside one of them."""
+    rng = np.random.default_rng(5)
+    gradients, size = CHUNK + 3, 2 * CHUNK
+    start = rng.standard_normal(size)
+    moved = start + rng.standard_normal(size)  # where the server is when worker 0 pushes
+    update = rng.standard_normal(size) * 1e-2
+    rule = make_rule(algorithm, start.copy(), lr=0.1, update_scale=0.25, gradients=gradients)
+    alone = make_rule(algorithm, start[:gradients].copy(), lr=0.1, update_scale=0.25)
+    for r in (rule, alone):
+        r.pull(0)
+        r.params[:] = moved[:r.params.size]
+        assert r.apply(0, update[:r.params.size].copy(), lr=lr)
+    # the same elementwise operations on the same values (each rounded once, by IEEE): equal
+    np.testing.assert_array_equal(rule.params[:gradients], alone.params)
+    np.testing.assert_allclose(rule.params[gradients:],
+                               moved[gradients:] - 0.25 * update[gradients:], rtol=1e-15)

@@ -190,3 +190,23 @@ def test_dcasgd_and_dc_lambda_change_a_lockstep_fit(spark):
             log_model=False, **fields)).model
     assert max_param_diff(models["downpour"], models["lambda 0"]) < 1e-10
     assert max_param_diff(models["downpour"], models["lambda 1"]) > 1e-5
+
+
+def _batch_norm_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def test_dcasgd_moves_batch_norm_statistics_as_measured_not_as_gradients(spark):
+    """The fit tells the server which values are BatchNorm's statistics: read as lr x a
+    gradient, DC-ASGD's compensation grows as 1/lr and, at lr 1e-3, drove running variances
+    negative (the model's eval output NaN). In lockstep, so that pushes are compensated."""
+    x, y = make_data(160, seed=4)
+    df = frame(spark, (x * 3 + 5).astype(np.float32), y)
+    result = fit(df, _batch_norm_model, TrainConfig(
+        mode="async", algorithm="dcasgd", num_workers=2, epochs=2, batch_size=8,
+        push_every=4, staleness_bound=0, optimizer="sgd", lr=1e-3, seed=1, log_model=False))
+    norm = result.model[1]
+    assert (norm.running_var > 0).all(), norm.running_var
+    assert torch.isfinite(result.model(torch.from_numpy(x[:8].astype(np.float32)))).all()

@@ -60,6 +60,7 @@ INVALID = [
     (msg.Push, {"dtype": "int32"}, "a payload of 10 'int32' values"),
     (msg.Update, {"samples": 10 ** 17}, "Update.samples must be int"),
     (msg.Init, {"workers": 10 ** 6}, "workers 1000000"),
+    (msg.Init, {"gradients": 5}, "gradients 5 of 4 values"),
     (msg.ServerHello, {"worker": 2 ** 80}, "ServerHello.worker must be int"),
     (msg.ServerHello, {"worker": True}, "ServerHello.worker must be int"),
     (msg.Push, {"round": True}, "Push.round must be int"),

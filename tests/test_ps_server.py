@@ -272,6 +272,25 @@ def test_a_restarted_server_takes_up_its_checkpoint(tmp_path):
         assert second.stats()["clocks"] == {"0": 0, "1": 0}  # worker 1 still counts
 
 
+def test_the_drivers_count_of_gradients_reaches_the_rule_and_its_checkpoint(tmp_path):
+    """INIT says how many leading values are parameters (the rest BatchNorm's statistics,
+    which DC-ASGD applies as Downpour does: `test_async_rules`); a server restarted from its
+    checkpoint keeps it."""
+    path = str(tmp_path / "ps.npz")
+    settings = ServerSettings(algorithm="dcasgd", lr=0.1, timeout=10, checkpoint_every=1)
+    first = ParameterServer(settings, secret=SECRET, checkpoint_path=path)
+    with first, PSClient(first.address, secret=SECRET, worker=-1, numel=4,
+                         dtype=np.float32, timeout=10) as driver:
+        driver.init(np.zeros(4, np.float32), workers=1, gradients=3)
+        assert first.rule.gradients == 3
+        with client(first, 0) as c:
+            c.pull()
+            c.push(np.array([0.0, 0.0, 0.0, -2.0], np.float32))  # a checkpoint after it
+    second = ParameterServer(settings, secret=SECRET)
+    second.restore(path)
+    assert second.rule.gradients == 3
+
+
 def test_a_stale_connection_ending_does_not_unregister_its_replacement():
     with server(staleness_bound=1) as ps:
         old = client(ps, 0)

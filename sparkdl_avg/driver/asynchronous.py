@@ -24,7 +24,12 @@ from pathlib import Path
 import numpy as np
 
 from sparkdl_avg._errors import ConfigError, PeerRefused, TrainingError, WorkerLostError
-from sparkdl_avg.averaging.flat_buffer import FlatBuffer, averaged_tensors, wire_dtype
+from sparkdl_avg.averaging.flat_buffer import (
+    FlatBuffer,
+    averaged_tensors,
+    trainable_parameters,
+    wire_dtype,
+)
 from sparkdl_avg.driver.barrier import BarrierJob
 from sparkdl_avg.driver.cluster import driver_address
 from sparkdl_avg.driver.early_stop import Stopping
@@ -106,7 +111,8 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
 
         server = _ServerConnection(sidecars, connect, restarts, run)
         try:
-            _init(server, flat, config, run)
+            _init(server, flat, config, run,
+                  gradients=sum(p.numel() for p in trainable_parameters(plan.model)))
             spec = plan.worker_spec(addresses[0], tls_ca_pem)
             if len(addresses) > 1:
                 spec = dataclasses.replace(spec, ps_shards=tuple(addresses))
@@ -145,12 +151,15 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
                         first_step_at=t_train, train_s=train_s)
 
 
-def _init(server: _ServerConnection, flat: FlatBuffer, config, run: RunLogger) -> None:
-    """Start the server from the initial parameters. A server of the user's whose algorithm,
+def _init(server: _ServerConnection, flat: FlatBuffer, config, run: RunLogger, *,
+          gradients: int) -> None:
+    """Start the server from the initial parameters, the first `gradients` of them trained
+    by gradients (the rest statistics: `ps.rules`). A server of the user's whose algorithm,
     lr or staleness bound differ from the fit's refuses, and the fit stops before any task."""
     expect = {key: getattr(config, key) for key in COMPARED}
     try:
-        settings = server.ps.init(flat.gather(), workers=config.num_workers, expect=expect)
+        settings = server.ps.init(flat.gather(), workers=config.num_workers, expect=expect,
+                                  gradients=gradients)
     except PeerRefused as exc:
         if exc.reason == "settings":
             raise ConfigError(f"{exc}; set the fit's TrainConfig to match, or start the "

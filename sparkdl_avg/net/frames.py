@@ -31,7 +31,7 @@ from sparkdl_avg._errors import PeerClosed, ProtocolError
 from sparkdl_avg.net.shared_memory import SharedRegion
 
 MAGIC = b"SDLA"
-VERSION = 8
+VERSION = 9
 """2: typed messages (`messages`), SETTINGS and FAILED frames. 3: async evaluation on the
 workers (EVALUATE, FINISHED, and the evaluation fields of PULL, PARAMS, ACK and EVAL). 4:
 STATS carries `checkpoint_error` (a version 3 peer would refuse every STATS with "no
@@ -42,7 +42,9 @@ EVAL carries the evaluation metrics' sums (`metrics`) and their score tables (`r
 a payload), and the first AVERAGE may ask for an evaluation before training; PUSH and
 AVERAGE carry `encoding` (compressed deltas), AVERAGE `global_follows`, REPORT `outer_norm`
 (`TrainConfig.outer_optimizer`, `delta_compression`). 8: the flag SHARED; WORKER hellos,
-PUSH and the first AVERAGE name shared-memory regions (`TrainConfig.shared_memory`)."""
+PUSH and the first AVERAGE name shared-memory regions (`TrainConfig.shared_memory`). 9: INIT
+carries `gradients`, the leading values a gradient moves (DC-ASGD applies the statistics
+after them as Downpour does)."""
 HEADER = struct.Struct("!4sBBHIQ")
 MAX_META_BYTES = 1 << 20
 _CHUNK = 1 << 20

@@ -41,11 +41,16 @@ class Init(Message):
     numel: int
     workers: int
     expect: dict
+    gradients: int | None = None
+    """The leading values a gradient moves (the trainable parameters); the rest are
+    statistics (`ps.rules`). None: all."""
 
     def check(self) -> None:
         if not 0 <= self.workers <= MAX_WORKERS:
             raise self.invalid(f"workers {self.workers}")
         fields.payload_description(self)
+        if self.gradients is not None and not 0 <= self.gradients <= self.numel:
+            raise self.invalid(f"gradients {self.gradients} of {self.numel} values")
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,13 +82,14 @@ class PSClient:
                                         steps=steps, lr=lr, **msg.tensor(update)), update)
         return msg.expect(self._conn, msg.Ack)[0]
 
-    def init(self, params: np.ndarray, workers: int = 0,
-             expect: dict | None = None) -> dict:
+    def init(self, params: np.ndarray, workers: int = 0, expect: dict | None = None,
+             gradients: int | None = None) -> dict:
         """Driver only: (re)start the server from these parameters, expecting workers
         0..workers-1 (they count for the staleness bound from now on). `expect`: settings
-        the server must have (it refuses otherwise). Returns the server's settings."""
+        the server must have (it refuses otherwise); `gradients`: the leading values a
+        gradient moves (`ps.rules`; None: all). Returns the server's settings."""
         msg.send(self._conn, msg.Init(workers=workers, expect=expect or {},
-                                      **msg.tensor(params)), params)
+                                      gradients=gradients, **msg.tensor(params)), params)
         return msg.expect(self._conn, msg.Settings)[0].settings
 
     def stop(self) -> dict:

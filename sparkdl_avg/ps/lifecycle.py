@@ -39,7 +39,7 @@ class FitLifecycle:
         with self._lock:
             self._fit += 1
             self._announce(init.workers)
-            self.rule = self._new_rule(params)
+            self.rule = self._new_rule(params, init.gradients)
             self.applied, self.samples, self.loss_sum = 0, 0, 0.0
             self.stopped = False
             self.lrs.clear()

@@ -18,6 +18,12 @@ worker itself took). The rules:
 - dcasgd-adaptive: lambda_t = lambda0 / sqrt(meansquare + eps) elementwise, with
   meansquare <- m * meansquare + (1 - m) * g*g updated before it is used.
 
+Only the first `gradients` values are parameters a gradient moved (the fit's trainable ones,
+`averaging.flat_buffer.averaged_tensors`); what follows them (BatchNorm's running statistics)
+moves by what the workers measured, not by lr times a gradient. DC-ASGD applies those as
+Downpour does: read as g = update / lr, a statistic's change would grow as 1/lr, and so would
+its compensation, driving a running variance negative.
+
 Every rule computes into spare arrays and swaps them in only when everything it computed is
 finite: an update or an lr that would overflow (two updates of 3e38 in float32; DC-ASGD's
 g = update / lr with lr = 1e-300) is refused and changes nothing (`apply` returns False). So
@@ -60,10 +66,12 @@ class UpdateRule:
     """The optional settings the rule reads (beyond lr and update_scale)."""
 
     def __init__(self, params: np.ndarray, *, lr: float = 0.01, update_scale: float = 1.0,
-                 dc_lambda: float | None = None) -> None:
+                 dc_lambda: float | None = None, gradients: int | None = None) -> None:
         self.params = params
         self.lr = lr
         self.update_scale = update_scale
+        self.gradients = params.size if gradients is None else min(gradients, params.size)
+        """The leading values a gradient moves; the rest are statistics (module doc)."""
         self._spares: dict[str, np.ndarray] = {}
 
     def settings(self) -> dict[str, float]:
@@ -134,8 +142,8 @@ class DcAsgd(UpdateRule):
     """MXNet's default for constant lambda."""
 
     def __init__(self, params: np.ndarray, *, lr: float = 0.01, update_scale: float = 1.0,
-                 dc_lambda: float | None = None) -> None:
-        super().__init__(params, lr=lr, update_scale=update_scale)
+                 dc_lambda: float | None = None, gradients: int | None = None) -> None:
+        super().__init__(params, lr=lr, update_scale=update_scale, gradients=gradients)
         self.dc_lambda = self.DEFAULT_LAMBDA if dc_lambda is None else dc_lambda
         self.backups: dict[int, np.ndarray] = {}
 
@@ -158,17 +166,25 @@ class DcAsgd(UpdateRule):
         new, new_backup = self._spare("params"), self._spare("backup")
         for s in chunks(new.size):
             params, u = self.params[s], update[s]
-            if step:
-                g = u * self.update_scale
+            g_end = max(0, min(s.stop, self.gradients) - s.start)  # this chunk's gradients
+            g_part = slice(s.start, s.start + g_end)
+            if step and g_end:
+                g = u[:g_end] * self.update_scale
                 g /= lr
-                lam = self._lambda(g, s)
-                np.subtract(params, lr * (g + lam * g * g * (params - backup[s])), out=new[s])
+                lam = self._lambda(g, g_part)
+                np.subtract(params[:g_end],
+                            lr * (g + lam * g * g * (params[:g_end] - backup[g_part])),
+                            out=new[g_part])
+            elif g_end:
+                new[g_part] = params[:g_end]
+            # statistics, as Downpour applies them (module doc)
+            np.subtract(params[g_end:], u[g_end:] * self.update_scale, out=new[s][g_end:])
             # the worker moved by all of it: its next update starts there
             np.subtract(backup[s], u, out=new_backup[s])
-            if not (finite(new_backup[s]) and (not step or finite(new[s]))):
+            if not (finite(new_backup[s]) and finite(new[s])):
                 return False
+        self.params = self._swap("params", self.params, new)
         if step:
-            self.params = self._swap("params", self.params, new)
             self._commit_lambda()
         self.backups[worker] = self._swap("backup", backup, new_backup)
         return True
@@ -190,13 +206,15 @@ class AdaptiveDcAsgd(DcAsgd):
     EPS: ClassVar[float] = 1e-7
 
     def __init__(self, params: np.ndarray, *, lr: float = 0.01, update_scale: float = 1.0,
-                 dc_lambda: float | None = None) -> None:
-        super().__init__(params, lr=lr, update_scale=update_scale, dc_lambda=dc_lambda)
+                 dc_lambda: float | None = None, gradients: int | None = None) -> None:
+        super().__init__(params, lr=lr, update_scale=update_scale, dc_lambda=dc_lambda,
+                         gradients=gradients)
         self.meansquare: np.ndarray | None = None
 
     def _lambda(self, g: np.ndarray, s: slice) -> np.ndarray:
-        if self.meansquare is None:
+        if self.meansquare is None:  # both zero where no gradient is: never written there
             self.meansquare = np.zeros_like(self.params)
+            self._spares["meansquare"] = np.zeros_like(self.params)
         new = self._spare("meansquare")[s]
         np.multiply(self.meansquare[s], self.MOMENTUM, out=new)
         new += (1 - self.MOMENTUM) * g * g
@@ -228,7 +246,10 @@ def finite(array: np.ndarray) -> bool:
 
 
 def make_rule(algorithm: str, params: np.ndarray, *, lr: float = 0.01,
-              update_scale: float = 1.0, dc_lambda: float | None = None) -> UpdateRule:
+              update_scale: float = 1.0, dc_lambda: float | None = None,
+              gradients: int | None = None) -> UpdateRule:
+    """`gradients`: the leading values a gradient moves (None: all; module doc)."""
     if algorithm not in RULES:
         raise ValueError(f"algorithm={algorithm!r}; use one of {ALGORITHMS}")
-    return RULES[algorithm](params, lr=lr, update_scale=update_scale, dc_lambda=dc_lambda)
+    return RULES[algorithm](params, lr=lr, update_scale=update_scale, dc_lambda=dc_lambda,
+                            gradients=gradients)

@@ -67,6 +67,7 @@ class ParameterServer(FitLifecycle, Server):
         self.settings = settings
         self.rule = rule
         """None until a driver sends INIT with the initial parameters."""
+        self._gradients: int | None = None if rule is None else rule.gradients
         self.clocks = Clocks()
         self._fit = 0
         """Counts INITs: a request that waited across one is refused, not applied."""
@@ -96,15 +97,16 @@ class ParameterServer(FitLifecycle, Server):
         if self._checkpoint is not None:
             self._checkpoint.close()
 
-    def _new_rule(self, params: np.ndarray) -> UpdateRule:
+    def _new_rule(self, params: np.ndarray, gradients: int | None) -> UpdateRule:
         s = self.settings
+        self._gradients = gradients  # checkpointed: a restored rule needs it
         return make_rule(s.algorithm, params, lr=s.lr, update_scale=s.update_scale,
-                         dc_lambda=s.dc_lambda)
+                         dc_lambda=s.dc_lambda, gradients=gradients)
 
     def restore(self, path: str) -> None:
         """Take up a checkpoint written by a server with the same settings (before start)."""
         arrays, meta = state_file.load(path)
-        self.rule = self._new_rule(arrays.pop("params"))
+        self.rule = self._new_rule(arrays.pop("params"), meta.get("gradients"))
         self.rule.load_state(arrays)
         self.applied, self.samples, self.loss_sum = (meta["applied"], meta["samples"],
                                                      meta["loss_sum"])
@@ -124,7 +126,8 @@ class ParameterServer(FitLifecycle, Server):
         meta = {"applied": self.applied, "samples": self.samples, "loss_sum": self.loss_sum,
                 "progress": {str(w): s for w, s in self.progress.items()},
                 "refused": dict(self.refused), "workers": self._announced,
-                "evaluations": list(self.evaluations.results), "stopped": self.stopped}
+                "evaluations": list(self.evaluations.results), "stopped": self.stopped,
+                "gradients": self._gradients}
         self._checkpoint.submit((arrays, meta))
 
     def stats(self) -> dict:

@@ -122,11 +122,16 @@ class ShardedClient:
             return ack
         return merge_acks(self._each(push_one, todo))
 
-    def init(self, params: np.ndarray, workers: int = 0, expect: dict | None = None) -> dict:
-        """Driver only: each shard starts from its slice; returns shard 0's settings with
-        `shards`, the number of them."""
-        settings = self._each(lambda k, c: c.init(params[slice(*self.bounds[k])], workers,
-                                                  expect))
+    def init(self, params: np.ndarray, workers: int = 0, expect: dict | None = None,
+             gradients: int | None = None) -> dict:
+        """Driver only: each shard starts from its slice (and its part of the leading
+        `gradients` values); returns shard 0's settings with `shards`, the number of them."""
+        def init_one(k: int, c: PSClient) -> dict:
+            lo, hi = self.bounds[k]
+            part = None if gradients is None else min(max(gradients - lo, 0), hi - lo)
+            return c.init(params[lo:hi], workers, expect, part)
+
+        settings = self._each(init_one)
         return {**settings[0], "shards": len(self.shards)}
 
     def stop(self) -> dict:
