@@ -156,6 +156,41 @@ def test_a_per_token_value_of_rows_one_token_long_stays_a_list_per_row():
     assert got.to_pylist() == [[2.0], [1.0], [3.0, 4.0]]  # the first chunk: rows of 1 token
 
 
+class PerTagValue(torch.nn.Module):
+    """A value for each position of its second input: [B, T_tags]."""
+
+    def forward(self, tokens, tags):
+        return tags.double() * 10
+
+
+def test_a_per_token_output_is_cut_to_the_rows_of_the_input_it_follows():
+    """Not the first ragged input's: the probe lengthens each alone to tell which."""
+    two = schema(field("tokens", "int32", (-1,)), field("tags", "int32", (-1,)),
+                 binding="positional")
+    ragged = pa.list_(pa.int32())
+    for tokens, tags in (([[1, 2], [3]], [[1, 2, 3], [4, 5, 6]]),
+                         ([[1, 2, 3, 4, 5], [3]], [[1, 2], [4]])):
+        _, got = score(PerTagValue(), two, ("value",), "prediction",
+                       [pa.array(tokens, ragged), pa.array(tags, ragged)], batch_size=8)
+        assert got.to_pylist() == [[10.0 * t for t in row] for row in tags]
+
+
+class Truncates(torch.nn.Module):
+    def forward(self, tokens):
+        return tokens[:, :4].double()  # per token, up to 4 of them
+
+
+def test_a_per_token_output_shorter_than_its_input_is_a_model_error_naming_both():
+    arrays = [pa.array([[1, 2, 3, 4, 5, 6], [7]], pa.list_(pa.int32()))]
+    with pytest.raises(ModelError, match=r"output 'output_0' follows the length of input "
+                                         r"'tokens', but has 4 positions where a row of it "
+                                         r"has 6"):
+        score(Truncates(), TAG, ("value",), "prediction", arrays, batch_size=8)
+    _, got = score(Truncates(), TAG, ("value",), "prediction",  # rows it keeps whole
+                   [pa.array([[1, 2, 3], [7]], pa.list_(pa.int32()))], batch_size=8)
+    assert got.to_pylist() == [[1.0, 2.0, 3.0], [7.0]]
+
+
 @pytest.mark.parametrize(("mode", "expected_type"), [
     ("prediction", "struct<price:double,tags:array<bigint>>"),
     ("probability", "struct<price:double,tags:array<double>>"),

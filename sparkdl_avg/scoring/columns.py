@@ -127,11 +127,10 @@ def rows_of(columns: list[Column]) -> int:
 def chunk(columns: list[Column], schema: DataSchema, start: int, stop: int, float_dtype,
           device):
     """Rows [start, stop) as the model's input tensors on `device` (ragged ones padded to the
-    chunk's longest row), and their lengths (`row_lengths`' rule; None without a ragged
-    input)."""
+    chunk's longest row), and the rows' lengths of each ragged input, by its index."""
     import torch
 
-    inputs, lengths, first = [], None, first_ragged(schema)
+    inputs, lengths = [], {}
     for i, (column, field) in enumerate(zip(columns, schema.inputs, strict=True)):
         dtype = field.torch_dtype(float_dtype)
         if column.lengths is None:
@@ -144,29 +143,22 @@ def chunk(columns: list[Column], schema: DataSchema, start: int, stop: int, floa
         values = _tensor(column.values[begin:begin + count], device, dtype)
         inputs.append(pad(values, rows, field.pad_value,
                           longest=int(host.max()) if len(host) else 0))
-        lengths = rows if i == first else lengths
+        lengths[i] = rows
     return tuple(inputs), lengths
 
 
-def first_ragged(schema: DataSchema) -> int | None:
-    """The input whose rows' lengths a per-token output is cut to (`outputs.OutputSpec.trim`):
-    the first ragged one of `schema`, the model's inputs (None if none)."""
-    return next((i for i, f in enumerate(schema.inputs) if f.ragged), None)
-
-
-def row_lengths(columns: list[Column], schema: DataSchema, start: int, stop: int, device):
-    """The lengths of rows [start, stop) of `schema`'s first ragged input, as a tensor on
-    `device` (None without one), read from `columns`: the raw columns of `fit(preprocess=)`,
-    one per input in `schema`'s order. With a preprocess, `schema` is the model's
+def row_lengths(columns: list[Column], schema: DataSchema, start: int, stop: int,
+                device) -> dict:
+    """The lengths of rows [start, stop) of each of `schema`'s ragged inputs, by its index,
+    as tensors on `device`, read from `columns`: the raw columns of `fit(preprocess=)`, one
+    per input in `schema`'s order. With a preprocess, `schema` is the model's
     (`feed.model_schema`): a ragged input there is one the preprocess passed through
     unchanged, so its raw column's lengths are the rows' lengths; what the preprocess
     returns has one padded shape a batch, whose rows' own lengths only it knew."""
     import torch
 
-    first = first_ragged(schema)
-    if first is None:
-        return None
-    return torch.from_numpy(columns[first].lengths[start:stop]).to(device)
+    return {i: torch.from_numpy(columns[i].lengths[start:stop]).to(device)
+            for i, f in enumerate(schema.inputs) if f.ragged}
 
 
 def raw_parts(columns: list[Column], start: int, stop: int) -> list:

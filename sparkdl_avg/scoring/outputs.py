@@ -13,9 +13,10 @@ width of its logits). What is written (`output=`):
 A row's result of shape () is a scalar, (K,) an array, (T, K) nested arrays. A multilabel or
 value output of shape (1,) is written as a scalar. An output whose first dimension after the
 batch follows the padded length of a ragged input (a per-token output) is cut, row by row, to
-the length of that row of the first ragged input (`columns.row_lengths`: with
-`fit(preprocess=)`, the first ragged column it passes through; what it returns is written at
-the length it returns).
+the length of that row of the input it follows, found by lengthening each ragged input of
+the probe alone (`columns.row_lengths`: with `fit(preprocess=)`, the ragged columns it passes
+through; what it returns is written at the length it returns). One shorter than its input's
+row (a model that caps the length) is a ModelError naming both.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ class OutputSpec:
     """Dimensions of a row's result: 0 a scalar, 1 an array, 2 nested arrays..."""
     integer: bool
     """Written as long (else double)."""
-    trim: bool
-    """Its first dimension after the batch is cut to each row's ragged length."""
+    cut_to: int | None
+    """The ragged input (its index among the model's inputs) whose rows' lengths cut this
+    output's first dimension after the batch; None: not cut."""
 
     def arrow_type(self) -> pa.DataType:
         out = pa.int64() if self.integer else pa.float64()
@@ -146,14 +148,14 @@ def describe_outputs(model, schema: DataSchema, heads: tuple[str, ...], modes: t
     bad = [h for h in heads if h not in HEADS]
     if bad or not heads:
         raise ConfigError(f"heads={heads!r}: each must be one of {list(HEADS)}")
-    ragged = [f.wire for f in schema.inputs if f.ragged]
+    ragged = [(i, f.wire) for i, f in enumerate(schema.inputs) if f.ragged]
     with torch.no_grad():
         short = _outputs(model, schema, probe_batch(schema, dtype).inputs)
-        longer = _outputs(model, schema, probe_batch(
-            schema, dtype, lengths={w: RAGGED_LENGTH + 1 for w in ragged}).inputs) \
-            if ragged else short
+        longer = {i: _outputs(model, schema, probe_batch(  # each ragged input lengthened alone
+            schema, dtype, lengths={wire: RAGGED_LENGTH + 1}).inputs) for i, wire in ragged}
     several = isinstance(short, (tuple, list))
-    short, longer = (tuple(short), tuple(longer)) if several else ((short,), (longer,))
+    short = tuple(short) if several else (short,)
+    longer = {i: tuple(out) if several else (out,) for i, out in longer.items()}
     if len(short) != len(heads):
         raise ModelError(f"the model returns {len(short)} output(s), but the fit's loss "
                          f"describes {len(heads)}: {list(heads)}")
@@ -162,8 +164,9 @@ def describe_outputs(model, schema: DataSchema, heads: tuple[str, ...], modes: t
         raise ConfigError(f"output={modes if len(modes) > 1 else modes[0]!r} needs a "
                           "classifier (a cross_entropy or bce_with_logits output); this "
                           "model's outputs are values: use output='prediction'")
-    specs = tuple(tuple(_spec(name, head, mode, a, b, bool(ragged))
-                        for name, head, a, b in zip(names, heads, short, longer, strict=True))
+    specs = tuple(tuple(_spec(name, head, mode, a, {i: out[k] for i, out in longer.items()})
+                        for k, (name, head, a) in enumerate(zip(names, heads, short,
+                                                                strict=True)))
                   for mode in modes)
     return Outputs(modes=modes, specs=specs, several=several)
 
@@ -185,15 +188,17 @@ def _outputs(model, schema: DataSchema, inputs):
     return out
 
 
-def _spec(name, head, mode, short, longer, ragged: bool) -> OutputSpec:
+def _spec(name, head, mode, short, longer: dict) -> OutputSpec:
+    """`longer`: this output with each ragged input (by index) lengthened alone."""
     if head == "class" and short.dim() < 2:
         raise ModelError(f"output {name!r} is a classifier's (cross_entropy) but has shape "
                          f"{tuple(short.shape)}: it needs a class dimension, last")
-    a, b = convert(short, head, mode), convert(longer, head, mode)
-    trim = ragged and a.dim() >= 2 and a.shape[1] == RAGGED_LENGTH \
-        and b.shape[1] == RAGGED_LENGTH + 1
+    a = convert(short, head, mode)
+    follows = a.dim() >= 2 and a.shape[1] == RAGGED_LENGTH
+    cut_to = next((i for i, out in longer.items() if follows and
+                   convert(out, head, mode).shape[1] == RAGGED_LENGTH + 1), None)
     return OutputSpec(name=name, head=head, mode=mode, rank=a.dim() - 1,
-                      integer=not a.is_floating_point(), trim=trim)
+                      integer=not a.is_floating_point(), cut_to=cut_to)
 
 
 def convert(out, head: str, mode: str, squeeze: bool = True):

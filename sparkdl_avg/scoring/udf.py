@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 import torch
 
-from sparkdl_avg._errors import ConfigError
+from sparkdl_avg._errors import ConfigError, ModelError
 from sparkdl_avg._model import pickle_for_executors
 from sparkdl_avg._spark_compat import batch_udf
 from sparkdl_avg.data.arrow_columns import Column
@@ -118,11 +118,21 @@ class Scorer:
                 out = tuple(out) if self.outputs.several else (out,)
                 for mode_parts, specs in zip(parts, self.outputs.specs, strict=True):
                     for part, spec, o in zip(mode_parts, specs, out, strict=True):
+                        cut = None if spec.cut_to is None else lengths[spec.cut_to]
+                        if cut is not None and len(cut) and o.shape[1] < int(cut.max()):
+                            raise self._shorter(spec, o.shape[1], int(cut.max()))
                         part.append(to_arrow(convert(o, spec.head, spec.mode,
-                                                     squeeze=not spec.trim),
-                                             lengths if spec.trim else None))
+                                                     squeeze=cut is None), cut))
         return self.outputs.assemble([[_concat(p) for p in mode_parts] for mode_parts in parts])
 
+
+    def _shorter(self, spec, positions: int, longest: int) -> ModelError:
+        name = self.schema.inputs[spec.cut_to].name
+        return ModelError(
+            f"output {spec.name!r} follows the length of input {name!r}, but has {positions} "
+            f"positions where a row of it has {longest}: a per-token output is cut to its "
+            "input's rows, so it must keep their length (give a model that truncates its "
+            "input rows no longer than it keeps)")
 
     def _chunk(self, columns: list[Column], start: int, stop: int):
         if self.preprocessor is None:

@@ -390,7 +390,7 @@ def _to_python(array, outputs):
     if outputs.several:
         return pa.Table.from_struct_array(array).to_pandas()
     [spec] = specs
-    if spec.trim:
+    if spec.cut_to is not None:
         return array.to_pandas()
     rows, dims, values = len(array), [], array
     for _ in range(spec.rank):
