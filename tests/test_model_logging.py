@@ -4,7 +4,12 @@ export, nothing downloaded back; issue 39 saw a small GRU print torch.export's
 
 from __future__ import annotations
 
+import logging
+import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -12,6 +17,7 @@ import pandas as pd
 import pytest
 import torch
 
+import sparkdl_avg
 from sparkdl_avg.data.schema import DataSchema, FieldSpec
 from sparkdl_avg.tracking import model as tracking_model
 
@@ -82,3 +88,26 @@ def test_only_the_rnn_weights_warning_is_ignored():
         for message in messages:
             warnings.warn(message, UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == messages[1:]
+
+
+def test_importing_mlflows_pytorch_flavor_leaves_the_processs_logging_as_it_was():
+    """mlflow.pytorch's import runs `logging.basicConfig(level=ERROR)` (its Lightning
+    module): every WARNING after a fit's first model log went unseen, the user's and ours.
+    In a fresh interpreter, where nothing imported it yet; and nothing else imports it."""
+    code = ("import logging, sys\n"
+            "from sparkdl_avg.tracking.first_use import import_mlflow_pytorch\n"
+            "assert 'mlflow.pytorch' not in sys.modules\n"
+            "import_mlflow_pytorch()\n"
+            "root = logging.getLogger()\n"
+            "print(root.level, len(root.handlers))\n"
+            "logging.getLogger('myapp').warning('still heard')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(logging.WARNING), "0"]
+    assert "still heard" in done.stderr
+    package = Path(sparkdl_avg.__file__).parent
+    importers = [str(p.relative_to(package)) for p in package.rglob("*.py")
+                 if re.search(r"^\s*(import mlflow\.pytorch|from mlflow\.pytorch|from mlflow "
+                              r"import pytorch)", p.read_text(), re.M)]
+    assert importers == ["tracking/first_use.py"], importers

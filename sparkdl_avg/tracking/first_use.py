@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import tempfile
+from types import ModuleType
 
 import numpy as np
 
@@ -43,17 +45,35 @@ def import_and_save(logs_model: bool | str) -> None:
 
     if logs_model is not True or saved_a_model:  # "adapters": files, not a model
         return
-    import mlflow.pytorch
     import torch
+
+    mlflow_pytorch = import_mlflow_pytorch()
 
     model = torch.nn.utils.skip_init(torch.nn.Linear, 2, 1).eval()  # no draw: zeros below
     for param in model.parameters():  # each its own storage, as a model's are (export warns
         torch.nn.init.zeros_(param)  # of parameters that share one)
     folder = tempfile.mkdtemp(prefix="sparkdl-avg-warm-up-")
     try:
-        mlflow.pytorch.save_model(model, f"{folder}/model",
+        mlflow_pytorch.save_model(model, f"{folder}/model",
                                   input_example=np.zeros((2, 2), np.float32),
                                   pip_requirements=["torch"])
         saved_a_model = True
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def import_mlflow_pytorch() -> ModuleType:
+    """`mlflow.pytorch`, without what its import does to the process's logging: its Lightning
+    module runs `logging.basicConfig(level=ERROR)`, which raised the root logger to ERROR and
+    gave it a handler, so that every WARNING after the first fit (the user's, transformers',
+    ours) was silenced. Their level and handlers are put back."""
+    if "mlflow.pytorch" in sys.modules:
+        return sys.modules["mlflow.pytorch"]
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    import mlflow.pytorch
+
+    root.setLevel(level)
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    return mlflow.pytorch

@@ -37,6 +37,8 @@ import warnings
 import numpy as np
 import torch
 
+from sparkdl_avg.tracking.first_use import import_mlflow_pytorch
+
 log = logging.getLogger("sparkdl_avg")
 SCHEMA_FILE = "sparkdl_avg.json"
 PREPROCESS_FILE = "preprocess.pkl"
@@ -69,8 +71,9 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
     module takes `model_schema`'s inputs and the signature is `schema`'s raw columns. With
     `ahead`, its saving with `torch_model`'s values put in, where that works. Returns the
     module it exported or pickled (`export_form`), None where it took the saving ahead."""
-    import mlflow.pytorch
     from mlflow import pyfunc
+
+    mlflow_pytorch = import_mlflow_pytorch()
 
     if ahead is not None and ahead.save_trained(path, mlflow_model, torch_model):
         return None
@@ -83,7 +86,7 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
               "code_paths": [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]}
     _quiet_rnn_export()
     try:
-        mlflow.pytorch.save_model(module.eval(), path, serialization_format="pt2",
+        mlflow_pytorch.save_model(module.eval(), path, serialization_format="pt2",
                                   input_example=example, signature=tensor_signature(
                                       inputs, varying=preprocess is not None), **common)
         if preprocess is not None:
@@ -96,7 +99,7 @@ def save_model(path, mlflow_model, *, torch_model, schema, heads, names=None,
                     first)
         shutil.rmtree(path, ignore_errors=True)
         mlflow_model.flavors.clear()
-        mlflow.pytorch.save_model(module.eval(), path, serialization_format="pickle",
+        mlflow_pytorch.save_model(module.eval(), path, serialization_format="pickle",
                                   **common)
     # the pytorch flavor adds no pyfunc for several inputs, and its own takes one tensor
     flavor = mlflow_model.flavors["pytorch"]
@@ -326,13 +329,11 @@ class _Positional(torch.nn.Module):
 
 def _load_pyfunc(path: str, model_config=None):
     """MLflow's pyfunc loader: `path` is the model's data folder."""
-    import mlflow.pytorch
-
     from sparkdl_avg.data.schema import DataSchema
 
     with open(os.path.join(path, SCHEMA_FILE)) as f:
         saved = json.load(f)
-    module = mlflow.pytorch.load_model(os.path.dirname(os.path.abspath(path)))
+    module = import_mlflow_pytorch().load_model(os.path.dirname(os.path.abspath(path)))
     raw = DataSchema.from_dict(saved["schema"]).without_targets()
     schema, preprocess = raw, None
     if saved.get("model_schema"):  # fit(preprocess=): the module takes what it returns
