@@ -132,7 +132,8 @@ def test_arguments_that_do_not_fit_are_refused(typed, kwargs, error, message):
     (T.StringType(), "a", "column 'x' has type string.*token ids as array<int>"),
     (T.BinaryType(), b"a", r"column 'x' has type binary.*needs fit\(preprocess=fn\)"),
     (T.MapType(T.StringType(), T.IntegerType()), {"a": 1}, "has type map<string,int>"),
-    (T.ArrayType(T.StringType()), ["a"], "has type string"),
+    (T.ArrayType(T.StringType()), ["a"], r"has type array<string>.*reach neither a model nor "
+                                         r"fit\(preprocess=\).*concat_ws"),
     (T.StructType([T.StructField("a", T.IntegerType())]), (1,), "struct's fields"),
 ])
 def test_types_no_model_takes_are_named_with_what_to_do(spark, spark_type, value, message):

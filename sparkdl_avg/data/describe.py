@@ -215,7 +215,7 @@ def classify_type(dtype: T.DataType, column: str, frame_name: str, role: str = "
             raise DataError(f"{frame_name} weight column {column!r} is "
                             f"{dtype.simpleString()}; a weight is one number >= 0 per row")
         return "bytes", None, 0, False
-    depth = 0
+    depth, whole = 0, dtype
     while isinstance(dtype, T.ArrayType):
         dtype, depth = dtype.elementType, depth + 1
     if isinstance(dtype, T.BooleanType):
@@ -226,8 +226,13 @@ def classify_type(dtype: T.DataType, column: str, frame_name: str, role: str = "
         return "float", None, depth, False
     hint = next((h for t, h in _REFUSED.items() if isinstance(dtype, t)),
                 "use numbers, booleans, arrays of them or a pyspark.ml vector")
+    if depth and isinstance(dtype, (T.StringType, T.BinaryType)):
+        hint = (f"arrays of {dtype.simpleString()} reach neither a model nor fit(preprocess=) "
+                f"(which takes a whole {dtype.simpleString()} column a row); turn them into "
+                "numbers on the Spark side (token ids as array<int>), or into one value a row "
+                "(concat_ws for strings) for the preprocess to split")
     what = {"input": "", "label": "label ", "weight": "weight "}[role]
-    raise DataError(f"{frame_name} {what}column {column!r} has type {dtype.simpleString()}, "
+    raise DataError(f"{frame_name} {what}column {column!r} has type {whole.simpleString()}, "
                     f"which no model takes: {hint}")
 
 

@@ -253,8 +253,8 @@ class PreprocessFeed:
             batch = future.result(timeout=self.timeout)
         # not the builtin TimeoutError: on Python 3.10 a future's timeout is another class
         except concurrent.futures.TimeoutError:  # a decoder stuck on a record: stuck again
-            raise PreprocessError(f"preprocess took more than {self.timeout:.0f} s "
-                                  "(round_timeout) on one batch: a decoder that hangs "
+            raise PreprocessError(f"preprocess took more than {self.timeout:.3g} s (0.8 x "
+                                  "round_timeout) on one batch: a decoder that hangs "
                                   "(a corrupt record, a network read) stops the fit") from None
         # integers the pool left narrow (`Preprocessor.narrow`) widen on the device
         return typed(batch.to(self.device, non_blocking=True), self.prep.model,

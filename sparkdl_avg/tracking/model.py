@@ -10,7 +10,7 @@ model.
 The torch module is saved by the pytorch flavor as a pt2 export (torch.export, taking the
 inputs positionally, the batch and ragged dimensions dynamic); a module torch.export cannot
 trace is pickled instead (its class must then be importable where it is loaded, and MLflow
-loads pickles only with MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true). The pyfunc's
+refuses pickles where MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false). The pyfunc's
 loader is this module (`_load_pyfunc`): it reads the fit's DataSchema and heads from
 `data/sparkdl_avg.json` and scores through `scoring.udf.Scorer`.
 
