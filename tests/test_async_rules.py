@@ -283,3 +283,13 @@ def test_dcasgd_applies_the_statistics_after_the_gradients_as_downpour_does(algo
     np.testing.assert_array_equal(rule.params[:gradients], alone.params)
     np.testing.assert_allclose(rule.params[gradients:],
                                moved[gradients:] - 0.25 * update[gradients:], rtol=1e-15)
+
+
+def test_a_workers_staleness_summary_comes_from_counts_not_a_list_an_update():
+    import collections
+
+    from sparkdl_avg.ps.staleness import summary
+
+    got = summary(collections.Counter({0: 2, 3: 1}))  # staleness 0, 0, 3
+    assert got == {"count": 3, "mean": 1.0, "max": 3, "histogram": {"0": 2, "3": 1}}
+    assert summary(collections.Counter())["count"] == 0

@@ -8,10 +8,11 @@ import time
 
 import numpy as np
 import pytest
+from polling import wait_for
 
 from sparkdl_avg import ProtocolError
 from sparkdl_avg.net import messages as msg
-from sparkdl_avg.net.frames import VERSION
+from sparkdl_avg.net.frames import VERSION, Connection
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.rules import make_rule
 from sparkdl_avg.ps.server import ParameterServer
@@ -313,6 +314,30 @@ def test_a_new_fits_init_ends_an_earlier_fits_workers():
             assert new.progress == 0 and new.params.tolist() == [100.0] * 4
 
 
+def test_a_push_waiting_at_the_gate_when_the_driver_stops_is_not_applied():
+    """Early stopping saves the server's state at the stop: a push held by the staleness
+    bound then is answered stop, at once, and not applied afterwards when the gate opens."""
+    ps = ParameterServer(ServerSettings(lr=0.1, timeout=20, staleness_bound=0), secret=SECRET)
+    with ps, PSClient(ps.address, secret=SECRET, worker=-1, numel=4, dtype=np.float32,
+                      timeout=20) as driver:
+        driver.init(np.zeros(4, np.float32), workers=2)
+        with client(ps, 0) as a, client(ps, 1) as b:
+            for c in (a, b):
+                c.pull()
+            a.push(np.ones(4, np.float32))
+            b.push(np.ones(4, np.float32))
+            a.pull()
+            acks = []
+            held = threading.Thread(target=lambda: acks.append(a.push(np.ones(4, np.float32))))
+            held.start()
+            wait_for(lambda: ps.applied == 2 and held.is_alive(), 10)
+            time.sleep(0.3)  # a's push is read and waits for b's read at the gate
+            assert driver.stop()["applied"] == 2
+            held.join(10)  # answered at the stop, not at the server's timeout (20 s)
+            assert acks and acks[0].stop and ps.applied == 2
+        assert ps.stats()["applied"] == 2  # b gone, the gate open: still not applied
+
+
 def test_a_stale_connection_ending_does_not_unregister_its_replacement():
     with server(staleness_bound=1) as ps:
         old = client(ps, 0)
@@ -340,7 +365,7 @@ def test_only_a_workers_latest_task_attempt_is_served(cut_seen, monkeypatch):
     order is forced here by leaving the reads open ("after_the_push"); "at_once" may take
     either, so the earlier push's refusal is not counted on, only the reconnect's."""
     if cut_seen == "after_the_push":
-        monkeypatch.setattr("sparkdl_avg.ps.server._end_reads", lambda conn: None)
+        monkeypatch.setattr(Connection, "end_reads", lambda self: None)
     with server() as ps, client(ps, 0, attempt=5) as earlier:
         earlier.pull()
         with client(ps, 0, attempt=9) as later:
@@ -380,8 +405,6 @@ def test_the_drivers_stop_is_said_to_every_later_push_and_only_the_driver_may_st
 def test_a_failed_checkpoint_save_is_reported_and_the_server_keeps_serving(tmp_path):
     """The driver learns of the save that failed (in every STATS answer, naming the file)
     while the server goes on; a new fit's INIT whose save succeeds reports none."""
-    from test_server_hardening import wait_for
-
     path = tmp_path / "ps.npz"
     blocker = tmp_path / "ps.npz.tmp.npz"  # a directory where the temporary file goes
     blocker.mkdir()

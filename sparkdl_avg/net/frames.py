@@ -126,6 +126,15 @@ class Connection:
         if self.shared_in is not None:  # the peer's region, mapped for this connection
             self.shared_in.close()
 
+    def end_reads(self) -> None:
+        """Make this connection's handler (another thread) see its peer gone at its next read,
+        without closing the socket under it: it may be mid-send (a close from there failed
+        that send with EBADF, and an applied update lost its ACK); it closes the socket
+        itself. The plain socket's shutdown, even under TLS: the SSL socket's own would drop
+        its TLS state while the handler sends."""
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self.sock, socket.SHUT_RD)
+
     def set_timeout(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
         self._timeout = timeout

@@ -13,7 +13,7 @@ more (refused); a new INIT makes new members and ends an earlier fit's (`_end_ea
 
 One live connection per worker id: a newer one takes over at once (a restarted task must not
 wait out a dead one's timeout). Only its own handler closes the older one, after the request
-in hand (`_end_reads`); what it had not applied yet is refused, not applied.
+in hand (`Connection.end_reads`); what it had not applied yet is refused, not applied.
 
 Evaluation (`evaluations`): the driver's EVALUATE keeps a copy of the parameters; the workers
 evaluate it on their own rows and send their sums (EVAL), which the server adds up.
@@ -22,10 +22,8 @@ evaluate it on their own rows and send their sums (EVAL), which the server adds 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import math
-import socket
 import ssl
 import time
 
@@ -75,7 +73,8 @@ class ParameterServer(FitLifecycle, Server):
         self.applied = 0
         self.samples = 0
         self.loss_sum = 0.0
-        self.staleness: dict[int, list[int]] = collections.defaultdict(list)
+        self.staleness: dict[int, collections.Counter] = collections.defaultdict(
+            collections.Counter)
         self._owners: dict[int, Connection] = {}
         self._joined_fit: dict[int, int] = {}  # INITs before each owner connected
         self._attempts: dict[int, int] = {}
@@ -172,7 +171,7 @@ class ParameterServer(FitLifecycle, Server):
                 # One live connection per id: a reconnecting worker replaces its stale one.
                 stale = self._owners.get(worker)
                 if stale is not None:
-                    _end_reads(stale)
+                    stale.end_reads()
                     self._lock.notify_all()  # its requests waiting at a gate are refused
                 self._owners[worker] = conn
                 self._joined_fit[worker] = self._fit
@@ -195,7 +194,7 @@ class ParameterServer(FitLifecycle, Server):
         """With the lock held, at INIT: end the workers that came for an earlier INIT's fit."""
         for worker, conn in list(self._owners.items()):
             if worker != DRIVER and self._joined_fit.get(worker, 0) > 0:
-                _end_reads(conn)
+                conn.end_reads()
                 del self._owners[worker]
 
     def _serve_worker(self, conn: Connection, worker: int, attempt: int) -> None:
@@ -259,6 +258,7 @@ class ParameterServer(FitLifecycle, Server):
             with self._lock:
                 self.stopped = True
                 self._save_checkpoint()
+                self._lock.notify_all()  # a push waiting at a gate is answered: stopped
             msg.send(conn, self._report())
         elif isinstance(message, msg.Init) and worker == DRIVER:
             self._init(conn, message, payload)
@@ -297,7 +297,8 @@ class ParameterServer(FitLifecycle, Server):
             return True
         with self._lock:
             why = self._gate(worker, conn, self.clocks.may_apply) or self._totals_stay(message)
-            if why is None:
+            stopped = why is None and self.stopped  # the stop came while it waited
+            if why is None and not stopped:
                 try:
                     # NaN/Inf in the update always reach the result the rule checks
                     if not self.rule.apply(worker, update, lr=message.lr):
@@ -306,11 +307,14 @@ class ParameterServer(FitLifecycle, Server):
                                "refused, nothing changed")
                 except ValueError as exc:
                     why = ("malformed", exc)
-            if why is None:
+            if why is None and not stopped:
                 applied, staleness = self._count(worker, message)
                 offer = self.evaluations.offer(worker)
         if why is not None:
             return self._refuse_gated(why, worker, conn)
+        if stopped:  # not applied: the stop's checkpoint holds the fit's end
+            msg.send(conn, msg.Ack(applied=self.applied, stop=True))
+            return True
         msg.send(conn, msg.Ack(applied=applied, staleness=staleness, evaluate=offer,
                                stop=self.stopped))
         return True
@@ -323,8 +327,8 @@ class ParameterServer(FitLifecycle, Server):
             return None
         why = self._no_member(worker, conn, fit)
         bound = self.settings.staleness_bound
-        if why is None and not self._wait_for(
-                lambda: self._no_member(worker, conn, fit) or gate(worker, bound)):
+        if why is None and not self._wait_for(lambda: self._no_member(worker, conn, fit)
+                                              or self.stopped or gate(worker, bound)):
             return "timeout", "timed out waiting for slower workers"
         return why or self._no_member(worker, conn, fit)
 
@@ -358,7 +362,7 @@ class ParameterServer(FitLifecycle, Server):
         """With the lock held: an applied update's counters; (applied, its staleness)."""
         staleness = self.applied - self._pulled_version.get(worker, 0)
         self.applied += 1
-        self.staleness[worker].append(staleness)
+        self.staleness[worker][staleness] += 1
         self.clocks.has_pushed(worker)
         self._lock.notify_all()
         if message.lr is not None:
@@ -390,11 +394,3 @@ def _mean(values) -> float:
     values = list(values)
     return float(sum(v / len(values) for v in values))
 
-
-def _end_reads(conn: Connection) -> None:
-    """Make `conn`'s handler see its peer gone at its next read, without closing the socket
-    under it: it may be mid-send (a close from here failed that send with EBADF, and an
-    applied update lost its ACK); it closes the socket itself. The plain socket's shutdown,
-    even under TLS: the SSL socket's own would drop its TLS state while the handler sends."""
-    with contextlib.suppress(OSError):
-        socket.socket.shutdown(conn.sock, socket.SHUT_RD)
