@@ -351,3 +351,38 @@ def test_a_finished_from_a_taken_over_connection_changes_nothing():
             assert ps.evaluations.finished == set() and 0 in ps.clocks.pushed
             assert newer.finished(wait_s=0.0) is not None  # its own FINISHED counts
             assert ps.evaluations.finished == {0}
+
+
+def test_the_driver_connects_again_to_a_users_server_restarted_on_its_port():
+    """A `ps serve --shards` supervisor restarts a shard from its checkpoint on its port; the
+    workers reconnect by design, and the driver must too (it failed the fit: 'lost the
+    parameter server'). One that stays away fails the fit after reconnect_timeout."""
+    from sparkdl_avg import TrainingError
+    from sparkdl_avg.driver.asynchronous import _ServerConnection
+
+    def serve(port: int = 0) -> ParameterServer:
+        ps = ParameterServer(ServerSettings(timeout=10), secret=SECRET, port=port,
+                             rule=make_rule("downpour", np.zeros(4, np.float32)))
+        ps.start()
+        return ps
+
+    first = serve()
+    port = first.address[1]
+
+    def connect() -> PSClient:
+        return PSClient(("127.0.0.1", port), secret=SECRET, worker=DRIVER, numel=4,
+                        dtype=np.float32, timeout=10)
+
+    server = _ServerConnection([], connect, restarts=None, run=None, reconnect_s=1.0)
+    assert server.call(lambda ps: ps.stats()["applied"], 0) == 0
+    first.close()
+    second = serve(port)
+    try:
+        assert server.call(lambda ps: ps.stats()["applied"], 0) == 0
+    finally:
+        second.close()
+    started = time.monotonic()  # the server stays away
+    with pytest.raises(TrainingError, match="lost the parameter server"):
+        server.call(lambda ps: ps.stats(), 0)
+    assert time.monotonic() - started < 8
+    server.close()

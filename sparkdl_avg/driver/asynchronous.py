@@ -37,6 +37,7 @@ from sparkdl_avg.driver.plan import FitPlan, TrainOutcome
 from sparkdl_avg.driver.restarts import Restarts
 from sparkdl_avg.driver.task_retries import TaskRetries
 from sparkdl_avg.net.auth import new_secret
+from sparkdl_avg.net.dial import pause_s, retryable
 from sparkdl_avg.net.tls import read_certificates
 from sparkdl_avg.ps.client import PSClient
 from sparkdl_avg.ps.server import DRIVER
@@ -109,7 +110,8 @@ def train_async(spark, plan: FitPlan, run: RunLogger) -> TrainOutcome:
                               numel=flat.array.size, dtype=flat.array.dtype,
                               timeout=waits.round, tls_ca_pem=tls_ca_pem)
 
-        server = _ServerConnection(sidecars, connect, restarts, run)
+        server = _ServerConnection(sidecars, connect, restarts, run,
+                                   reconnect_s=waits.reconnect)
         try:
             _init(server, flat, config, run,
                   gradients=sum(p.numel() for p in trainable_parameters(plan.model)))
@@ -197,20 +199,41 @@ def _check_complete(progress: dict, num_workers: int, total: int) -> None:
 class _ServerConnection:
     """The driver's connection to the parameter server (all its shards). A sidecar found
     dead is restarted from its checkpoint (on the same port, where the workers reconnect);
-    each restart, of any shard, counts against max_failures."""
+    each restart, of any shard, counts against max_failures. A user's server (`ps_address`)
+    is connected to again, as its workers do, for up to reconnect_timeout: a `ps serve
+    --shards` supervisor restarts a shard on its port."""
 
-    def __init__(self, sidecars: list[Sidecar], connect, restarts: Restarts, run) -> None:
+    def __init__(self, sidecars: list[Sidecar], connect, restarts: Restarts, run, *,
+                 reconnect_s: float = 0.0) -> None:
         self.sidecars, self._connect, self._restarts, self._run = (sidecars, connect,
                                                                     restarts, run)
+        self._reconnect_s = reconnect_s
         self.ps = connect()
 
     def call(self, fn, step: int):
         try:
             return fn(self.ps)
         except (OSError, ConnectionError) as exc:
-            if not self.revive(step, grace_s=2.0):
+            if not (self.revive(step, grace_s=2.0) or self._reconnect()):
                 raise TrainingError(f"lost the parameter server: {exc}") from exc
             return fn(self.ps)
+
+    def _reconnect(self) -> bool:
+        """A user's server: connect again while it is away, for up to reconnect_timeout."""
+        if self.sidecars:  # ours are alive (`revive`): what broke is not their absence
+            return False
+        deadline, attempt = time.monotonic() + self._reconnect_s, 0
+        self.ps.close()
+        while True:
+            try:
+                self.ps = self._connect()
+                return True
+            except OSError as exc:
+                if not retryable(exc) or time.monotonic() > deadline:
+                    log.warning("could not connect to the parameter server again: %s", exc)
+                    return False
+                time.sleep(min(0.5, pause_s(attempt)))
+                attempt += 1
 
     def revive(self, step: int, grace_s: float = 0.0) -> bool:
         """Restart the sidecars that died; True if one did."""
