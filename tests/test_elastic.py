@@ -94,22 +94,31 @@ def test_an_evicted_worker_leaves_and_its_newer_attempt_joins_at_the_next_round(
         coord.evict(0)
         new = DriverChannel(coord.address, Credential.of(secret, 0), connect_timeout=5,
                             reply_timeout=5)
-        new.open(msg.WorkerHello(rank=0, host="newer", attempt=9))
-        # the boundary below lets in who is waiting: the newer attempt, once the
-        # coordinator's accept thread has read its hello (a loaded machine may take a while)
-        wait_for(lambda: 0 in coord.elastic.joining)
-        got = []
-        joined = threading.Thread(target=lambda: got.append(
-            new.receive_start(np.zeros(4, np.float32))))
-        joined.start()
-        coord._let_join(1, coord._send_joining_start(1))
-        joined.join(10)
+        got = _join_late(coord, new, msg.WorkerHello(rank=0, host="newer", attempt=9))
         assert got and got[0].round == 1  # it trains from round index 1
         assert coord.hellos[0].host == "newer"
         assert [r["partition"] for r in records] == [1, 0]  # 1 absent from the start
         assert records[1]["round_back"] == 2 and records[1]["attempt_back"] == 9
         for c in (old, new):
             c.close()
+
+
+def _join_late(coord, channel: DriverChannel, hello: msg.WorkerHello,
+               round_s: float = 0.0) -> list:
+    """`channel` connects with `hello` and waits in `joining`; after `round_s` (a round in
+    progress) the boundary before round index 1 lets it in. What `receive_start` gave."""
+    channel.open(hello)
+    # the boundary lets in who is waiting, once the coordinator's accept thread has read the
+    # hello (a loaded machine may take a while)
+    wait_for(lambda: hello.rank in coord.elastic.joining)
+    got = []
+    joined = threading.Thread(target=lambda: got.append(
+        channel.receive_start(np.zeros(4, np.float32))))
+    joined.start()
+    time.sleep(round_s)
+    coord._let_join(1, coord._send_joining_start(1))
+    joined.join(10)
+    return got
 
 
 def _elastic_coordinator(secret: bytes, records: list):
@@ -236,15 +245,8 @@ def test_a_late_task_waits_for_the_boundary_longer_than_connect_timeout():
         _start(coord, [first], [0])
         late = DriverChannel(coord.address, Credential.of(secret, 1), connect_timeout=0.5,
                              reply_timeout=10)
-        late.open(msg.WorkerHello(rank=1, host="late", attempt=1))
-        wait_for(lambda: 1 in coord.elastic.joining)
-        got = []
-        joined = threading.Thread(target=lambda: got.append(
-            late.receive_start(np.zeros(4, np.float32))))
-        joined.start()
-        time.sleep(1.5)  # the round in progress: three times connect_timeout
-        coord._let_join(1, coord._send_joining_start(1))
-        joined.join(10)
+        # the round in progress: three times connect_timeout
+        got = _join_late(coord, late, msg.WorkerHello(rank=1, host="late", attempt=1), 1.5)
         assert got and got[0].round == 1
         assert sorted(coord._workers) == [0, 1] and records[0]["round_back"] == 2
         for c in (first, late):
@@ -283,13 +285,7 @@ def test_the_final_counts_come_from_a_worker_that_was_never_away():
         channels = [DriverChannel(coord.address, Credential.of(secret, r), connect_timeout=5,
                                   reply_timeout=5) for r in range(2)]
         _start(coord, channels, [1])  # rank 0 is late
-        channels[0].open(msg.WorkerHello(rank=0, host="late", attempt=1))
-        wait_for(lambda: 0 in coord.elastic.joining)
-        joined = threading.Thread(target=lambda: channels[0].receive_start(
-            np.zeros(4, np.float32)))
-        joined.start()
-        coord._let_join(1, coord._send_joining_start(1))
-        joined.join(10)
+        assert _join_late(coord, channels[0], msg.WorkerHello(rank=0, host="late", attempt=1))
         counts = {rank: pack_entries([(-1, {"bn.num_batches_tracked": torch.tensor(n)})])
                   for rank, n in ((0, 3), (1, 40))}
         for rank in (0, 1):
