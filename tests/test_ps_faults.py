@@ -17,7 +17,6 @@ import pytest
 from polling import wait_for
 
 from sparkdl_avg import ProtocolError
-from sparkdl_avg._errors import PeerClosed
 from sparkdl_avg.net import messages as msg
 from sparkdl_avg.net.fields import MAX_NUMBER
 from sparkdl_avg.net.frames import Kind
@@ -174,7 +173,7 @@ def test_evaluation_sums_that_overflow_make_no_infinite_result():
 def test_a_reinit_with_fewer_workers_replaces_the_clocks():
     """The driver re-inits for 2 workers after 3: no phantom clock of worker 2 holds the
     real workers at bound 0 (they used to wait on it until the server's timeout), and a
-    connected worker 2 is no member any more: the re-INIT ended its connection."""
+    connected worker 2 is no member any more."""
     # The server's timeout is far above the bound asserted below, so a loaded machine
     # cannot make the phantom wait and a slow pass look alike.
     ps = ParameterServer(ServerSettings(timeout=20, staleness_bound=0), secret=SECRET)
@@ -192,8 +191,9 @@ def test_a_reinit_with_fewer_workers_replaces_the_clocks():
                 b.push(np.ones(4, np.float32))
             assert time.monotonic() - started < 10  # no wait on worker 2
             assert ps.stats()["clocks"] == {"0": 3, "1": 3}
-        with pytest.raises(PeerClosed):
+        with pytest.raises(ProtocolError, match="not announced") as info:
             leftover.pull()
+        assert info.value.reason == "unexpected"
         leftover.close()
 
 

@@ -292,28 +292,6 @@ def test_the_drivers_count_of_gradients_reaches_the_rule_and_its_checkpoint(tmp_
     assert second.rule.gradients == 3
 
 
-def test_a_new_fits_init_ends_an_earlier_fits_workers():
-    """A user's server serves one fit after another; a task of the first that outlives its
-    driver must not push into the second: its update would move the second fit's parameters
-    and its steps would become the second fit's progress (where its worker 0 resumes)."""
-    ps = ParameterServer(ServerSettings(lr=0.1, timeout=10), secret=SECRET)
-    with ps, PSClient(ps.address, secret=SECRET, worker=-1, numel=4, dtype=np.float32,
-                      timeout=10) as driver:
-        driver.init(np.zeros(4, np.float32), workers=2)
-        with client(ps, 0) as old:
-            old.pull()
-            old.push(np.ones(4, np.float32), steps=40)
-            driver.init(np.full(4, 100.0, np.float32), workers=2)  # the second fit
-            with pytest.raises((ProtocolError, OSError)):  # refused, or its reads ended
-                old.push(np.full(4, 50.0, np.float32), steps=80)
-        driver.pull()
-        assert driver.params.tolist() == [100.0] * 4
-        assert ps.stats()["progress"] == {} and ps.applied == 0
-        with client(ps, 0) as new:  # the second fit's worker 0 starts at its beginning
-            new.pull()
-            assert new.progress == 0 and new.params.tolist() == [100.0] * 4
-
-
 def test_a_push_waiting_at_the_gate_when_the_driver_stops_is_not_applied():
     """Early stopping saves the server's state at the stop: a push held by the staleness
     bound then is answered stop, at once, and not applied afterwards when the gate opens."""

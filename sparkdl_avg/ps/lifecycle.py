@@ -38,7 +38,6 @@ class FitLifecycle:
             return
         with self._lock:
             self._fit += 1
-            self._end_earlier_fit()
             self._announce(init.workers)
             self.rule = self._new_rule(params, init.gradients)
             self.applied, self.samples, self.loss_sum = 0, 0, 0.0

@@ -9,7 +9,7 @@ its reason code, nothing changes, and the server stays up. `staleness_bound` hol
 pulls until it is at most that many pushes ahead of the slowest member, and holds a push until
 every other member has read the parameters of that many clocks back; with a bound of 0 the
 rounds are exactly synchronous. A worker past its last update (FINISHED) is no member any
-more (refused); a new INIT makes new members and ends an earlier fit's (`_end_earlier_fit`).
+more (refused); a new INIT makes a new set of members.
 
 One live connection per worker id: a newer one takes over at once (a restarted task must not
 wait out a dead one's timeout). Only its own handler closes the older one, after the request
@@ -76,7 +76,6 @@ class ParameterServer(FitLifecycle, Server):
         self.staleness: dict[int, collections.Counter] = collections.defaultdict(
             collections.Counter)
         self._owners: dict[int, Connection] = {}
-        self._joined_fit: dict[int, int] = {}  # INITs before each owner connected
         self._attempts: dict[int, int] = {}
         """Per worker id: the latest task attempt that connected (`ServerHello.attempt`)."""
         self._announced = 0
@@ -174,7 +173,6 @@ class ParameterServer(FitLifecycle, Server):
                     stale.end_reads()
                     self._lock.notify_all()  # its requests waiting at a gate are refused
                 self._owners[worker] = conn
-                self._joined_fit[worker] = self._fit
                 if worker != DRIVER:  # the driver pulls and inits but holds no one back
                     self.clocks.join(worker)
         if refusal:
@@ -189,13 +187,6 @@ class ParameterServer(FitLifecycle, Server):
                     self.clocks.leave(worker)
                 self._lock.notify_all()
         return False
-
-    def _end_earlier_fit(self) -> None:
-        """With the lock held, at INIT: end the workers that came for an earlier INIT's fit."""
-        for worker, conn in list(self._owners.items()):
-            if worker != DRIVER and self._joined_fit.get(worker, 0) > 0:
-                conn.end_reads()
-                del self._owners[worker]
 
     def _serve_worker(self, conn: Connection, worker: int, attempt: int) -> None:
         update = np.empty(0)  # this connection's receive buffer, sized to the model
@@ -232,8 +223,7 @@ class ParameterServer(FitLifecycle, Server):
                 later = self._attempts.get(worker, attempt) > attempt
                 self.refuse("ended" if later else "unexpected",
                             "a later attempt of this worker's task took its place" if later
-                            else "a newer connection, or a new fit's INIT, took over this "
-                            "worker id", worker, conn)
+                            else "a newer connection took over this worker id", worker, conn)
                 return
             try:
                 if not self._dispatch(conn, worker, message, payload, update):
@@ -335,7 +325,7 @@ class ParameterServer(FitLifecycle, Server):
     def _no_member(self, worker: int, conn: Connection, fit: int) -> tuple[str, str] | None:
         """With the lock held: why `conn` may not pull or push for `worker` now."""
         if self._owners.get(worker) is not conn:
-            return "unexpected", "a newer connection, or a new fit's INIT, took over its id"
+            return "unexpected", "a newer connection took over this worker id"
         if fit != self._fit:
             return "unexpected", "the driver re-initialised the server meanwhile"
         if worker not in self.clocks.pushed:
