@@ -175,6 +175,26 @@ def test_a_per_token_output_is_cut_to_the_rows_of_the_input_it_follows():
         assert got.to_pylist() == [[10.0 * t for t in row] for row in tags]
 
 
+class MaskedValues(torch.nn.Module):
+    """Ids and their mask, which must share a length (as a tokenizer's do)."""
+
+    def forward(self, tokens, mask):
+        return tokens.double() * mask  # fails unless both are [B, T] alike
+
+
+def test_inputs_that_must_share_a_length_are_still_probed_and_cut_together():
+    """Lengthening one ragged input alone fails such a model: the probe takes the outputs
+    as following the first, and scores as before."""
+    two = schema(field("tokens", "int32", (-1,)), field("mask", "int32", (-1,)),
+                 binding="positional")
+    ragged = pa.list_(pa.int32())
+    tokens, mask = [[1, 2, 3], [4]], [[1, 1, 0], [1]]
+    outputs, got = score(MaskedValues(), two, ("value",), "prediction",
+                         [pa.array(tokens, ragged), pa.array(mask, ragged)], batch_size=8)
+    assert outputs.specs[0][0].cut_to == 0
+    assert got.to_pylist() == [[1.0, 2.0, 0.0], [4.0]]
+
+
 class Truncates(torch.nn.Module):
     def forward(self, tokens):
         return tokens[:, :4].double()  # per token, up to 4 of them

@@ -13,10 +13,12 @@ width of its logits). What is written (`output=`):
 A row's result of shape () is a scalar, (K,) an array, (T, K) nested arrays. A multilabel or
 value output of shape (1,) is written as a scalar. An output whose first dimension after the
 batch follows the padded length of a ragged input (a per-token output) is cut, row by row, to
-the length of that row of the input it follows, found by lengthening each ragged input of
-the probe alone (`columns.row_lengths`: with `fit(preprocess=)`, the ragged columns it passes
-through; what it returns is written at the length it returns). One shorter than its input's
-row (a model that caps the length) is a ModelError naming both.
+the length of that row of the input it follows (`columns.row_lengths`: with
+`fit(preprocess=)`, the ragged columns it passes through; what it returns is written at the
+length it returns). Which input: the probe lengthens all ragged inputs together, then, where
+there are several, each alone; a model whose inputs must share a length (ids and their mask)
+refuses those, and its outputs follow the first. One shorter than its input's row (a model
+that caps the length) is a ModelError naming both.
 """
 
 from __future__ import annotations
@@ -151,11 +153,13 @@ def describe_outputs(model, schema: DataSchema, heads: tuple[str, ...], modes: t
     ragged = [(i, f.wire) for i, f in enumerate(schema.inputs) if f.ragged]
     with torch.no_grad():
         short = _outputs(model, schema, probe_batch(schema, dtype).inputs)
-        longer = {i: _outputs(model, schema, probe_batch(  # each ragged input lengthened alone
-            schema, dtype, lengths={wire: RAGGED_LENGTH + 1}).inputs) for i, wire in ragged}
+        longer = _outputs(model, schema, probe_batch(schema, dtype, lengths={
+            wire: RAGGED_LENGTH + 1 for _, wire in ragged}).inputs) if ragged else short
+        alone = _each_alone(model, schema, dtype, ragged) if len(ragged) > 1 else {}
     several = isinstance(short, (tuple, list))
-    short = tuple(short) if several else (short,)
-    longer = {i: tuple(out) if several else (out,) for i, out in longer.items()}
+    short, longer = (tuple(short), tuple(longer)) if several else ((short,), (longer,))
+    alone = {i: tuple(out) if several else (out,) for i, out in alone.items()}
+    first = ragged[0][0] if ragged else None
     if len(short) != len(heads):
         raise ModelError(f"the model returns {len(short)} output(s), but the fit's loss "
                          f"describes {len(heads)}: {list(heads)}")
@@ -164,7 +168,8 @@ def describe_outputs(model, schema: DataSchema, heads: tuple[str, ...], modes: t
         raise ConfigError(f"output={modes if len(modes) > 1 else modes[0]!r} needs a "
                           "classifier (a cross_entropy or bce_with_logits output); this "
                           "model's outputs are values: use output='prediction'")
-    specs = tuple(tuple(_spec(name, head, mode, a, {i: out[k] for i, out in longer.items()})
+    specs = tuple(tuple(_spec(name, head, mode, a, longer[k], first,
+                              {i: out[k] for i, out in alone.items()})
                         for k, (name, head, a) in enumerate(zip(names, heads, short,
                                                                 strict=True)))
                   for mode in modes)
@@ -188,15 +193,31 @@ def _outputs(model, schema: DataSchema, inputs):
     return out
 
 
-def _spec(name, head, mode, short, longer: dict) -> OutputSpec:
-    """`longer`: this output with each ragged input (by index) lengthened alone."""
+def _each_alone(model, schema: DataSchema, dtype, ragged: list) -> dict:
+    """The outputs with each ragged input (by index) lengthened alone; none for one the
+    model refuses so (inputs that must share a length)."""
+    alone = {}
+    for i, wire in ragged:
+        try:
+            alone[i] = _outputs(model, schema, probe_batch(
+                schema, dtype, lengths={wire: RAGGED_LENGTH + 1}).inputs)
+        except ModelError:
+            continue
+    return alone
+
+
+def _spec(name, head, mode, short, longer, first: int | None, alone: dict) -> OutputSpec:
+    """`longer`: this output with every ragged input lengthened; `alone`: with each alone,
+    by index (where the model takes that); `first`: the first ragged input's index."""
     if head == "class" and short.dim() < 2:
         raise ModelError(f"output {name!r} is a classifier's (cross_entropy) but has shape "
                          f"{tuple(short.shape)}: it needs a class dimension, last")
-    a = convert(short, head, mode)
-    follows = a.dim() >= 2 and a.shape[1] == RAGGED_LENGTH
-    cut_to = next((i for i, out in longer.items() if follows and
-                   convert(out, head, mode).shape[1] == RAGGED_LENGTH + 1), None)
+    a, b = convert(short, head, mode), convert(longer, head, mode)
+    follows = first is not None and a.dim() >= 2 and a.shape[1] == RAGGED_LENGTH \
+        and b.shape[1] == RAGGED_LENGTH + 1
+    cut_to = next((i for i, out in alone.items()
+                   if convert(out, head, mode).shape[1] == RAGGED_LENGTH + 1), first) \
+        if follows else None
     return OutputSpec(name=name, head=head, mode=mode, rank=a.dim() - 1,
                       integer=not a.is_floating_point(), cut_to=cut_to)
 
