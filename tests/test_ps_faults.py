@@ -358,7 +358,7 @@ def test_the_driver_connects_again_to_a_users_server_restarted_on_its_port():
     workers reconnect by design, and the driver must too (it failed the fit: 'lost the
     parameter server'). One that stays away fails the fit after reconnect_timeout."""
     from sparkdl_avg import TrainingError
-    from sparkdl_avg.driver.asynchronous import _ServerConnection
+    from sparkdl_avg.driver.server_connection import ServerConnection
 
     def serve(port: int = 0) -> ParameterServer:
         ps = ParameterServer(ServerSettings(timeout=10), secret=SECRET, port=port,
@@ -373,8 +373,17 @@ def test_the_driver_connects_again_to_a_users_server_restarted_on_its_port():
         return PSClient(("127.0.0.1", port), secret=SECRET, worker=DRIVER, numel=4,
                         dtype=np.float32, timeout=10)
 
-    server = _ServerConnection([], connect, restarts=None, run=None, reconnect_s=1.0)
+    server = ServerConnection([], connect, restarts=None, run=None, reconnect_s=1.0)
     assert server.call(lambda ps: ps.stats()["applied"], 0) == 0
+    calls = []
+
+    def slow(ps):  # a live server's timeout is not its absence: no reconnect, no call again
+        calls.append(ps)
+        raise TimeoutError("timed out")
+
+    with pytest.raises(TrainingError, match="lost the parameter server: timed out"):
+        server.call(slow, 0)
+    assert len(calls) == 1
     first.close()
     second = serve(port)
     try:
