@@ -302,6 +302,11 @@ def test_a_resume_tells_two_callable_outer_optimizers_apart_by_what_they_build()
         with pytest.raises(ConfigError, match=r"outer_optimizer: checkpoint '\S*<lambda>: "
                                               r"torch\.optim\.sgd\.SGD\(.*lr=0\.7"):
             check_resumable(saved, settings(other), schedule=schedule, source="x")
+    # a checkpoint from before, which recorded the callable by its name alone, resumes
+    named = {"outer_optimizer": sgd["outer_optimizer"].split(": ")[0], "outer_lr": None,
+             "outer_momentum": None}
+    check_resumable(Checkpoint(round=1, steps=2, params=np.zeros(3, np.float32), states=None,
+                               fingerprint=named), sgd, schedule=schedule, source="x")
 
 
 def test_bf16_keeps_every_nan_a_nan_and_rounds_as_torch_does():

@@ -27,6 +27,11 @@ from sparkdl_avg._errors import ConfigError
 OUTER_DEFAULTS = {"nesterov": (0.7, 0.9), "momentum": (0.7, 0.9)}
 """(outer_lr, outer_momentum) when not given: DiLoCo's (Douillard et al. 2023)."""
 _CHUNK = 1 << 20
+_HYPERPARAMETERS = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps",
+                    "alpha", "amsgrad", "centered", "rho", "lr_decay", "maximize",
+                    "decoupled_weight_decay")
+"""What describes a callable outer optimizer (`_built`): not every default, which a torch
+release may add to (`foreach`, `fused`), refusing resumes that would be right."""
 
 
 def outer_factory(name_or_fn, lr: float | None,
@@ -68,7 +73,7 @@ def _built(make: Callable) -> dict:
     except Exception:  # noqa: BLE001 - the fit's own build reports it (`OuterOptimizer`)
         return {"outer_optimizer": name, "outer_lr": None, "outer_momentum": None}
     plain = {key: value for key, value in sorted(defaults.items())
-             if isinstance(value, (bool, int, float, str, tuple, type(None)))}
+             if key in _HYPERPARAMETERS}
     kind = type(built)
     described = ", ".join(f"{key}={value!r}" for key, value in plain.items())
     return {"outer_optimizer": f"{name}: {kind.__module__}.{kind.__qualname__}({described})",

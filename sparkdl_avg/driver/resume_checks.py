@@ -36,6 +36,7 @@ def fingerprint(config, *, train_rows: list[int], data: dict, model_numel: int,
             "delta_compression": config.delta_compression}
 
 
+OUTER_KEYS = ("outer_optimizer", "outer_lr", "outer_momentum")
 AVERAGING_DEFAULTS = {"outer_optimizer": "average", "outer_lr": None, "outer_momentum": None,
                       "averaging_warmup_steps": 0, "delta_compression": "none"}
 """What a checkpoint written before outer optimizers and compressed deltas trained with."""
@@ -49,6 +50,10 @@ def check_resumable(checkpoint: Checkpoint, expected: dict, *, schedule,
                 **checkpoint.fingerprint}
     if "data" not in checkpoint.fingerprint:  # before typed inputs: one vector, its width
         recorded["data"] = expected.get("data")
+    name = str(recorded.get("outer_optimizer"))
+    if ": " not in name and str(expected.get("outer_optimizer")).startswith(name + ": "):
+        # a callable recorded by its name alone (before it was described by what it builds)
+        recorded.update({k: expected.get(k) for k in OUTER_KEYS})
     diffs = [f"{k}: checkpoint {recorded.get(k)!r}, this fit {v!r}"
              for k, v in expected.items() if recorded.get(k) != v and k != "frozen"]
     if (recorded.get("frozen") or {}).get("digest") != (expected.get("frozen") or {}).get(
