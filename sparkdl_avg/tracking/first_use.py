@@ -13,6 +13,7 @@ import logging
 import shutil
 import sys
 import tempfile
+import threading
 from types import ModuleType
 
 import numpy as np
@@ -20,6 +21,7 @@ import numpy as np
 from sparkdl_avg._gc_pause import collector_paused
 
 log = logging.getLogger("sparkdl_avg")
+_IMPORTING = threading.Lock()
 saved_a_model = False
 """Whether this process has saved a model (`pay`): the first-use costs are paid."""
 
@@ -66,14 +68,17 @@ def import_mlflow_pytorch() -> ModuleType:
     """`mlflow.pytorch`, without what its import does to the process's logging: its Lightning
     module runs `logging.basicConfig(level=ERROR)`, which raised the root logger to ERROR and
     gave it a handler, so that every WARNING after the first fit (the user's, transformers',
-    ours) was silenced. Their level and handlers are put back."""
-    if "mlflow.pytorch" in sys.modules:
+    ours) was silenced. That call does nothing while it imports here; one thread imports at a
+    time (the warm-up's and a fit's may both ask)."""
+    with _IMPORTING:
+        if "mlflow.pytorch" not in sys.modules:
+            configure, logging.basicConfig = logging.basicConfig, _no_basic_config
+            try:
+                import mlflow.pytorch  # noqa: F401
+            finally:
+                logging.basicConfig = configure
         return sys.modules["mlflow.pytorch"]
-    root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
-    import mlflow.pytorch
 
-    root.setLevel(level)
-    for handler in [h for h in root.handlers if h not in handlers]:
-        root.removeHandler(handler)
-    return mlflow.pytorch
+
+def _no_basic_config(**_) -> None:
+    """`logging.basicConfig` while MLflow's pytorch flavor imports (`import_mlflow_pytorch`)."""
