@@ -293,3 +293,21 @@ def test_a_workers_staleness_summary_comes_from_counts_not_a_list_an_update():
     got = summary(collections.Counter({0: 2, 3: 1}))  # staleness 0, 0, 3
     assert got == {"count": 3, "mean": 1.0, "max": 3, "histogram": {"0": 2, "3": 1}}
     assert summary(collections.Counter())["count"] == 0
+
+
+def test_adaptive_dcasgd_keeps_no_mean_square_where_no_gradient_is():
+    """Statistics get none (zeros, checkpointed as such), also after a restore, and a shard
+    holding only statistics keeps none at all."""
+    rng = np.random.default_rng(2)
+    rule = make_rule("dcasgd-adaptive", rng.standard_normal(8), lr=0.1, gradients=5)
+    rule.pull(0)
+    assert rule.apply(0, rng.standard_normal(8) * 1e-2)
+    restored = make_rule("dcasgd-adaptive", rule.params.copy(), lr=0.1, gradients=5)
+    restored.load_state(rule.state())
+    restored.pull(0)
+    assert restored.apply(0, rng.standard_normal(8) * 1e-2)
+    assert (restored.state()["meansquare"][5:] == 0).all()
+    assert (restored.state()["meansquare"][:5] > 0).all()
+    stats_only = make_rule("dcasgd-adaptive", np.zeros(4), lr=0.1, gradients=0)
+    stats_only.pull(0)
+    assert stats_only.apply(0, np.ones(4)) and stats_only.state() == {}

@@ -212,8 +212,9 @@ class AdaptiveDcAsgd(DcAsgd):
         self.meansquare: np.ndarray | None = None
 
     def _lambda(self, g: np.ndarray, s: slice) -> np.ndarray:
-        if self.meansquare is None:  # both zero where no gradient is: never written there
+        if self.meansquare is None:
             self.meansquare = np.zeros_like(self.params)
+        if "meansquare" not in self._spares:  # zero where no gradient is: never written there
             self._spares["meansquare"] = np.zeros_like(self.params)
         new = self._spare("meansquare")[s]
         np.multiply(self.meansquare[s], self.MOMENTUM, out=new)
@@ -222,7 +223,9 @@ class AdaptiveDcAsgd(DcAsgd):
         return self.dc_lambda / np.sqrt(new + self.EPS) if finite(new) else np.nan
 
     def _commit_lambda(self) -> None:
-        self.meansquare = self._swap("meansquare", self.meansquare, self._spare("meansquare"))
+        if self.meansquare is not None:  # None: no gradient stepped (a shard of statistics)
+            self.meansquare = self._swap("meansquare", self.meansquare,
+                                         self._spare("meansquare"))
 
     def state(self) -> dict[str, np.ndarray]:
         return {} if self.meansquare is None else {"meansquare": self.meansquare.copy()}
