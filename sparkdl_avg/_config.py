@@ -221,10 +221,10 @@ class TrainConfig:
     last). None: once an epoch, after the round in which each epoch ends."""
 
     round_timeout: float = 600.0
-    """Seconds the driver waits for a worker's next message (a push, an evaluation) before it
-    declares the worker hung and restarts the round's training (see max_failures). Async:
-    how long the parameter server waits for a worker's next message, and a push or pull held
-    by the staleness bound waits for slower workers."""
+    """Seconds the driver waits for a worker's next message (a push, an evaluation), whole,
+    before it declares the worker hung and restarts the round's training (max_failures).
+    Async: the same wait at the parameter server, and how long a push or pull held by the
+    staleness bound waits for slower workers."""
 
     connect_timeout: float | None = None
     """Seconds workers may take to load their partitions and connect (to the driver, or the

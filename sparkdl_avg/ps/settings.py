@@ -34,7 +34,7 @@ class ServerSettings:
     staleness_bound: int | None = field(default=None, metadata={
         "help": "no worker more than this many pushes ahead of the slowest (0: lockstep)"})
     timeout: float = field(default=600.0, metadata={
-        "help": "seconds to wait for a worker's next message, or for slower workers"})
+        "help": "seconds to wait for a worker's next message (whole), or for slower workers"})
     max_message_mb: int = field(default=4096, metadata={
         "help": "the largest INIT (initial parameters) accepted, in MiB"})
     max_connections: int = field(default=256, metadata={

@@ -125,7 +125,6 @@ class Scorer:
                                                      squeeze=cut is None), cut))
         return self.outputs.assemble([[_concat(p) for p in mode_parts] for mode_parts in parts])
 
-
     def _shorter(self, spec, positions: int, longest: int) -> ModelError:
         name = self.schema.inputs[spec.cut_to].name
         return ModelError(
