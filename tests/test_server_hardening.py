@@ -95,7 +95,7 @@ def _raw_handshake_reply(ps: ParameterServer, frame: bytes) -> msg.Message:
 
 @pytest.mark.parametrize(("frame", "reason"), [
     (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "magic"),
-    (HEADER.pack(MAGIC, 9, Kind.AUTH, 0, 0, 0), "version"),
+    (HEADER.pack(MAGIC, VERSION + 1, Kind.AUTH, 0, 0, 0), "version"),
     (HEADER.pack(MAGIC, VERSION, 99, 0, 0, 0), "kind"),
     (HEADER.pack(MAGIC, VERSION, Kind.AUTH, 0, 1 << 20, 0), "oversized"),
     (HEADER.pack(MAGIC, VERSION, Kind.AUTH, 0, 2, 0) + b"{}", "malformed"),

@@ -55,7 +55,7 @@ def test_oversized_payload_is_refused_before_reading_it(pair):
     ("header", "message"),
     [
         (struct.pack("!4sBBHIQ", b"HTTP", 1, 4, 0, 0, 0), "bad magic"),
-        (struct.pack("!4sBBHIQ", b"SDLA", 9, 4, 0, 0, 0), "version 9"),
+        (struct.pack("!4sBBHIQ", b"SDLA", VERSION + 1, 4, 0, 0, 0), f"version {VERSION + 1}"),
         (struct.pack("!4sBBHIQ", b"SDLA", VERSION, 99, 0, 0, 0), "unknown frame kind"),
         (struct.pack("!4sBBHIQ", b"SDLA", VERSION, 4, 0, 1 << 30, 0), "metadata of"),
         (struct.pack("!4sBBHIQ", b"SDLA", VERSION, 4, 0, 3, 0) + b"{x}", "not JSON"),
