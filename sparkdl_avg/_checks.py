@@ -256,9 +256,10 @@ def refuse_unknown_fields(cls):
 
     @functools.wraps(init)
     def checked(self, *args, **fields) -> None:
-        for name in sorted(set(fields) - set(names)):
-            hint = difflib.get_close_matches(name, names, n=1)
-            raise ConfigError(f"{cls.__name__} has no field {name!r}"
+        unknown = sorted(set(fields) - set(names))
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], names, n=1)
+            raise ConfigError(f"{cls.__name__} has no field {unknown[0]!r}"
                               + (f"; did you mean {hint[0]!r}?" if hint else
                                  f"; its fields are {', '.join(names)}"))
         init(self, *args, **fields)

@@ -32,7 +32,7 @@ def waits_of(config) -> Waits:
     if config.finish_timeout is not None:
         finish = config.finish_timeout
     else:  # elastic: a retried task still loading must get to connect and be told it ended
-        finish = rt if getattr(config, "min_workers", None) is None else max(rt, connect)
+        finish = rt if config.min_workers is None else max(rt, connect)
     return Waits(round=rt, connect=connect, reply=reply, finish=finish,
                  reconnect=config.reconnect_timeout if config.reconnect_timeout is not None
                  else rt)

@@ -25,6 +25,7 @@ from polling import eventually, wait_for
 from sparkdl_avg import ConfigError, TrainConfig
 from sparkdl_avg._errors import PeerRefused
 from sparkdl_avg.averaging.driver_channel import DriverChannel
+from sparkdl_avg.averaging.flat_buffer import FlatBuffer
 from sparkdl_avg.averaging.membership import Membership
 from sparkdl_avg.averaging.transport import RoundReport
 from sparkdl_avg.driver.load_monitor import LoadMonitor
@@ -169,19 +170,6 @@ def test_a_second_live_claimant_is_refused_and_a_late_task_is_told_the_fit_ended
             c.close()
 
 
-class _Flat:
-    """A worker's replica as `DriverChannel.exchange` takes it."""
-
-    def __init__(self, numel: int) -> None:
-        self.array = np.ones(numel, np.float32)
-
-    def gather(self):
-        return self.array
-
-    def scatter(self) -> None:
-        pass
-
-
 def test_a_worker_whose_push_trickles_leaves_the_round_within_round_timeout():
     """round_timeout bounds the whole message: a push whose bytes each come sooner than it
     (a degraded link, a stalled executor) must not hold the round for as long as they take."""
@@ -202,9 +190,9 @@ def test_a_worker_whose_push_trickles_leaves_the_round_within_round_timeout():
             t.join(10)
         report = RoundReport(round=0, samples=1, loss_sum=0.0, compute_s=0.0, setup_s=0.0,
                              lr=None)
-        replies = []
+        replies, replica = [], FlatBuffer([torch.ones(64)], torch.float32)
         present = threading.Thread(target=lambda: replies.append(
-            channels[0].exchange(report, _Flat(64))), daemon=True)
+            channels[0].exchange(report, replica)), daemon=True)
         present.start()
         header = msg.Push(round=0, samples=1, loss_sum=0.0, compute_s=0.0, setup_s=0.0,
                           dtype="float32", numel=64)

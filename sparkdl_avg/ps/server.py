@@ -65,7 +65,6 @@ class ParameterServer(FitLifecycle, Server):
         self.settings = settings
         self.rule = rule
         """None until a driver sends INIT with the initial parameters."""
-        self._gradients: int | None = None if rule is None else rule.gradients
         self.clocks = Clocks()
         self._fit = 0
         """Counts INITs: a request that waited across one is refused, not applied."""
@@ -98,7 +97,6 @@ class ParameterServer(FitLifecycle, Server):
 
     def _new_rule(self, params: np.ndarray, gradients: int | None) -> UpdateRule:
         s = self.settings
-        self._gradients = gradients  # checkpointed: a restored rule needs it
         return make_rule(s.algorithm, params, lr=s.lr, update_scale=s.update_scale,
                          dc_lambda=s.dc_lambda, gradients=gradients)
 
@@ -126,7 +124,7 @@ class ParameterServer(FitLifecycle, Server):
                 "progress": {str(w): s for w, s in self.progress.items()},
                 "refused": dict(self.refused), "workers": self._announced,
                 "evaluations": list(self.evaluations.results), "stopped": self.stopped,
-                "gradients": self._gradients}
+                "gradients": self.rule.gradients}  # a restored rule needs it
         self._checkpoint.submit((arrays, meta))
 
     def stats(self) -> dict:
